@@ -1,0 +1,57 @@
+"""Attention backend interface and registry.
+
+A backend writes the new tokens' K/V into the paged cache at ``meta.slot_mapping`` and
+then computes attention for every query token over its sequence's cached context (which
+now includes the new tokens), following the causal rule in ``metadata.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from specdec.attention.metadata import AttentionMetadata
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if getattr(cls, "name", None):
+            _BACKENDS[cls.name] = cls
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Instantiate a registered backend by name ("torch", "triton")."""
+    # Importing the modules registers their classes.
+    from specdec.attention import torch_backend  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # without triton only the reference exists
+        from specdec.attention import triton_backend  # noqa: F401
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()
+
+
+def available_backends() -> list[str]:
+    get_attention_backend("torch")
+    return sorted(_BACKENDS)

@@ -1,0 +1,95 @@
+"""Attention as one opaque torch op, so ``torch.compile`` can fuse everything around it.
+
+Dynamo cannot trace through a Triton launcher's host code (grid lambdas, autotuning), and
+must not specialise on the metadata's host ints. Registered as a custom op that mutates
+the caches, attention becomes a single node: the compiler fuses norms, RoPE and the MLP
+around it, and CUDA graphs capture the result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.attention.base import AttentionBackend, get_attention_backend
+from specdec.attention.metadata import AttentionMetadata
+
+_INSTANCES: dict[str, AttentionBackend] = {}
+
+
+def _backend(name: str) -> AttentionBackend:
+    if name not in _INSTANCES:
+        _INSTANCES[name] = get_attention_backend(name)
+    return _INSTANCES[name]
+
+
+@torch.library.custom_op("specdec::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    backend: str,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    )
+    return _backend(backend).forward(q, k, v, k_cache, v_cache, meta, scale)
+
+
+@paged_attention.register_fake
+def _(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    max_query_len,
+    max_seq_len,
+    scale,
+    backend,
+):
+    return torch.empty_like(q)
+
+
+class OpaqueAttention(AttentionBackend):
+    """Wraps a registered backend behind the custom op (same interface, same results)."""
+
+    name = ""  # not registered itself
+
+    def __init__(self, inner: str) -> None:
+        self.inner = inner
+        _backend(inner)  # fail early on an unknown name
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        return paged_attention(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            meta.max_seq_len,
+            scale,
+            self.inner,
+        )

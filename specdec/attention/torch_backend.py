@@ -1,0 +1,110 @@
+"""Reference attention backend in plain PyTorch (any device).
+
+It is the ground truth the Triton kernels are tested against, and the CPU path. It loops
+over sequences on the host, so it favours clarity over speed; decode-only batches take a
+batched gather path because CPU decoding is dominated by them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdec.attention.base import AttentionBackend
+from specdec.attention.metadata import AttentionMetadata
+
+
+def store_kvcache_ref(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Write each token's K/V into its cache slot (slot = block * block_size + offset)."""
+    _, _, kvh, d = k_cache.shape
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks_per_seq] int32
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks].long())
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's new tokens over its paged context."""
+    q_lens = meta.query_lens_cpu
+    if q_lens is None:
+        q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+    seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    start = 0
+    for s, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        keys = gather_context(k_cache, meta.block_tables[s], seq_len)  # [L, kvh, d]
+        vals = gather_context(v_cache, meta.block_tables[s], seq_len)
+        q_s = q[start : start + q_len].transpose(0, 1)  # [H, q_len, d]
+        # Query i sits at absolute position seq_len - q_len + i and sees keys 0..that.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [q_len, L]
+        o = F.scaled_dot_product_attention(
+            q_s.to(keys.dtype),
+            keys.transpose(0, 1),
+            vals.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
+        start += q_len
+    return out
+
+
+def paged_decode_ref(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Decode (one query per sequence) as one batched, masked attention."""
+    _num_seqs, num_heads, _d = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_blocks = (meta.max_seq_len + block_size - 1) // block_size
+    table = meta.block_tables[:, :max_blocks].long()  # [B, nb]
+    keys = k_cache[table].flatten(1, 2)  # [B, nb*bs, kvh, d]
+    vals = v_cache[table].flatten(1, 2)
+    pos = torch.arange(keys.shape[1], device=q.device)
+    mask = (pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :].to(keys.dtype),  # [B, H, 1, d]
+        keys.transpose(1, 2),  # [B, kvh, L, d]
+        vals.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return o[:, :, 0, :].to(q.dtype)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return paged_decode_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,35 @@
+"""Triton attention backend: the paged FlashAttention-style kernels of ``specdec.kernels``.
+
+Same contract and results as the ``torch`` reference backend. Every launch is sync-free
+and sized from tensor shapes and the host bounds in ``AttentionMetadata``, so a forward
+through this backend can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.attention.base import AttentionBackend
+from specdec.attention.metadata import AttentionMetadata
+from specdec.kernels import paged_attention, paged_decode, store_kvcache
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # Decode-only batches take the split-K kernel: one query per sequence leaves the
+        # varlen kernel's query tiles mostly empty and a long context on few programs.
+        if meta.is_decode_only:
+            return paged_decode(q, k_cache, v_cache, meta, scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,189 @@
+"""The ``specdec`` command. Subcommands register themselves in ``COMMANDS``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a Python function that checks whether a number is prime.",
+    "Give three tips for writing clear technical documentation.",
+]
+
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable]] = {}
+
+
+def command(name: str, add_args: Callable[[argparse.ArgumentParser], None]):
+    """Register ``fn(args) -> exit code`` as ``specdec NAME``; its docstring is the help."""
+
+    def register(fn):
+        COMMANDS[name] = (add_args, fn)
+        return fn
+
+    return register
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="alias, HF model directory, .gguf file or hub name",
+    )
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+
+
+def _read_prompts(path: str) -> list[str]:
+    """One prompt per line (.txt) or one ``{"prompt": ...}`` object per line (.jsonl)."""
+    file = Path(path)
+    if not file.exists():
+        raise SystemExit(f"error: prompts file {path!r} does not exist")
+    prompts = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if file.suffix == ".jsonl":
+            try:
+                prompts.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SystemExit(
+                    f'error: {path}:{n} is not a {{"prompt": ...}} JSON object ({e})'
+                ) from None
+        else:
+            prompts.append(line)
+    return prompts
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="*", help="prompts (default: three example prompts)")
+    p.add_argument("--prompts-file", help=".txt (one per line) or .jsonl with a prompt key")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="send prompts as plain text instead of through the chat template",
+    )
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--json", dest="json_out", help="write outputs and timing to this file")
+    _add_engine_args(p)
+
+
+@command("generate", _generate_args)
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate completions for prompts on the engine (offline batch)."""
+    from specdec import LLM, SamplingParams
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += _read_prompts(args.prompts_file)
+    prompts = prompts or DEFAULT_PROMPTS
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+        stop=args.stop,
+    )
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **_engine_kwargs(args))
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.raw:
+        outputs = llm.generate(prompts, params)
+    else:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    gen_s = time.perf_counter() - t0
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        print(f"\n### {prompt}\n{out.outputs[0].text}")
+    runtime = llm.engine.runner.runtime
+    print(
+        f"\n{len(outputs)} requests, {num_out} tokens in {gen_s:.2f} s "
+        f"({num_out / gen_s:.1f} tokens/s; model loaded in {load_s:.1f} s) "
+        f"on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
+        f"attention={runtime.attention_backend}"
+    )
+    if args.json_out:
+        Path(args.json_out).write_text(
+            json.dumps(
+                {
+                    "outputs": [
+                        {
+                            "prompt": p,
+                            "text": o.outputs[0].text,
+                            "token_ids": o.outputs[0].token_ids,
+                            "finish_reason": o.outputs[0].finish_reason,
+                        }
+                        for p, o in zip(prompts, outputs, strict=True)
+                    ],
+                    "seconds": gen_s,
+                    "tokens_per_s": num_out / gen_s,
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_args, fn) in COMMANDS.items():
+        p = sub.add_parser(name, help=(fn.__doc__ or "").strip().split("\n")[0] or None)
+        add_args(p)
+        p.set_defaults(func=fn)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: a clear message, no stack trace
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Typed engine configuration. Every field is validated on construction; YAML files in
+configs/ map onto these dataclasses one to one (unknown keys are errors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_GIB = 1 << 30
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache.
+
+    The pool size comes from, in order: ``num_blocks`` if given; else ``kv_cache_memory``
+    bytes; else on GPU ``gpu_memory_utilization`` of the device's memory minus weights and
+    profiled peak activations; else (CPU) ``cpu_kv_cache_memory`` bytes.
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_memory: int = 1 * _GIB
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"block_size={self.block_size} is invalid; use a power of two such as 16"
+            )
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} is too small; the pool needs the null block "
+                "plus at least one usable block"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes must be positive")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits. ``max_model_len`` None means the model's own limit."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start.
+
+    ``dtype``/``device``/``attention_backend`` = "auto" pick bf16 + cuda + triton when a GPU
+    is present and fp32 + cpu + torch otherwise.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    compile: bool = True
+    cuda_graph_max_batch_size: int = 256
+    seed: int = 0
+    cache_dir: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is invalid; choose one of {sorted(_DTYPES)}")
+        if self.cuda_graph_max_batch_size < 1:
+            raise ValueError(
+                f"cuda_graph_max_batch_size={self.cuda_graph_max_batch_size} must be >= 1"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build from a nested dict (a YAML file); unknown keys raise."""
+        data = dict(data)
+        cache = _strict(CacheConfig, data.pop("cache", {}) or {})
+        scheduler = _strict(SchedulerConfig, data.pop("scheduler", {}) or {})
+        _check_keys(cls, data, exclude={"cache", "scheduler"})
+        return cls(**data, cache=cache, scheduler=scheduler)
+
+
+_DTYPES = {"auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"}
+
+
+def _check_keys(cls: type, data: dict[str, Any], exclude: set[str] = frozenset()) -> None:
+    known = {f.name for f in fields(cls)} - exclude
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(
+            f"unknown {cls.__name__} keys {sorted(unknown)}; known keys: {sorted(known)}"
+        )
+
+
+def _strict(cls: type, data: dict[str, Any]):
+    _check_keys(cls, data)
+    return cls(**data)

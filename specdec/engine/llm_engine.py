@@ -1,0 +1,264 @@
+"""The engine loop: ``step()`` = schedule → prepare inputs → forward → sample → update
+requests (append tokens, detokenize, check stops, free finished requests' blocks)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.engine.block_pool import BlockPool
+from specdec.engine.detokenizer import IncrementalDetokenizer
+from specdec.engine.kv_cache_manager import KVCacheManager, cdiv
+from specdec.engine.model_runner import ModelRunner
+from specdec.engine.request import Request, RequestStatus
+from specdec.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, make_generator
+from specdec.engine.scheduler import Scheduler
+from specdec.models import load_tokenizer, resolve_model
+from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from specdec.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    """Engine-side companions of a Request (the Request itself stays torch-free)."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    logprobs: list[TokenLogprobs] | None = None
+    pending_delta: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.resolved = resolve_model(self.config.model, cache_dir=self.config.cache_dir)
+        self.tokenizer = load_tokenizer(self.resolved)
+        self.runner = ModelRunner(self.config, self.resolved)
+        self.model_config = self.runner.model_config
+        self.max_model_len = self.runner.max_model_len
+        self.block_size = self.config.cache.block_size
+        pool = BlockPool(self.runner.num_blocks, self.config.cache.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(pool, self.block_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager, self.max_model_len)
+        self.sampler = Sampler(torch.Generator(self.runner.device).manual_seed(self.config.seed))
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        self._states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue one request; returns its id. Raises ValueError on bad input
+        without changing the engine's state."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        self._validate(token_ids, params)
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # until the context runs out
+            max_tokens = self.max_model_len - len(token_ids)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+        )
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = make_generator(params.seed, self.runner.device)
+        self._states[request_id] = _RequestState(
+            request=request,
+            prompt=text,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
+            generator=generator,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; pass at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n:,} tokens; max_model_len is {self.max_model_len:,} "
+                "(the prompt plus at least one new token must fit)"
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is not None and n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n:,} tokens) + max_tokens ({max_tokens:,}) = {n + max_tokens:,} "
+                f"exceeds max_model_len {self.max_model_len:,}; lower max_tokens to "
+                f"{self.max_model_len - n:,} or less"
+            )
+        total = n + (max_tokens if max_tokens is not None else self.max_model_len - n)
+        needed = cdiv(total, self.block_size)
+        usable = self.kv_manager.pool.num_usable_blocks
+        if needed > usable:
+            raise ValueError(
+                f"the request needs {needed:,} KV blocks ({total:,} tokens) but the cache has "
+                f"{usable:,}; raise the KV cache size or lower max_tokens"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.scheduler.finish(state.request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that produced a token."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        inputs = self.runner.prepare(sched.scheduled)
+        logits = self.runner.execute(inputs)
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        self.num_steps += 1
+        if not inputs.sampled_rows:
+            return []
+        states = [self._states[sched.scheduled[r].request.request_id] for r in inputs.sampled_rows]
+        meta = SamplingMetadata.build(
+            [st.request.sampling_params for st in states],
+            [st.generator for st in states],
+            self.runner.device,
+        )
+        self._suppress_early_stops(logits, [st.request for st in states])
+        sampled = self.sampler(logits, meta)
+        token_ids = sampled.token_ids.tolist()  # the step's one host sync
+        logprobs = _logprobs_to_host(sampled.logprobs, token_ids)
+        now = time.monotonic()
+        outputs = []
+        for i, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
+            self._append_token(state, token_id, logprobs[i] if logprobs else None, now)
+            outputs.append(self._make_output(state))
+            if state.request.is_finished:
+                del self._states[state.request.request_id]
+        return outputs
+
+    def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Rows below ``min_tokens`` must not produce EOS or a stop token id: mask them
+        (in place, so the sampled distribution is the target's renormalised over the rest)."""
+        for row, request in enumerate(requests):
+            params = request.sampling_params
+            if request.num_output_tokens >= params.min_tokens:
+                continue
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += request.eos_token_ids
+            if banned:
+                logits[row, banned] = float("-inf")
+
+    def _append_token(self, state: _RequestState, token_id: int, logprob, now: float) -> None:
+        request = state.request
+        request.output_token_ids.append(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if state.logprobs is not None and logprob is not None:
+            n = request.sampling_params.logprobs or 0
+            state.logprobs.append(
+                TokenLogprobs(
+                    logprob.token_id, logprob.logprob, dict(list(logprob.top.items())[:n])
+                )
+            )
+        update = state.detokenizer.append([token_id])
+        state.pending_delta.append(update.text_delta)
+        status = self._stop_status(request, token_id, update.stop_reason)
+        if status is not None:
+            if update.stop_reason is None:  # release text held back for stop matching
+                state.pending_delta.append(state.detokenizer.flush())
+            self.scheduler.finish(request, status)
+            request.finished_time = now
+
+    def _stop_status(self, request: Request, token_id: int, stop_str) -> RequestStatus | None:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if stop_str is not None:
+                request.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        request = state.request
+        finished = request.is_finished
+        delta = "".join(state.pending_delta)
+        state.pending_delta.clear()
+        completion = CompletionOutput(
+            index=0,
+            text=state.detokenizer.text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_token_time=request.first_token_time,
+                finished_time=request.finished_time,
+                num_cached_tokens=request.num_cached_tokens,
+                num_preemptions=request.num_preemptions,
+            ),
+            text_delta=delta,
+        )
+
+
+def _logprobs_to_host(lp: LogprobsTensors | None, token_ids: list[int]) -> list[TokenLogprobs]:
+    """Batch logprobs to host objects (top-n holds the batch's largest n; rows slice)."""
+    if lp is None:
+        return []
+    top_ids = lp.top_token_ids.tolist()
+    top_lps = lp.top_logprobs.tolist()
+    sampled = lp.sampled_logprobs.tolist()
+    return [
+        TokenLogprobs(token_id=t, logprob=s, top=dict(zip(ids, lps, strict=True)))
+        for t, ids, lps, s in zip(token_ids, top_ids, top_lps, sampled, strict=True)
+    ]

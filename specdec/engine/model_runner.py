@@ -1,0 +1,223 @@
+"""Owns the target's weights, the paged KV tensors and the CUDA graphs, and runs one
+forward per step from explicit inputs (no global context, so a draft model can live in the
+same process with its own runner)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention import get_attention_backend
+from specdec.attention.custom_op import OpaqueAttention
+from specdec.config import EngineConfig
+from specdec.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
+from specdec.engine.input_batch import StepInputs, build_step_inputs
+from specdec.engine.kv_cache_manager import cdiv
+from specdec.engine.scheduler import ScheduledRequest
+from specdec.models import load_config, load_model
+from specdec.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: str
+    use_cuda_graphs: bool
+
+
+def choose_runtime(config: EngineConfig) -> RuntimeChoice:
+    """Resolve the "auto" fields: the GPU path is bf16 + Triton + CUDA graphs, the CPU path
+    fp32 + the torch reference backend, eager."""
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={config.device!r} but no CUDA device is visible")
+    on_gpu = device.type == "cuda"
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if on_gpu else torch.float32
+    else:
+        dtype = _DTYPES[config.dtype]
+    backend = config.attention_backend
+    if backend == "auto":
+        backend = "triton" if on_gpu else "torch"
+    return RuntimeChoice(device, dtype, backend, on_gpu and not config.enforce_eager)
+
+
+def decide_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_context_len
+    asked = config.scheduler.max_model_len
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(
+            f"max_model_len={asked} exceeds the model's context length {limit}; "
+            f"use max_model_len <= {limit}"
+        )
+    return asked
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    c = model_config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_source) -> None:
+        self.config = config
+        self.runtime = choose_runtime(config)
+        self.device = self.runtime.device
+        self.dtype = self.runtime.dtype
+        self.block_size = config.cache.block_size
+        # Under torch.compile attention must be one opaque op (see custom_op.py).
+        self.use_compile = self.runtime.use_cuda_graphs and config.compile
+        if self.use_compile:
+            self.attention = OpaqueAttention(self.runtime.attention_backend)
+        else:
+            self.attention = get_attention_backend(self.runtime.attention_backend)
+        self.model_config: ModelConfig = load_config(model_source)
+        self.max_model_len = decide_max_model_len(config, self.model_config)
+        self.model = load_model(
+            model_source,
+            dtype=self.dtype,
+            device=self.device,
+            attention=self.attention,
+            max_positions=self.max_model_len,  # RoPE table only as long as needed
+        )
+        self.block_table_width = cdiv(self.max_model_len, self.block_size)
+        self.num_blocks = self._decide_num_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.graphs: DecodeGraphs | None = None
+        if self.runtime.use_cuda_graphs:
+            self._capture_graphs()
+
+    # ---- memory ------------------------------------------------------------------------
+    def _decide_num_blocks(self) -> int:
+        cache = self.config.cache
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_free_memory()
+        else:
+            budget = cache.cpu_kv_cache_memory
+        # More blocks than every sequence at full length can use is wasted memory.
+        limit = self.config.scheduler.max_num_seqs * self.block_table_width + 1
+        num_blocks = min(budget // per_block, limit)
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of "
+                f"{per_block / 2**20:.2f} MiB; raise kv_cache_memory / "
+                "gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.2f GiB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * per_block / 2**30,
+        )
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_free_memory(self) -> int:
+        """Run the largest step the scheduler can produce (``max_num_batched_tokens`` of
+        prefill) against a scratch cache, and return what the utilisation target leaves for
+        KV after weights and that peak activation memory."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        scratch_blocks = cdiv(num_tokens, self.block_size) + 1
+        scratch = self._allocate_kv_cache(scratch_blocks)
+        scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in scratch)
+        ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device)
+        from specdec.attention.metadata import AttentionMetadata
+
+        blocks = torch.arange(1, scratch_blocks, dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device) + self.block_size,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=blocks[None, :],
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            query_lens_cpu=[num_tokens],
+            seq_lens_cpu=[num_tokens],
+        )
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden, _ = self.model(ids, positions, scratch, meta)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak
+        logger.info(
+            "memory profile: peak %.2f GiB (weights + activations), KV budget %.2f GiB",
+            peak / 2**30,
+            budget / 2**30,
+        )
+        return max(budget, 0)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.model_config
+        shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
+
+    # ---- forward -----------------------------------------------------------------------
+    def _forward_logits(self, input_ids, positions, meta) -> torch.Tensor:
+        hidden, _ = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
+        sizes = graph_batch_sizes(max_bs)
+        logger.info("capturing CUDA graphs for decode batch sizes %s", sizes)
+        forward = self._forward_logits
+        if self.use_compile:
+            # One dynamic-shape compilation serves every bucket; each bucket then gets
+            # its own graph of the compiled kernels.
+            forward = torch.compile(forward, dynamic=True)
+        self.graphs = DecodeGraphs(
+            forward,
+            sizes,
+            self.block_table_width,
+            self.max_model_len,
+            self.device,
+        )
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        return build_step_inputs(scheduled, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """One forward. Returns float32 logits of the sampled rows, [num_sampled, vocab]."""
+        if (
+            self.graphs is not None
+            and inputs.is_decode_only
+            and self.graphs.bucket(inputs.input_ids.shape[0]) is not None
+        ):
+            # Every decode row is sampled, so logits rows == batch rows.
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logits_indices])

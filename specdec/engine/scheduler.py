@@ -1,0 +1,131 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+There are no prefill and decode phases, only computed tokens. Each step first serves the
+running requests in admission order (decodes take one token, unfinished chunked prefills a
+chunk), then admits waiting requests while the token budget (``max_num_batched_tokens``)
+and ``max_num_seqs`` allow, chunking a long prompt across steps. When the pool runs out of
+blocks, the newest running request is preempted: its blocks are freed and it is recomputed
+later from its prompt and the tokens it already produced, so nothing is lost or repeated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specdec.config import SchedulerConfig
+from specdec.engine.kv_cache_manager import KVCacheManager
+from specdec.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and release its blocks. Safe for waiting or running requests."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- the step ---------------------------------------------------------------------
+    def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
+        """Pick this step's work. ``num_lookahead_tokens`` reserves slots for draft tokens
+        (speculation) on requests that are decoding."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            lookahead = num_lookahead_tokens if num_new == 1 else 0
+            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the current request itself was preempted: nothing newer remains
+
+        # Admit waiting requests only if nobody was preempted (they would fight for blocks).
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed = self.kv.get_computed_blocks(request)
+            num_cached = len(computed) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks=computed):
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out

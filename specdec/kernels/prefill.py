@@ -1,0 +1,268 @@
+"""Varlen prefill/extend attention over the paged KV cache (Triton), next to its reference.
+
+Each sequence's ``q_len`` new queries attend causally over its paged context: the cached
+prefix plus the new tokens, already written to the cache. Query ``i`` of sequence ``s`` sits
+at absolute position ``seq_lens[s] - q_len + i`` and sees keys ``0 ..`` that position.
+
+Work split: one program per (query tile, KV head, sequence). A tile's rows are
+``tokens x group``: the ``group`` query heads sharing a KV head are packed into the rows
+with ``tokens_per_tile = block_m // group`` tokens, so every K/V tile read serves the whole
+group and a one-token sequence still fills ``group`` rows instead of one. Keys stream in
+tiles of ``block_n`` with an online softmax (running max and sum in log2 units, fp32
+accumulator). Key tiles wholly before the tile's first query position need no causal mask
+and take the cheaper loop.
+
+Graph safety: the grid comes from ``meta.max_query_len`` (a host upper bound) and tensor
+shapes; tiles past a sequence's real ``q_len`` exit at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.torch_backend import paged_attention_ref
+from specdec.kernels.launch import (
+    dot_precision,
+    gqa_group,
+    next_power_of_2,
+    require_grid_yz,
+    require_kv_cache,
+    require_last_dim_contiguous,
+    require_launchable,
+)
+
+__all__ = ["PrefillConfig", "default_prefill_config", "paged_attention", "paged_attention_ref"]
+
+# Finite stand-in for -inf as the running max's start: padded rows see no key at all, and
+# exp2(-inf - -inf) would be NaN.
+_NEG_BIG = tl.constexpr(-1.0e30)
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tile shape and launch knobs; ``block_m`` rows = tokens_per_tile x group."""
+
+    block_m: int
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            n = getattr(self, name)
+            if n < 16 or n & (n - 1):
+                raise ValueError(f"{name} {n} must be a power of two >= 16 (tl.dot)")
+
+
+def default_prefill_config(max_query_len: int, group: int, dtype: torch.dtype) -> PrefillConfig:
+    """Rows sized to the work: extends of a few tokens (speculative verification, decodes in
+    a mixed batch) get 16-32 rows, long prefills 128 (64 in fp32, whose FMA-unit dots spill
+    registers at 128). Powers of two keep the number of compiled variants small."""
+    cap = 64 if dtype == torch.float32 else 128
+    block_m = min(cap, max(16, next_power_of_2(max_query_len * group), next_power_of_2(group)))
+    return PrefillConfig(block_m=block_m, num_warps=8 if block_m >= 128 else 4)
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    kv_head_off,
+    q_pos,
+    key_lo,
+    key_hi,
+    scale_log2,
+    stride_cb,
+    stride_cs,
+    offs_n,
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (m_i, l_i, acc) over keys [key_lo, key_hi).
+
+    With CAUSAL false every key in range is visible to every row (the caller guarantees
+    key_hi <= the tile's first query position + 1 and <= seq_len).
+    """
+    for n0 in range(key_lo, key_hi, BLOCK_N):
+        pos = n0 + offs_n  # [BLOCK_N] absolute key positions
+        n_mask = pos < key_hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head_off
+        kv_off = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+        if CAUSAL:
+            visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_tok = tile * TOKENS_PER_TILE
+    if first_tok >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len  # absolute position of query 0
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    tok = first_tok + offs_m // GROUP  # [BLOCK_M] token index within the sequence
+    head = kvh * GROUP + offs_m % GROUP  # [BLOCK_M] query head
+    row_mask = (offs_m < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+    row_off = (q_start + tok).to(tl.int64)
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + row_off[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    q_pos = ctx + tok  # [BLOCK_M]
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    kv_head_off = kvh * stride_ch
+    # Keys before the tile's first query position are visible to all its rows.
+    diag = ctx + first_tok
+    full_hi = (diag // BLOCK_N) * BLOCK_N
+    kv_hi = ctx + tl.minimum(q_len, first_tok + TOKENS_PER_TILE)  # last query position + 1
+    m_i, l_i, acc = _attend_tile(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off, q_pos, 0, full_hi,
+        scale_log2, stride_cb, stride_cs, offs_n, offs_d, d_mask,
+        BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+    )  # fmt: skip
+    m_i, l_i, acc = _attend_tile(
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off, q_pos, full_hi, kv_hi,
+        scale_log2, stride_cb, stride_cs, offs_n, offs_d, d_mask,
+        BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+    )  # fmt: skip
+
+    # Every real row sees key 0, so l_i > 0 there; padded rows are not stored.
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
+    """Causal attention of each sequence's new tokens over its paged context.
+
+    Same contract and result as ``paged_attention_ref``; any mix of q_len (decodes,
+    extends, whole prompts) in one batch. ``meta.max_query_len`` must bound every q_len.
+    """
+    require_kv_cache(k_cache, v_cache)
+    require_launchable(_prefill_kernel, q, k_cache, meta.query_start_loc, meta.block_tables)
+    require_last_dim_contiguous("q", q)
+    require_last_dim_contiguous("block_tables", meta.block_tables)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    group = gqa_group(num_heads, num_kv_heads)
+    config = config or default_prefill_config(meta.max_query_len, group, k_cache.dtype)
+    if config.block_m < group:
+        raise ValueError(f"block_m {config.block_m} must be >= the GQA group {group}")
+    require_grid_yz("num_seqs", meta.num_seqs)
+    out = torch.empty_like(q)
+    if num_tokens == 0 or meta.num_seqs == 0:
+        return out
+    tokens_per_tile = config.block_m // group
+    grid = (triton.cdiv(max(meta.max_query_len, 1), tokens_per_tile), num_kv_heads, meta.num_seqs)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        meta.block_tables.stride(0),
+        GROUP=group,
+        TOKENS_PER_TILE=tokens_per_tile,
+        HEAD_DIM=head_dim,
+        BLOCK_M=config.block_m,
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        DOT_PRECISION=dot_precision(k_cache.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out

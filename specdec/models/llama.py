@@ -1,0 +1,230 @@
+"""The decoder for every supported target family (Llama 2/3, SmolLM2, Qwen2, Qwen3).
+
+Families differ only in ``ModelConfig`` flags: q/k/v and o_proj biases, per-head q/k
+RMSNorm, tied embeddings, RoPE variant. The forward runs on a flattened varlen batch over
+the paged KV cache, is free of host syncs and of Python branches on tensor values, and
+routes all attention through ``Attention.attend`` (one seam to wrap as a custom op).
+
+Weights are stored fused: ``qkv_proj`` = cat(q, k, v) and ``gate_up_proj`` = cat(gate, up)
+along the output dimension, one matmul each. ``checkpoint_layout`` maps every parameter
+back to the HF checkpoint keys it is assembled from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.attention.base import AttentionBackend
+from specdec.attention.metadata import AttentionMetadata
+from specdec.models.config import ModelConfig
+from specdec.models.rope import RopeParams, RotaryEmbedding, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, kv_heads, head_dim]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, cast back, then scaled (HF's order, so bf16 matches)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        norm = config.qk_norm
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if norm else nn.Identity()
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if norm else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attend(q, k, v, kv_cache, meta)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.reshape(n, self.q_size))
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+        """Store k/v in the paged cache and attend: the only call into the backend."""
+        k_cache, v_cache = kv_cache
+        return self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the residual stream entering the layer
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]: the residual stream leaving it
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over the paged KV cache.
+
+    ``forward`` returns the final-normed hidden states and, for ``aux_layer_ids``, the
+    residual stream *entering* those layers (HF ``hidden_states[i]``; EAGLE-3's inputs).
+    ``compute_logits`` is separate so callers project only the rows they sample from.
+    """
+
+    # Fused parameter -> the HF projections concatenated into it, in order.
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        *,
+        max_positions: int | None = None,
+    ) -> None:
+        """``max_positions`` bounds the RoPE table (default ``config.max_context_len``);
+        an engine with a shorter ``max_model_len`` can pass it to save memory."""
+        super().__init__()
+        if max_positions is not None and max_positions <= 0:
+            raise ValueError(f"max_positions must be positive; got {max_positions}")
+        self.config = config
+        self.attention = attention
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, attention) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        rope = RopeParams(
+            head_dim=config.head_dim,
+            theta=config.rope_theta,
+            max_position_embeddings=config.max_position_embeddings,
+            scaling=config.rope_scaling or {},
+        )
+        self.rotary = RotaryEmbedding(rope, max_positions or config.max_context_len)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config ties them. Call again after
+        anything that may replace parameters (``to_empty``)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: Sequence[KVCache],  # one (k_cache, v_cache) per layer
+        meta: AttentionMetadata,
+        aux_layer_ids: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns ``hidden`` [num_tokens, hidden] after the final norm, and ``aux``
+        [num_tokens, len(aux_layer_ids) * hidden] (None when no ids are asked for)."""
+        num_layers = self.config.num_layers
+        if any(not 0 <= i < num_layers for i in aux_layer_ids):
+            raise ValueError(
+                f"aux_layer_ids {list(aux_layer_ids)} must lie in [0, {num_layers}) "
+                "(the residual stream entering layer i)"
+            )
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary(positions, hidden.dtype)
+        entering: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layer_ids:
+                entering[i] = hidden
+            hidden = layer(hidden, cos, sin, kv_caches[i], meta)
+        aux = torch.cat([entering[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        return self.norm(hidden), aux
+
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,  # [n, hidden]
+    ) -> torch.Tensor:  # [n, vocab] float32
+        return self.lm_head(hidden).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]
+        return self.embed_tokens(input_ids)
+
+    def checkpoint_layout(self, param_name: str) -> list[tuple[str, int]]:
+        """The HF checkpoint keys that, concatenated along dim 0 in order, form
+        ``param_name``, each with its number of rows.
+
+        ``layers.3.self_attn.qkv_proj.weight`` ->
+        ``[("model.layers.3.self_attn.q_proj.weight", q_rows), (... k ...), (... v ...)]``.
+        """
+        prefix = "" if param_name.startswith("lm_head.") else "model."
+        module, _, leaf = param_name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        if last not in self.packed_modules:
+            rows = self.get_parameter(param_name).shape[0]
+            return [(prefix + param_name, rows)]
+        c = self.config
+        rows_by_part = {
+            "q_proj": c.num_heads * c.head_dim,
+            "k_proj": c.num_kv_heads * c.head_dim,
+            "v_proj": c.num_kv_heads * c.head_dim,
+            "gate_proj": c.intermediate_size,
+            "up_proj": c.intermediate_size,
+        }
+        return [
+            (f"{prefix}{parent}.{part}.{leaf}", rows_by_part[part])
+            for part in self.packed_modules[last]
+        ]

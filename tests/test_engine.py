@@ -1,0 +1,175 @@
+"""The engine on the real SmolLM2-135M-Instruct (fp32, CPU): greedy output equals HF
+transformers token for token, batching/chunking/prefix caching/preemption never change a
+request's tokens, and bad input fails clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prompts import varied_conversations
+
+from specdec import LLM, SamplingParams
+
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def chats(smollm2_tokenizer):
+    convs = varied_conversations(16)
+    return [
+        list(smollm2_tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"])
+        for c in convs
+    ]
+
+
+def make_llm(smollm2_dir, **kwargs) -> LLM:
+    kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("kv_cache_memory", 256 << 20)
+    kwargs.setdefault("max_model_len", 2048)
+    return LLM(str(smollm2_dir), **kwargs)
+
+
+def greedy(n: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return make_llm(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(llm, chats):
+    """Each prompt alone, whole prefill, prefix caching off: the engine's baseline."""
+    return token_ids(llm.generate(chats, greedy(), use_tqdm=False))
+
+
+def test_greedy_equals_hf_transformers(smollm2_hf, chats, reference):
+    """8 prompts of ~40-580 tokens, 64 new tokens each, fp32: token for token."""
+    picked = list(range(0, 16, 2))
+    lengths = [len(chats[i]) for i in picked]
+    assert min(lengths) >= 20 and max(lengths) <= 600, lengths
+    for i in picked:
+        assert reference[i] == hf_greedy(smollm2_hf, chats[i]), f"prompt {i} ({len(chats[i])} tok)"
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """HF transformers greedy decoding with its KV cache, EOS not special (like ignore_eos):
+    a plain loop, so no generation-config default can change what is compared."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while len(tokens) < n:
+        out = model(
+            torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
+        )
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"enable_prefix_caching": True},
+        {"enable_prefix_caching": False, "max_num_batched_tokens": 64},
+        {"enable_prefix_caching": True, "max_num_batched_tokens": 64},
+    ],
+    ids=["prefix-cache", "chunk64", "chunk64+prefix-cache"],
+)
+def test_batch_invariance(smollm2_dir, chats, reference, kwargs):
+    """Each prompt alone equals the same prompt batched with 15 others of other lengths."""
+    llm = make_llm(smollm2_dir, **kwargs)
+    assert token_ids(llm.generate(chats, greedy(), use_tqdm=False)) == reference
+    pool = llm.engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_alone_equals_batched(llm, chats, reference):
+    alone = token_ids(llm.generate([chats[5]], greedy(), use_tqdm=False))
+    assert alone[0] == reference[5]
+
+
+def test_preemption_keeps_outputs(smollm2_dir, chats):
+    """32 requests through a pool far too small for all of them at once."""
+    prompts = [c[-(40 + 7 * i) :] for i, c in enumerate(chats * 2)]  # 32 varied prompts
+    params = greedy(24)
+    roomy = make_llm(smollm2_dir, kv_cache_memory=64 << 20)
+    expected = token_ids(roomy.generate(prompts, params, use_tqdm=False))
+    # ~48 blocks of 16 tokens: room for about 3 of these requests at a time.
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
+    tight = make_llm(smollm2_dir, kv_cache_memory=48 * block_bytes, max_model_len=512)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert token_ids(got) == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    pool = tight.engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+
+
+def test_prefix_cache_computes_shared_system_prompt_once(llm, chats):
+    outs = llm.generate(chats[8:12], greedy(4), use_tqdm=False)
+    # The default system prompt (~20 tokens) spans at least one full block: hit for all.
+    assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
+
+
+def test_stop_conditions(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
+        SamplingParams(temperature=0, max_tokens=64, stop=["5"]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "5"
+    assert "5" not in out.text
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 3
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm, chats):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=1234)
+    alone = token_ids(llm.generate([chats[3]], params, use_tqdm=False))[0]
+    batched = token_ids(
+        llm.generate(
+            chats[:6],
+            [SamplingParams(temperature=1.0, max_tokens=16)] * 3
+            + [params]
+            + [SamplingParams(temperature=1.0, max_tokens=16)] * 2,
+            use_tqdm=False,
+        )
+    )[3]
+    assert alone == batched
+
+
+def test_logprobs(llm):
+    out = llm.generate(
+        "The capital of France is",
+        SamplingParams(temperature=0, max_tokens=4, logprobs=3),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert max(lp.top, key=lp.top.get) == tok  # greedy: the sampled token is the top one
+        assert lp.logprob <= 0
+
+
+def test_errors_name_value_and_limit(llm):
+    with pytest.raises(ValueError, match=r"prompt has 3,000 tokens; max_model_len is 2,048"):
+        llm.generate([[5] * 3000], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[5] * 2000], greedy(100), use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="no-such-model"):
+        LLM("no-such-model")
+    with pytest.raises(ValueError, match="/does/not/exist"):
+        LLM("/does/not/exist")
+    # A bad prompt in a batch fails before anything runs and leaves the engine clean.
+    with pytest.raises(ValueError):
+        llm.generate([[5] * 10, [5] * 5000], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,413 @@
+"""Triton paged-attention kernels equal their PyTorch references.
+
+Runs on CUDA when present, else on CPU under the Triton interpreter (TRITON_INTERPRET=1,
+which must be set before triton is first imported: this module sets it when it can and
+refuses to run when triton was imported without it).
+
+Caches are filled with large "poison" values wherever a sequence has no context, so a
+kernel that reads past seq_len, past the causal diagonal or through an unused block-table
+entry fails the comparison by a wide margin instead of by a rounding error.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    # Triton decides interpret-or-compile when it decorates a function, its own
+    # triton.language helpers included, so the variable must precede `import triton`.
+    if "triton" in sys.modules:
+        raise RuntimeError(
+            "triton was imported before TRITON_INTERPRET=1 was set, so its kernels cannot run "
+            "on CPU; set it first (tests/conftest.py, or TRITON_INTERPRET=1 pytest ...)"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from specdec.attention.base import get_attention_backend  # noqa: E402
+from specdec.attention.metadata import AttentionMetadata  # noqa: E402
+from specdec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from specdec.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from specdec.kernels import (  # noqa: E402
+    DecodeConfig,
+    PrefillConfig,
+    paged_attention,
+    paged_attention_ref,
+    paged_decode,
+    paged_decode_ref,
+    plan_splits,
+    store_kvcache,
+    store_kvcache_ref,
+)
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+POISON = 60.0  # cache value where no context lives: large enough to dominate any softmax
+gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k_new: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]: the new tokens' K
+    v_new: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], context written
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+
+def make_case(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    group: int,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    num_padded: int = 0,
+    slack: int = 0,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Case:
+    """A batch of real sequences plus ``num_padded`` CUDA-graph padding sequences (q_len 1,
+    seq_len 1, block table all null block). ``slack`` inflates the host bounds
+    max_query_len/max_seq_len the way a captured graph's bucket does."""
+    assert all(1 <= q <= s for q, s in zip(q_lens, seq_lens, strict=True))
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = group * num_kv_heads
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    width = max(blocks_per_seq, default=1) + 2  # spare columns point at a poison block
+    num_blocks = 1 + sum(blocks_per_seq) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = POISON + torch.randn(shape, generator=gen)
+    v_cache = POISON + torch.randn(shape, generator=gen)
+    k_cache[0] = torch.randn(shape[1:], generator=gen)  # null block: finite, ordinary values
+    v_cache[0] = torch.randn(shape[1:], generator=gen)
+
+    ids = (torch.randperm(num_blocks - 2, generator=gen) + 1).tolist()  # last block: poison
+    table = torch.full((len(seq_lens) + num_padded, width), num_blocks - 1, dtype=torch.int32)
+    table[len(seq_lens) :] = 0
+    slots: list[int] = []
+    for s, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        row = [ids.pop() for _ in range(blocks_per_seq[s])]
+        table[s, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        for pos in range(seq_len):
+            b, off = row[pos // block_size], pos % block_size
+            k_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=gen)
+            v_cache[b, off] = torch.randn(num_kv_heads, head_dim, generator=gen)
+        slots += [
+            row[p // block_size] * block_size + p % block_size
+            for p in range(seq_len - q_len, seq_len)
+        ]
+    slots += range(num_padded)  # padding tokens write distinct slots of the null block
+    all_q = q_lens + [1] * num_padded
+    all_seq = seq_lens + [1] * num_padded
+    loc = torch.tensor([0, *torch.tensor(all_q).cumsum(0).tolist()], dtype=torch.int32)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    flat_k, flat_v = (
+        k_cache.view(-1, num_kv_heads, head_dim),
+        v_cache.view(-1, num_kv_heads, head_dim),
+    )
+    k_new, v_new = flat_k[slot_mapping].clone(), flat_v[slot_mapping].clone()
+    q = torch.randn(len(slots), num_heads, head_dim, generator=gen)
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(DEVICE)
+
+    meta = AttentionMetadata(
+        slot_mapping=dev(slot_mapping),
+        query_start_loc=dev(loc),
+        seq_lens=dev(torch.tensor(all_seq, dtype=torch.int32)),
+        block_tables=dev(table),
+        max_query_len=max(all_q) + slack,
+        max_seq_len=max(all_seq) + slack,
+    )
+    return Case(
+        q=dev(q).to(dtype),
+        k_new=dev(k_new).to(dtype),
+        v_new=dev(v_new).to(dtype),
+        k_cache=dev(k_cache).to(dtype),
+        v_cache=dev(v_cache).to(dtype),
+        meta=meta,
+        scale=head_dim**-0.5,
+    )
+
+
+def random_lengths(rng: random.Random, n: int, max_q: int, max_ctx: int) -> tuple[list, list]:
+    q_lens = [rng.randint(1, max_q) for _ in range(n)]
+    return q_lens, [q + rng.randint(0, max_ctx) for q in q_lens]
+
+
+# --- store_kvcache -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "head_dim", "block_size"), [(1, 64, 16), (3, 64, 32), (8, 128, 16)]
+)
+def test_store_kvcache_matches_reference_from_strided_views(num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    num_tokens, num_heads, num_blocks = 37, 2 * num_kv_heads, 9
+    # q, k, v as views of one fused projection: k and v have a token stride != kvh*d.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    _, k, v = qkv.to(DEVICE).split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
+    k, v = k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
+    cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    k_ref, v_ref, k_out, v_out = cache.clone(), -cache, cache.clone(), -cache
+
+    store_kvcache_ref(k, v, k_ref, v_ref, slots)
+    store_kvcache(k, v, k_out, v_out, slots)
+
+    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+    assert not torch.equal(k_out, cache)  # the write happened
+
+
+# --- varlen prefill / extend -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size", "config"),
+    [
+        (1, 64, 16, None),
+        (1, 64, 16, PrefillConfig(block_m=16, block_n=16)),  # many query and key tiles
+        (3, 64, 32, None),
+        (3, 128, 32, PrefillConfig(block_m=32, block_n=32)),
+        (8, 128, 16, None),
+        (8, 64, 32, PrefillConfig(block_m=16, block_n=32)),  # two tokens per tile
+    ],
+)
+def test_prefill_ragged_batch_matches_reference(group, head_dim, block_size, config):
+    rng = random.Random(group * 1000 + head_dim + block_size)
+    q_lens, seq_lens = random_lengths(rng, 4, max_q=70, max_ctx=130)
+    case = make_case(
+        q_lens,
+        seq_lens,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        seed=rng.randint(0, 99),
+    )
+
+    out = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, config=config)
+
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_block_boundaries(block_size):
+    """Context lengths at k*block_size and one either side, fully and partly new."""
+    seq_lens = [block_size, block_size + 1, 2 * block_size - 1, 2 * block_size, 3 * block_size + 1]
+    q_lens = [block_size, 1, 2 * block_size - 1, 3, block_size + 1]
+    case = make_case(q_lens, seq_lens, group=3, block_size=block_size, seed=block_size)
+    config = PrefillConfig(block_m=16, block_n=16)
+
+    out = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, config=config)
+
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_prefill_mixed_decodes_extends_prompts_and_padding():
+    """One varlen launch over decodes (q_len 1, long context), speculative-verify-sized
+    extends, whole prompts and null-block padding, with inflated host bounds."""
+    q_lens = [1, 70, 5, 1, 8, 33]
+    seq_lens = [150, 70, 121, 17, 40, 33]
+    case = make_case(q_lens, seq_lens, group=3, num_padded=3, slack=20, seed=7)
+
+    out = paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+# --- decode ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size", "split_size", "block_n"),
+    [
+        (1, 64, 16, 16, 16),  # one iteration per split, many splits
+        (3, 64, 16, 48, 16),  # 3 pages per split
+        (3, 128, 32, 64, 32),
+        (8, 128, 16, 32, 16),
+        (8, 64, 32, None, 64),  # the heuristic (one split on CPU): the direct-write path
+    ],
+)
+def test_decode_split_k_matches_reference(group, head_dim, block_size, split_size, block_n):
+    rng = random.Random(group + head_dim + block_size)
+    seq_lens = [rng.randint(1, 200) for _ in range(4)]
+    seq_lens += [block_size, 2 * block_size + 1, 4 * block_size - 1]  # page boundaries
+    case = make_case(
+        [1] * len(seq_lens),
+        seq_lens,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_padded=2,
+        slack=37,
+        seed=rng.randint(0, 99),
+    )
+
+    out = paged_decode(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.meta,
+        case.scale,
+        split_size=split_size,
+        config=DecodeConfig(block_n=block_n),
+    )
+
+    ref = paged_decode_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_decode_splits_agree_with_each_other():
+    """Any split size gives the same numbers (the combine is exact up to rounding)."""
+    case = make_case([1, 1], [190, 97], group=3, seed=3)
+    outs = [
+        paged_decode(
+            case.q,
+            case.k_cache,
+            case.v_cache,
+            case.meta,
+            case.scale,
+            split_size=s,
+            config=DecodeConfig(block_n=16),
+        )
+        for s in (16, 64, 256)
+    ]
+    torch.testing.assert_close(outs[0], outs[2], **TOL)
+    torch.testing.assert_close(outs[1], outs[2], **TOL)
+
+
+def test_plan_splits_covers_context_and_fills_the_gpu(monkeypatch):
+    monkeypatch.setattr("specdec.kernels.decode.num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    for num_seqs, max_seq_len in [(1, 32768), (4, 4096), (256, 8192), (1, 1), (8, 100)]:
+        plan = plan_splits(num_seqs, 3, max_seq_len, 128, cuda)
+        assert plan.split_size % 128 == 0
+        assert (
+            (plan.num_splits - 1) * plan.split_size
+            < max_seq_len
+            <= plan.num_splits * plan.split_size
+        )
+    assert plan_splits(1, 3, 32768, 128, cuda).num_splits >= 32  # batch 1: split for parallelism
+    assert plan_splits(256, 3, 8192, 128, cuda).num_splits == 1  # enough programs already
+    assert plan_splits(2, 3, 1000, 128, cuda, split_size=100).split_size == 128
+
+
+# --- backend end to end ------------------------------------------------------------------
+
+
+def fused_qkv_views(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as strided views of one [num_tokens, (H + 2*KVH) * D] tensor, as a fused
+    projection hands them to the backend."""
+    t, h, d = case.q.shape
+    kvh = case.k_new.shape[1]
+    fused = torch.cat([x.reshape(t, -1) for x in (case.q, case.k_new, case.v_new)], dim=1)
+    q, k, v = fused.split([h * d, kvh * d, kvh * d], dim=1)
+    return q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "seq_lens"),
+    [([1, 1, 1, 1], [1, 64, 100, 17]), ([1, 12, 40, 1], [90, 12, 100, 33])],
+    ids=["decode_only", "mixed"],
+)
+def test_backend_forward_and_cache_match_torch_backend(q_lens, seq_lens):
+    case = make_case(q_lens, seq_lens, group=3, num_kv_heads=3, num_padded=2, seed=len(q_lens))
+    # The new tokens' slots start out holding poison; forward must write them.
+    flat = case.meta.slot_mapping
+    for cache in (case.k_cache, case.v_cache):
+        cache.view(-1, *cache.shape[2:])[flat] = POISON
+    k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+    q, k, v = fused_qkv_views(case)
+
+    backend = get_attention_backend("triton")
+    assert isinstance(backend, TritonAttentionBackend)
+    out = backend.forward(q, k, v, case.k_cache, case.v_cache, case.meta, case.scale)
+
+    ref = TorchAttentionBackend().forward(q, k, v, k_ref, v_ref, case.meta, case.scale)
+    torch.testing.assert_close(out, ref, **TOL)
+    assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
+
+
+def test_mismatched_heads_are_rejected():
+    case = make_case([3], [10], group=3, num_kv_heads=2)
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        paged_attention(case.q[:, :5], case.k_cache, case.v_cache, case.meta, case.scale)
+
+
+# --- GPU only ----------------------------------------------------------------------------
+
+
+@gpu_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", [True, False])
+def test_bf16_matches_fp32_reference(decode):
+    rng = random.Random(11)
+    q_lens, seq_lens = random_lengths(rng, 6, max_q=1 if decode else 300, max_ctx=3000)
+    case = make_case(
+        q_lens, seq_lens, group=3, num_kv_heads=3, num_padded=2, seed=5, dtype=torch.bfloat16
+    )
+    kernel, ref_fn = (
+        (paged_decode, paged_decode_ref) if decode else (paged_attention, paged_attention_ref)
+    )
+
+    out = kernel(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+
+    ref = ref_fn(case.q.float(), case.k_cache.float(), case.v_cache.float(), case.meta, case.scale)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@gpu_only
+@pytest.mark.gpu
+def test_decode_replays_in_a_cuda_graph():
+    """Captured once with the bucket's bounds, replayed on new lengths and tables."""
+    bound = make_case([1] * 8, [3000] * 8, group=3, num_kv_heads=3, seed=1)
+    backend = TritonAttentionBackend()
+    q, k, v = bound.q.clone(), bound.k_new.clone(), bound.v_new.clone()
+    k_cache, v_cache, meta = bound.k_cache.clone(), bound.v_cache.clone(), bound.meta
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(q, k, v, k_cache, v_cache, meta, bound.scale)  # compile outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, bound.scale)
+
+    rng = random.Random(2)
+    new = make_case(
+        [1] * 8, [rng.randint(1, 3000) for _ in range(8)], group=3, num_kv_heads=3, seed=2
+    )
+    for dst, src in [
+        (q, new.q),
+        (k, new.k_new),
+        (v, new.v_new),
+        (meta.slot_mapping, new.meta.slot_mapping),
+        (meta.seq_lens, new.meta.seq_lens),
+    ]:
+        dst.copy_(src)
+    meta.block_tables.zero_()
+    meta.block_tables[:, : new.meta.block_tables.shape[1]] = new.meta.block_tables
+    k_cache[: new.k_cache.shape[0]] = new.k_cache
+    v_cache[: new.v_cache.shape[0]] = new.v_cache
+    graph.replay()
+
+    ref = paged_decode_ref(new.q, new.k_cache, new.v_cache, new.meta, new.scale)
+    torch.testing.assert_close(out, ref, **TOL)
