@@ -92,8 +92,36 @@ def prefill_seconds(llm: LLM, opts: Options, seed: int) -> float:
 
 def run(opts: Options) -> list[common.ResultRow]:
     rows: list[common.ResultRow] = []
-    env = None
     for variant in opts.variants:
+        try:
+            rows += run_variant(opts, variant)
+        except Exception as e:  # report and go on: one broken variant must not hide the rest
+            print(f"variant {variant} FAILED: {type(e).__name__}: {e}"[:2000], flush=True)
+            rows.append(
+                common.ResultRow("specdec-engine", variant, 0, 0, 0, note=f"FAILED: {e}"[:200])
+            )
+        if opts.json_path:
+            common.write_json(
+                opts.json_path, env=common.env_info(*_device_dtype(opts)), options=opts, rows=rows
+            )
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print()
+    print(common.markdown_table(rows))
+    return rows
+
+
+def _device_dtype(opts: Options) -> tuple[torch.device, torch.dtype]:
+    on_gpu = torch.cuda.is_available() and opts.device in ("auto", "cuda")
+    device = torch.device("cuda" if on_gpu else "cpu")
+    if opts.dtype == "auto":
+        return device, torch.bfloat16 if on_gpu else torch.float32
+    return device, common.DTYPES[opts.dtype]
+
+
+def run_variant(opts: Options, variant: str) -> list[common.ResultRow]:
+    rows: list[common.ResultRow] = []
+    if True:
         llm = LLM(
             opts.model,
             device=opts.device,
@@ -107,7 +135,7 @@ def run(opts: Options) -> list[common.ResultRow]:
             **VARIANTS[variant],
         )
         runtime = llm.engine.runner.runtime
-        env = env or common.env_info(runtime.device, runtime.dtype)
+        env = common.env_info(runtime.device, runtime.dtype)
         for batch in opts.batch_sizes:
             decode_seconds(llm, batch, opts, seed=0)  # warm-up
             secs = statistics.median(
@@ -140,15 +168,8 @@ def run(opts: Options) -> list[common.ResultRow]:
             )
         )
         print(common.markdown_table(rows[-1:]).splitlines()[-1], flush=True)
-        if opts.json_path:
-            common.write_json(opts.json_path, env=env, options=opts, rows=rows)
-        del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    if env:
         common.print_env(env)
-    print()
-    print(common.markdown_table(rows))
+        del llm
     return rows
 
 

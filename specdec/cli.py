@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except ValueError as e:  # bad input: a clear message, no stack trace
+    except (ValueError, FileNotFoundError) as e:  # bad input: a clear message, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

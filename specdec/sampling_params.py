@@ -8,6 +8,7 @@ min-p (a ratio to the most likely token, so it does not care about renormalisati
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -26,6 +27,16 @@ def _require_int(name: str, value: object) -> None:
     # bool is an int subclass; True as a token count is always a caller bug.
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name}={value!r} is invalid; {name} must be an int")
+
+
+class RequestOutputKind(enum.Enum):
+    """What ``LLMEngine.step()`` reports for a request: the whole output so far every step
+    (CUMULATIVE), only what is new (DELTA, for streaming), or nothing until it finishes
+    (FINAL_ONLY, for offline batches: no per-step copies or text rebuilding)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -55,6 +66,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per output token, 0..MAX_LOGPROBS
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._validate_sampling()

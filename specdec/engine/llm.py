@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from specdec.config import CacheConfig, EngineConfig, SchedulerConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.outputs import RequestOutput
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -63,6 +63,8 @@ class LLM:
                     f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, "
                     "or one per prompt"
                 )
+        # Offline batches only need each request's final output.
+        params = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         return self._run(prompts, params, use_tqdm)
 
     def chat(

@@ -20,7 +20,7 @@ from specdec.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, m
 from specdec.engine.scheduler import Scheduler
 from specdec.models import load_tokenizer, resolve_model
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,9 @@ class _RequestState:
 
     request: Request
     prompt: str | None
-    detokenizer: IncrementalDetokenizer
+    # None when the text is only needed at the end (FINAL_ONLY without stop strings):
+    # the output is then decoded once instead of token by token.
+    detokenizer: IncrementalDetokenizer | None
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] | None = None
     pending_delta: list[str] = field(default_factory=list)
@@ -90,7 +92,11 @@ class LLMEngine:
         self._states[request_id] = _RequestState(
             request=request,
             prompt=text,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, token_ids, params)
+                if params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY
+                else None
+            ),
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -152,22 +158,29 @@ class LLMEngine:
         if not inputs.sampled_rows:
             return []
         states = [self._states[sched.scheduled[r].request.request_id] for r in inputs.sampled_rows]
-        meta = SamplingMetadata.build(
-            [st.request.sampling_params for st in states],
-            [st.generator for st in states],
-            self.runner.device,
-        )
+        params = [st.request.sampling_params for st in states]
         self._suppress_early_stops(logits, [st.request for st in states])
-        sampled = self.sampler(logits, meta)
-        token_ids = sampled.token_ids.tolist()  # the step's one host sync
-        logprobs = _logprobs_to_host(sampled.logprobs, token_ids)
+        if all(p.is_greedy and p.logprobs is None for p in params):
+            # The common case needs no sampling tensors at all.
+            token_ids = logits.argmax(dim=-1).tolist()  # the step's one host sync
+            logprobs = []
+        else:
+            meta = SamplingMetadata.build(
+                params, [st.generator for st in states], self.runner.device
+            )
+            sampled = self.sampler(logits, meta)
+            token_ids = sampled.token_ids.tolist()  # the step's one host sync
+            logprobs = _logprobs_to_host(sampled.logprobs, token_ids)
         now = time.monotonic()
         outputs = []
         for i, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
             self._append_token(state, token_id, logprobs[i] if logprobs else None, now)
-            outputs.append(self._make_output(state))
-            if state.request.is_finished:
-                del self._states[state.request.request_id]
+            request = state.request
+            kind = request.sampling_params.output_kind
+            if request.is_finished or kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(state, delta=kind is RequestOutputKind.DELTA))
+            if request.is_finished:
+                del self._states[request.request_id]
         return outputs
 
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
@@ -195,11 +208,15 @@ class LLMEngine:
                     logprob.token_id, logprob.logprob, dict(list(logprob.top.items())[:n])
                 )
             )
-        update = state.detokenizer.append([token_id])
-        state.pending_delta.append(update.text_delta)
-        status = self._stop_status(request, token_id, update.stop_reason)
+        stop_str = None
+        if state.detokenizer is not None:
+            update = state.detokenizer.append([token_id])
+            state.pending_delta.append(update.text_delta)
+            stop_str = update.stop_reason
+        status = self._stop_status(request, token_id, stop_str)
         if status is not None:
-            if update.stop_reason is None:  # release text held back for stop matching
+            if state.detokenizer is not None and stop_str is None:
+                # Release text held back in case it began a stop string.
                 state.pending_delta.append(state.detokenizer.flush())
             self.scheduler.finish(request, status)
             request.finished_time = now
@@ -221,15 +238,28 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
+    def _make_output(self, state: _RequestState, delta: bool = False) -> RequestOutput:
+        """CUMULATIVE/FINAL_ONLY carry the whole output; DELTA only this step's token and
+        text (``text_delta`` is filled in every kind)."""
         request = state.request
         finished = request.is_finished
-        delta = "".join(state.pending_delta)
+        text_delta = "".join(state.pending_delta)
         state.pending_delta.clear()
+        if delta:
+            text, token_ids = text_delta, request.output_token_ids[-1:]
+        elif state.detokenizer is not None:
+            text, token_ids = state.detokenizer.text, list(request.output_token_ids)
+        else:
+            text = self.tokenizer.decode(
+                request.output_token_ids,
+                skip_special_tokens=request.sampling_params.skip_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
+            text_delta, token_ids = text, list(request.output_token_ids)
         completion = CompletionOutput(
             index=0,
-            text=state.detokenizer.text,
-            token_ids=list(request.output_token_ids),
+            text=text,
+            token_ids=token_ids,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
@@ -247,7 +277,7 @@ class LLMEngine:
                 num_cached_tokens=request.num_cached_tokens,
                 num_preemptions=request.num_preemptions,
             ),
-            text_delta=delta,
+            text_delta=text_delta,
         )
 
 

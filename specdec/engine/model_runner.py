@@ -178,10 +178,16 @@ class ModelRunner:
         return max(budget, 0)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One separate tensor per layer and per K/V. Views into one shared buffer would
+        alias each other, and torch.compile then clones every cache the attention op
+        mutates instead of updating it in place."""
         c = self.model_config
-        shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
+        shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+
+        def make() -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        return [(make(), make()) for _ in range(c.num_layers)]
 
     # ---- forward -----------------------------------------------------------------------
     def _forward_logits(self, input_ids, positions, meta) -> torch.Tensor:

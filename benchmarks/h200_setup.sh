@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Source at the start of every command on the GPU machine (no network there):
+#   source benchmarks/h200_setup.sh
+# Installs wheels carried in .whl/ (e.g. gguf) into /tmp/site, collects GGUF parts carried
+# in .gpu/ (made here with `split -n 2 -d MODEL.gguf .gpu/smollm2.gguf.part`, one part per
+# call because a call carries at most 64 MiB) and joins them once all have arrived.
+mkdir -p /tmp/site /tmp/gguf
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+for f in .gpu/*/*.part*; do [ -f "$f" ] && cp "$f" /tmp/gguf/; done
+export SMOLLM2_GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$SMOLLM2_GGUF" ] && [ -f /tmp/gguf/smollm2.gguf.part00 ] && [ -f /tmp/gguf/smollm2.gguf.part01 ]; then
+    cat /tmp/gguf/smollm2.gguf.part00 /tmp/gguf/smollm2.gguf.part01 > "$SMOLLM2_GGUF"
+fi
+export SPECDEC_CACHE=/tmp/specdec_cache
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
