@@ -2,8 +2,10 @@
 
 Decode: ``batch`` requests with random ``prompt_len``-token prompts are prefilled, then the
 engine's ``step()`` loop is timed until each has produced ``steps`` more tokens (greedy,
-EOS ignored). tokens/s = batch * steps / seconds, the host's scheduling, input building,
-sampling and detokenisation included — what a user of the engine gets.
+EOS ignored, final-only outputs as ``LLM.generate`` runs them). tokens/s = batch * steps /
+seconds, the host's scheduling, input building, sampling and stop checks included — what
+a user of the engine gets. With a tiny random model on CPU (``--model`` pointing at one)
+the same script measures the engine's host overhead per step.
 Prefill: ``prefill_batch`` prompts of ``prefill_len`` tokens with max_tokens=1, timed from
 submission to completion; tokens/s = prompt tokens / seconds.
 
@@ -56,12 +58,18 @@ def decode_seconds(llm: LLM, batch: int, opts: Options, seed: int) -> float:
     prompts = common.random_prompt_ids(
         batch, opts.prompt_len, engine.model_config.vocab_size, seed, torch.device("cpu")
     ).tolist()
-    params = SamplingParams(temperature=0, max_tokens=opts.steps + 1, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=opts.steps + 1,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,  # as LLM.generate runs requests
+    )
     for p in prompts:
         engine.add_request(p, params)
-    produced = 0
-    while produced < batch:  # prefill (possibly several chunks) until every first token
-        produced += sum(1 for o in engine.step() if len(o.outputs[0].token_ids) == 1)
+    # Prefill (possibly several chunks) until every request holds its first token.
+    requests = list(engine.scheduler.waiting)
+    while any(r.num_output_tokens == 0 for r in requests):
+        engine.step()
     common.synchronize(engine.runner.device)
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():

@@ -47,34 +47,40 @@ def build_step_inputs(
     num_tokens = sum(q_lens)
     width = block_table_width or max(len(s.request.block_ids) for s in scheduled)
 
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    positions = np.empty(num_tokens, dtype=np.int64)
-    slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    block_tables = np.zeros((len(scheduled), width), dtype=np.int32)
+    # Python lists first, one numpy conversion each at the end: per-row numpy calls cost
+    # more than the work for the one-token rows that dominate decoding.
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    table_rows: list[list[int]] = []
     logits_indices: list[int] = []
     sampled_rows: list[int] = []
-    offset = 0
     for row, (sched, start, q_len) in enumerate(zip(scheduled, starts, q_lens, strict=True)):
         request = sched.request
-        blocks = np.asarray(request.block_ids, dtype=np.int64)
-        block_tables[row, : len(blocks)] = blocks
-        pos = np.arange(start, start + q_len, dtype=np.int64)
-        input_ids[offset : offset + q_len] = request.token_ids(start, start + q_len)
-        positions[offset : offset + q_len] = pos
-        slot_mapping[offset : offset + q_len] = blocks[pos // block_size] * block_size + (
-            pos % block_size
-        )
-        offset += q_len
-        if start + q_len == request.num_tokens:
-            logits_indices.append(offset - 1)
+        blocks = request.block_ids
+        table_rows.append(blocks)
+        end = start + q_len
+        input_ids += request.token_ids(start, end)
+        if q_len == 1:
+            positions.append(start)
+            slot_mapping.append(blocks[start // block_size] * block_size + start % block_size)
+        else:
+            pos = range(start, end)
+            positions += pos
+            slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in pos]
+        if end == request.num_tokens:
+            logits_indices.append(len(positions) - 1)
             sampled_rows.append(row)
+    block_tables = np.zeros((len(scheduled), width), dtype=np.int32)
+    for row, blocks in enumerate(table_rows):
+        block_tables[row, : len(blocks)] = blocks
 
     query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
     np.cumsum(q_lens, out=query_start_loc[1:])
     # Two host-to-device copies per step (one per dtype) instead of one per tensor.
     n, s = num_tokens, len(scheduled)
     packed64 = _to_device(
-        np.concatenate([input_ids, positions, slot_mapping, np.asarray(logits_indices, np.int64)]),
+        np.array(input_ids + positions + slot_mapping + logits_indices, dtype=np.int64),
         device,
     )
     packed32 = _to_device(
