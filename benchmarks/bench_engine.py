@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 from specdec import LLM, SamplingParams
+from specdec.sampling_params import RequestOutputKind
 
 VARIANTS = {
     # name: engine keyword overrides

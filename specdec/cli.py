@@ -48,9 +48,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--draft",
+        default=None,
+        help="speculate with this proposer (ngram); default: plain decoding",
+    )
+    g.add_argument("--num-speculative-tokens", type=int, default=3, help="chain length K")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
+    from specdec.config import SpeculativeConfig
+
     return dict(
         device=args.device,
         dtype=args.dtype,
@@ -64,6 +72,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        speculative=(
+            SpeculativeConfig(method=args.draft, num_speculative_tokens=args.num_speculative_tokens)
+            if args.draft
+            else None
+        ),
     )
 
 
@@ -142,6 +155,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
         f"attention={runtime.attention_backend}"
     )
+    if llm.engine.proposer is not None:
+        print(f"speculation ({args.draft}): {llm.engine.spec_stats.summary()}")
     if args.json_out:
         Path(args.json_out).write_text(
             json.dumps(

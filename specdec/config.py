@@ -61,6 +61,54 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """How to speculate. ``method`` picks a proposer from the registry (``ngram``,
+    ``eagle3``, ``draft_model``); ``model`` is its head/model when it needs one.
+
+    Tree shape: ``tree="chain"`` drafts ``num_speculative_tokens`` tokens in a line;
+    ``tree="dynamic"`` grows an EAGLE-2 tree (``top_k`` children per node, depth
+    ``num_speculative_tokens``, the ``total_tokens`` best nodes kept); ``tree="static"``
+    uses ``choices`` (paths such as [[0], [1], [0, 0]]).
+    """
+
+    method: str = "ngram"
+    model: str | None = None
+    num_speculative_tokens: int = 3
+    tree: str = "chain"
+    top_k: int = 8
+    total_tokens: int = 48
+    choices: list[list[int]] | None = None
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # Above this many running requests, speculation stops paying; None = always on.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1"
+            )
+        if self.tree not in ("chain", "dynamic", "static"):
+            raise ValueError(f"tree={self.tree!r}; choose chain, dynamic or static")
+        if self.tree == "static" and not self.choices:
+            raise ValueError("tree='static' needs choices, e.g. [[0], [1], [0, 0]]")
+        if self.tree == "dynamic" and not 1 <= self.top_k <= self.total_tokens:
+            raise ValueError(
+                f"dynamic tree needs 1 <= top_k ({self.top_k}) <= total_tokens "
+                f"({self.total_tokens})"
+            )
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Draft nodes per request per step (the scheduler's lookahead slots)."""
+        if self.tree == "chain":
+            return self.num_speculative_tokens
+        if self.tree == "static":
+            return len(self.choices or [])
+        return self.total_tokens
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs to start.
 
@@ -79,6 +127,7 @@ class EngineConfig:
     cache_dir: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -94,8 +143,11 @@ class EngineConfig:
         data = dict(data)
         cache = _strict(CacheConfig, data.pop("cache", {}) or {})
         scheduler = _strict(SchedulerConfig, data.pop("scheduler", {}) or {})
-        _check_keys(cls, data, exclude={"cache", "scheduler"})
-        return cls(**data, cache=cache, scheduler=scheduler)
+        spec = data.pop("speculative", None)
+        if isinstance(spec, dict):
+            spec = _strict(SpeculativeConfig, spec)
+        _check_keys(cls, data, exclude={"cache", "scheduler", "speculative"})
+        return cls(**data, cache=cache, scheduler=scheduler, speculative=spec)
 
 
 _DTYPES = {"auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"}

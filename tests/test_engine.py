@@ -4,11 +4,14 @@ request's tokens, and bad input fails clearly."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from prompts import varied_conversations
 
 from specdec import LLM, SamplingParams
+from specdec.config import SpeculativeConfig
 
 NEW_TOKENS = 64
 
@@ -173,3 +176,33 @@ def test_errors_name_value_and_limit(llm):
     with pytest.raises(ValueError):
         llm.generate([[5] * 10, [5] * 5000], greedy(), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        # chunked prefill + a pool so small that requests are preempted mid-speculation
+        {"max_num_batched_tokens": 64, "kv_cache_memory": 120 * 2 * 30 * 16 * 3 * 64 * 4},
+    ],
+    ids=["batch16", "chunk64+preemption"],
+)
+def test_ngram_speculation_is_lossless(smollm2_dir, chats, reference, kwargs):
+    """Prompt-lookup drafts (chains of 4) verified by the target: same tokens as plain
+    greedy decoding, for 16 requests batched together."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    llm = make_llm(smollm2_dir, speculative=spec, **kwargs)
+    assert token_ids(llm.generate(chats, greedy(), use_tqdm=False)) == reference
+    stats = llm.engine.spec_stats
+    assert stats.steps > 0 and stats.accepted_tokens > 0  # drafts were really verified
+    rates = stats.acceptance_rates
+    assert all(a >= b for a, b in itertools.pairwise(rates))
+    if "kv_cache_memory" in kwargs:
+        assert llm.engine.scheduler.num_preemptions > 0
+    pool = llm.engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_speculation_alone_equals_plain(smollm2_dir, chats, reference):
+    llm = make_llm(smollm2_dir, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    assert token_ids(llm.generate([chats[7]], greedy(), use_tqdm=False))[0] == reference[7]

@@ -37,6 +37,10 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
     backend: str,
+    tree_lens: torch.Tensor | None = None,  # [num_seqs] int32
+    tree_mask_offsets: torch.Tensor | None = None,  # [num_seqs] int64
+    tree_mask: torch.Tensor | None = None,  # [sum_s tree_lens[s]**2] bool
+    max_tree_len: int = 0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -45,6 +49,10 @@ def paged_attention(
         block_tables=block_tables,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
+        tree_lens=tree_lens,
+        tree_mask_offsets=tree_mask_offsets,
+        tree_mask=tree_mask,
+        max_tree_len=max_tree_len,
     )
     return _backend(backend).forward(q, k, v, k_cache, v_cache, meta, scale)
 
@@ -64,6 +72,10 @@ def _(
     max_seq_len,
     scale,
     backend,
+    tree_lens=None,
+    tree_mask_offsets=None,
+    tree_mask=None,
+    max_tree_len=0,
 ):
     return torch.empty_like(q)
 
@@ -92,4 +104,8 @@ class OpaqueAttention(AttentionBackend):
             meta.max_seq_len,
             scale,
             self.inner,
+            meta.tree_lens,
+            meta.tree_mask_offsets,
+            meta.tree_mask,
+            meta.max_tree_len,
         )

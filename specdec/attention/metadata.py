@@ -11,6 +11,21 @@ Sequences in a batch are laid out back to back (varlen). Sequence ``s`` contribu
 tokens of context *including* them, so its new tokens sit at absolute positions
 ``seq_lens[s] - q_len ... seq_lens[s] - 1`` and query ``i`` attends causally to keys
 ``0 ... seq_lens[s] - q_len + i``. Decode is the case ``q_len == 1``.
+
+Draft-tree verification. The last ``t = tree_lens[s]`` new tokens of sequence ``s`` may form
+a tree (``t == 0``: no tree, the causal rule alone). Tree nodes occupy consecutive cache
+indices ``seq_lens[s] - t ... seq_lens[s] - 1`` in node order, parents before children.
+``tree_mask[tree_mask_offsets[s] :][: t * t]`` is that tree's row-major ``[t, t]`` matrix
+with ``mask[i, j]`` true iff node ``j`` is node ``i`` or one of its ancestors. A query of
+tree node ``i`` sees every key at cache index ``< seq_lens[s] - t`` (the committed context
+and any earlier new tokens of the step) plus the tree keys ``j`` with ``mask[i, j]``;
+queries before the tree part keep the causal rule. Equivalently, for every query at cache
+index ``p`` and key at ``k``: visible iff ``k <= p`` and (``k`` is outside the tree or the
+mask bit is set), so bits above the diagonal (impossible in a valid tree) are ignored.
+Attention works on cache indices only: tree nodes' RoPE positions (prefix length + depth)
+reach the model through its ``positions`` input, not through this metadata. A batch may mix
+trees, plain decodes and prefill chunks; ``specdec.attention.tree_mask`` builds the fields
+from parent arrays.
 """
 
 from __future__ import annotations
@@ -28,6 +43,9 @@ class AttentionMetadata:
     ``1 <= q_len <= seq_lens[s]``, ``seq_lens[s] <= block_tables.shape[1] * block_size``.
     ``max_query_len``/``max_seq_len`` are host ints (grid sizes; no device sync needed) and
     are upper bounds: a CUDA graph captures with the largest values it will ever replay.
+    Tree fields (module docstring): the three tensors come together or not at all,
+    ``tree_lens[s] <= q_len``, and ``max_tree_len`` bounds every ``tree_lens[s]``; with
+    ``max_tree_len == 0`` the tensors are ignored and every query is causal.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V goes to
@@ -39,12 +57,38 @@ class AttentionMetadata:
     # Host copies for the reference backend (it loops over sequences); None under CUDA graphs.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Draft-tree verification (module docstring); None: no trees in this batch.
+    tree_lens: torch.Tensor | None = None  # [num_seqs] int32: tree nodes at the end of q
+    tree_mask_offsets: torch.Tensor | None = None  # [num_seqs] int64: seq s's mask start
+    tree_mask: torch.Tensor | None = None  # [sum_s tree_lens[s]**2] bool, row-major [t, t]
+    max_tree_len: int = 0  # host bound on tree_lens
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("tree_lens", "tree_mask_offsets", "tree_mask")
+            if getattr(self, name) is not None
+        ]
+        if given and len(given) != 3:
+            raise ValueError(
+                f"tree fields come together: got only {given}; pass tree_lens, "
+                "tree_mask_offsets and tree_mask (specdec.attention.tree_mask builds them)"
+            )
+        if self.max_tree_len < 0 or (self.max_tree_len > 0 and not given):
+            raise ValueError(
+                f"max_tree_len {self.max_tree_len} needs the tree tensors and must be >= 0"
+            )
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
     @property
+    def has_tree(self) -> bool:
+        """Some sequence may verify a draft tree (its queries need the tree mask)."""
+        return self.tree_lens is not None and self.max_tree_len > 0
+
+    @property
     def is_decode_only(self) -> bool:
-        """Every sequence has exactly one new token (the decode kernel's case)."""
-        return self.max_query_len == 1
+        """Every sequence has exactly one new token and no tree (the decode kernel's case)."""
+        return self.max_query_len == 1 and not self.has_tree

@@ -2,7 +2,8 @@
 
 It is the ground truth the Triton kernels are tested against, and the CPU path. It loops
 over sequences on the host, so it favours clarity over speed; decode-only batches take a
-batched gather path because CPU decoding is dominated by them.
+batched gather path because CPU decoding is dominated by them. Batches with draft trees
+always take the per-sequence path, which applies the tree mask.
 """
 
 from __future__ import annotations
@@ -38,6 +39,28 @@ def gather_context(
     return blocks.flatten(0, 1)[:seq_len]
 
 
+def attention_mask_ref(
+    q_len: int,
+    seq_len: int,
+    tree: torch.Tensor | None,  # [tree_len, tree_len] bool, or None: no tree
+    device: torch.device,
+) -> torch.Tensor:  # [q_len, seq_len] bool
+    """Which keys each new token of one sequence sees (the rule in ``metadata.py``).
+
+    Query i sits at cache index seq_len - q_len + i and sees keys 0..that (causal). When the
+    last tree_len new tokens form a tree, keys inside the tree additionally need the tree
+    mask bit; everything before the tree stays visible to the tree's queries.
+    """
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    mask = torch.arange(seq_len, device=device)[None, :] <= q_pos  # [q_len, L]
+    if tree is not None and tree.shape[0] > 0:
+        t = tree.shape[0]
+        if t > q_len:
+            raise ValueError(f"tree_len {t} exceeds the sequence's q_len {q_len}")
+        mask[q_len - t :, seq_len - t :] &= tree.to(device=device, dtype=torch.bool)
+    return mask
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -45,11 +68,16 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its paged context."""
+    """Attention of each sequence's new tokens over its paged context: causal, with the
+    draft-tree mask on the tree part when ``meta`` carries trees."""
     q_lens = meta.query_lens_cpu
     if q_lens is None:
         q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
     seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+    tree_lens, tree_offsets = [0] * len(seq_lens), [0] * len(seq_lens)
+    if meta.has_tree:
+        assert meta.tree_lens is not None and meta.tree_mask_offsets is not None
+        tree_lens, tree_offsets = meta.tree_lens.tolist(), meta.tree_mask_offsets.tolist()
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     start = 0
@@ -57,9 +85,12 @@ def paged_attention_ref(
         keys = gather_context(k_cache, meta.block_tables[s], seq_len)  # [L, kvh, d]
         vals = gather_context(v_cache, meta.block_tables[s], seq_len)
         q_s = q[start : start + q_len].transpose(0, 1)  # [H, q_len, d]
-        # Query i sits at absolute position seq_len - q_len + i and sees keys 0..that.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # [q_len, L]
+        t, off = tree_lens[s], tree_offsets[s]
+        tree = None
+        if t > 0:
+            assert meta.tree_mask is not None
+            tree = meta.tree_mask[off : off + t * t].view(t, t)
+        mask = attention_mask_ref(q_len, seq_len, tree, q.device)  # [q_len, L]
         o = F.scaled_dot_product_attention(
             q_s.to(keys.dtype),
             keys.transpose(0, 1),
@@ -105,6 +136,6 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode_only:
+        if meta.is_decode_only:  # never true for tree batches (see AttentionMetadata)
             return paged_decode_ref(q, k_cache, v_cache, meta, scale)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -30,6 +30,7 @@ class TritonAttentionBackend(AttentionBackend):
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         # Decode-only batches take the split-K kernel: one query per sequence leaves the
         # varlen kernel's query tiles mostly empty and a long context on few programs.
+        # Tree batches are never decode-only: the varlen kernel applies the tree mask.
         if meta.is_decode_only:
             return paged_decode(q, k_cache, v_cache, meta, scale)
         return paged_attention(q, k_cache, v_cache, meta, scale)

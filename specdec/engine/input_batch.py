@@ -12,7 +12,16 @@ import numpy as np
 import torch
 
 from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.tree_mask import build_tree_mask
 from specdec.engine.scheduler import ScheduledRequest
+from specdec.spec.tree import DraftTree
+
+_NO_TREE = torch.empty(0, dtype=torch.int64)
+
+
+def _is_chain(tree: DraftTree) -> bool:
+    n = tree.num_nodes
+    return bool(torch.equal(tree.parents[1:], torch.arange(n - 1, dtype=torch.int64)))
 
 
 @dataclass
@@ -20,8 +29,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] int64: rows whose logits are sampled
-    sampled_rows: list[int]  # index into `scheduled` of each sampled row
+    logits_indices: torch.Tensor  # [num_logits] int64: token rows whose logits are needed
+    sampled_rows: list[int]  # index into `scheduled` of each request that gets tokens
+    logits_counts: list[int]  # logits rows of each sampled row: 1, or its tree's node count
     is_decode_only: bool
 
 
@@ -35,12 +45,18 @@ def build_step_inputs(
     block_size: int,
     device: torch.device,
     block_table_width: int | None = None,
+    trees: dict[int, DraftTree] | None = None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one varlen batch.
 
     A request is *sampled* when this step reaches its last known token (decode, or the
-    final chunk of a prefill); partial prefill chunks produce no token.
+    final chunk of a prefill); partial prefill chunks produce no token. A row in ``trees``
+    (a decoding request with a draft) computes its tree instead of its one token: node 0
+    is that token, nodes sit at consecutive cache slots in node order with RoPE positions
+    ``start + depth``, and every node's logits are returned (the verify step). Its
+    ``num_new_tokens`` must equal the tree's node count.
     """
+    trees = trees or {}
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
     seq_lens = [st + q for st, q in zip(starts, q_lens, strict=True)]
@@ -55,11 +71,29 @@ def build_step_inputs(
     table_rows: list[list[int]] = []
     logits_indices: list[int] = []
     sampled_rows: list[int] = []
+    logits_counts: list[int] = []
+    tree_parents: list[torch.Tensor] = []
     for row, (sched, start, q_len) in enumerate(zip(scheduled, starts, q_lens, strict=True)):
         request = sched.request
         blocks = request.block_ids
         table_rows.append(blocks)
         end = start + q_len
+        tree = trees.get(row)
+        if tree is not None:
+            if tree.num_nodes != q_len:
+                raise ValueError(f"row {row}: tree of {tree.num_nodes} nodes, {q_len} tokens")
+            input_ids += tree.token_ids.tolist()
+            positions += (tree.depths + start).tolist()
+            slot_mapping += [
+                blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+            ]
+            first = len(positions) - q_len
+            logits_indices += range(first, first + q_len)
+            sampled_rows.append(row)
+            logits_counts.append(q_len)
+            tree_parents.append(tree.parents)
+            continue
+        tree_parents.append(_NO_TREE)
         input_ids += request.token_ids(start, end)
         if q_len == 1:
             positions.append(start)
@@ -71,6 +105,7 @@ def build_step_inputs(
         if end == request.num_tokens:
             logits_indices.append(len(positions) - 1)
             sampled_rows.append(row)
+            logits_counts.append(1)
     block_tables = np.zeros((len(scheduled), width), dtype=np.int32)
     for row, blocks in enumerate(table_rows):
         block_tables[row, : len(blocks)] = blocks
@@ -97,11 +132,15 @@ def build_step_inputs(
         query_lens_cpu=q_lens,
         seq_lens_cpu=seq_lens,
     )
+    if any(not _is_chain(t) for t in trees.values()):
+        # A chain is plain causal attention; only branching trees need the mask.
+        meta = build_tree_mask([p.to(device) for p in tree_parents]).attach(meta)
     return StepInputs(
         input_ids=packed64[:n],
         positions=packed64[n : 2 * n],
         meta=meta,
         logits_indices=packed64[3 * n :],
+        logits_counts=logits_counts,
         sampled_rows=sampled_rows,
-        is_decode_only=max(q_lens) == 1,
+        is_decode_only=max(q_lens) == 1 and not trees,
     )

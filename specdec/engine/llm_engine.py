@@ -21,6 +21,10 @@ from specdec.engine.scheduler import Scheduler
 from specdec.models import load_tokenizer, resolve_model
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from specdec.sampling_params import RequestOutputKind, SamplingParams
+from specdec.spec.acceptance import accept_batch, greedy_accept
+from specdec.spec.metrics import SpecStats
+from specdec.spec.proposer import make_proposer
+from specdec.spec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ class _RequestState:
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] | None = None
     pending_delta: list[str] = field(default_factory=list)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
 
 
 class LLMEngine:
@@ -54,6 +59,10 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator(self.runner.device).manual_seed(self.config.seed))
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self._states: dict[str, _RequestState] = {}
+        spec = self.config.speculative
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.lookahead = spec.max_draft_tokens if spec is not None else 0
+        self.spec_stats = SpecStats()
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -146,42 +155,137 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that produced a token."""
-        sched = self.scheduler.schedule()
+        """Run one step; return outputs for requests that produced tokens (per their
+        ``output_kind``). With speculation, decoding requests verify a draft tree and may
+        emit several tokens; the step is otherwise the same."""
+        sched = self.scheduler.schedule(self.lookahead)
         if sched.is_empty:
             return []
-        inputs = self.runner.prepare(sched.scheduled)
+        trees = self._propose(sched.scheduled)
+        for row, tree in trees.items():
+            sched.scheduled[row].num_new_tokens = tree.num_nodes
+        inputs = self.runner.prepare(sched.scheduled, trees)
         logits = self.runner.execute(inputs)
-        for s in sched.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+        for row, s in enumerate(sched.scheduled):
+            if row not in trees:  # tree rows advance by what acceptance keeps
+                s.request.num_computed_tokens += s.num_new_tokens
         self.num_steps += 1
         if not inputs.sampled_rows:
             return []
-        states = [self._states[sched.scheduled[r].request.request_id] for r in inputs.sampled_rows]
-        params = [st.request.sampling_params for st in states]
-        self._suppress_early_stops(logits, [st.request for st in states])
-        if all(p.is_greedy and p.logprobs is None for p in params):
-            # The common case needs no sampling tensors at all.
-            token_ids = logits.argmax(dim=-1).tolist()  # the step's one host sync
-            logprobs = []
-        else:
-            meta = SamplingMetadata.build(
-                params, [st.generator for st in states], self.runner.device
+        # Row offsets of each sampled request in `logits` (1 row, or its tree's nodes).
+        offsets = [0]
+        for count in inputs.logits_counts:
+            offsets.append(offsets[-1] + count)
+        emitted: dict[int, list[int]] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
+        plain = [i for i, r in enumerate(inputs.sampled_rows) if r not in trees]
+        if plain:
+            rows = torch.tensor([offsets[i] for i in plain], device=logits.device)
+            tokens, lps = self._sample(
+                [self._state_of(sched, inputs, i) for i in plain], logits[rows]
             )
-            sampled = self.sampler(logits, meta)
-            token_ids = sampled.token_ids.tolist()  # the step's one host sync
-            logprobs = _logprobs_to_host(sampled.logprobs, token_ids)
+            for j, i in enumerate(plain):
+                emitted[i] = [tokens[j]]
+                if lps:
+                    logprobs[i] = lps[j]
+        spec = [i for i, r in enumerate(inputs.sampled_rows) if r in trees]
+        if spec:
+            self._verify(sched, inputs, trees, spec, logits, offsets, emitted)
         now = time.monotonic()
         outputs = []
-        for i, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
-            self._append_token(state, token_id, logprobs[i] if logprobs else None, now)
+        for i, row in enumerate(inputs.sampled_rows):
+            state = self._state_of(sched, inputs, i)
             request = state.request
+            for token_id in emitted[i]:
+                self._append_token(state, token_id, logprobs.get(i), now)
+                if request.is_finished:
+                    break
+            if sched.scheduled[row].num_lookahead_tokens and not request.is_finished:
+                self.kv_manager.trim(request, request.num_computed_tokens)
             kind = request.sampling_params.output_kind
             if request.is_finished or kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(state, delta=kind is RequestOutputKind.DELTA))
             if request.is_finished:
                 del self._states[request.request_id]
         return outputs
+
+    def _state_of(self, sched, inputs, i: int) -> _RequestState:
+        return self._states[sched.scheduled[inputs.sampled_rows[i]].request.request_id]
+
+    def _sample(
+        self, states: list[_RequestState], logits: torch.Tensor
+    ) -> tuple[list[int], list[TokenLogprobs]]:
+        """One token per row from [rows, vocab] logits (the step's host sync)."""
+        params = [st.request.sampling_params for st in states]
+        self._suppress_early_stops(logits, [st.request for st in states])
+        if all(p.is_greedy and p.logprobs is None for p in params):
+            return logits.argmax(dim=-1).tolist(), []  # no sampling tensors needed
+        meta = SamplingMetadata.build(params, [st.generator for st in states], self.runner.device)
+        sampled = self.sampler(logits, meta)
+        token_ids = sampled.token_ids.tolist()
+        return token_ids, _logprobs_to_host(sampled.logprobs, token_ids)
+
+    def _propose(self, scheduled) -> dict[int, DraftTree]:
+        """Draft trees for decoding rows that reserved lookahead slots."""
+        if self.proposer is None:
+            return {}
+        spec = self.config.speculative
+        if spec.disable_by_batch_size is not None and len(scheduled) > spec.disable_by_batch_size:
+            return {}
+        rows, limits = [], []
+        for row, s in enumerate(scheduled):
+            request = s.request
+            params = request.sampling_params
+            # min_tokens and logprobs are per emitted token: such requests decode plainly.
+            if (
+                s.num_lookahead_tokens == 0
+                or params.logprobs is not None
+                or request.num_output_tokens < params.min_tokens
+            ):
+                continue
+            # Never draft past max_tokens: a step emits at most drafts + 1 tokens.
+            limit = min(s.num_lookahead_tokens, request.max_tokens - request.num_output_tokens - 1)
+            if limit > 0:
+                rows.append(row)
+                limits.append(limit)
+        if not rows:
+            return {}
+        drafts = self.proposer.propose([scheduled[r].request for r in rows], limits)
+        return {r: t for r, t in zip(rows, drafts, strict=True) if t is not None}
+
+    def _verify(self, sched, inputs, trees, spec, logits, offsets, emitted) -> None:
+        """Acceptance for the tree rows, then move the accepted path's K/V into place."""
+        states = [self._state_of(sched, inputs, i) for i in spec]
+        tree_list = [trees[inputs.sampled_rows[i]] for i in spec]
+        rows = torch.cat(
+            [torch.arange(offsets[i], offsets[i + 1], device=logits.device) for i in spec]
+        )
+        tree_logits = logits[rows]  # [sum nodes, vocab]
+        params = [st.request.sampling_params for st in states]
+        if all(p.is_greedy for p in params):
+            results, start = [], 0
+            for tree in tree_list:
+                results.append(greedy_accept(tree, tree_logits[start : start + tree.num_nodes]))
+                start += tree.num_nodes
+        else:
+            meta = SamplingMetadata.build(params, [st.generator for st in states], logits.device)
+            results = accept_batch(tree_list, tree_logits, meta, self.sampler.generator)
+        src, dst = [], []
+        bs = self.block_size
+        for i, state, tree, result in zip(spec, states, tree_list, results, strict=True):
+            request = state.request
+            start = request.num_computed_tokens  # the root's cache index
+            blocks = request.block_ids
+            for depth, node in enumerate(result.accepted_nodes, start=1):
+                if node != depth:  # off the chain: move it next to its parent
+                    a, b = start + node, start + depth
+                    src.append(blocks[a // bs] * bs + a % bs)
+                    dst.append(blocks[b // bs] * bs + b % bs)
+            request.num_computed_tokens = start + 1 + result.num_accepted
+            emitted[i] = result.token_ids
+            self.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
+            state.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
+        self.runner.move_kv(src, dst)
 
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Rows below ``min_tokens`` must not produce EOS or a stop token id: mask them

@@ -212,8 +212,25 @@ class ModelRunner:
             self.device,
         )
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        return build_step_inputs(scheduled, self.block_size, self.device)
+    def prepare(self, scheduled: list[ScheduledRequest], trees=None) -> StepInputs:
+        return build_step_inputs(scheduled, self.block_size, self.device, trees=trees)
+
+    @torch.inference_mode()
+    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy K/V from cache slots ``src_slots`` to ``dst_slots`` in every layer: after
+        tree verification the accepted path's entries move to consecutive positions.
+
+        All sources are read before any destination is written, so overlapping moves
+        (a path node shifting left onto a rejected sibling's slot) are safe.
+        """
+        if not src_slots:
+            return
+        src = torch.tensor(src_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        dst = torch.tensor(dst_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
+                flat[dst] = flat[src]
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:

@@ -22,6 +22,7 @@ from specdec.engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at num_computed_tokens
+    num_lookahead_tokens: int = 0  # extra slots reserved for draft tokens (speculation)
 
 
 @dataclass
@@ -94,7 +95,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            lookahead = num_lookahead_tokens if num_new == 1 else 0
+            lookahead = 0
+            if num_new == 1:  # decoding: room for drafts, never past the context limit
+                lookahead = max(
+                    0, min(num_lookahead_tokens, self.max_model_len - request.num_tokens)
+                )
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
@@ -102,7 +107,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                out.scheduled.append(ScheduledRequest(request, num_new, lookahead))
                 budget -= num_new
                 i += 1
                 continue

@@ -12,6 +12,13 @@ tiles of ``block_n`` with an online softmax (running max and sum in log2 units, 
 accumulator). Key tiles wholly before the tile's first query position need no causal mask
 and take the cheaper loop.
 
+Draft trees (``meta.has_tree``, rule in ``specdec.attention.metadata``) compile a variant
+whose masked loop also reads the tree-mask bits of (tree query row, tree key column) pairs.
+The unmasked loop then stops at the tree's first cache index as well as at the diagonal: a
+tree row sees all keys before the tree but only its ancestors inside it. Tiles wholly before
+the tree keep the causal bounds and their mask-bit loads are predicated off, so the extra
+work is the handful of key tiles that overlap the tree.
+
 Graph safety: the grid comes from ``meta.max_query_len`` (a host upper bound) and tensor
 shapes; tiles past a sequence's real ``q_len`` exit at once.
 """
@@ -91,12 +98,19 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
+    TREE: tl.constexpr,
+    tree_mask_ptr,
+    tree_lo,
+    tree_len,
     DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of (m_i, l_i, acc) over keys [key_lo, key_hi).
 
     With CAUSAL false every key in range is visible to every row (the caller guarantees
-    key_hi <= the tile's first query position + 1 and <= seq_len).
+    key_hi <= the tile's first query position + 1, <= seq_len and, with a tree, <= the
+    tree's first cache index ``tree_lo``). With TREE, a causally visible key at cache index
+    >= tree_lo also needs bit [q_pos - tree_lo, pos - tree_lo] of the sequence's
+    ``[tree_len, tree_len]`` mask at ``tree_mask_ptr`` (uint8).
     """
     for n0 in range(key_lo, key_hi, BLOCK_N):
         pos = n0 + offs_n  # [BLOCK_N] absolute key positions
@@ -111,6 +125,15 @@ def _attend_tile(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
         if CAUSAL:
             visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if TREE:
+                ti = q_pos - tree_lo  # [BLOCK_M] tree node of each row (< 0: before the tree)
+                tj = pos - tree_lo  # [BLOCK_N] tree node of each key
+                # visible implies tj <= ti; ti < tree_len drops padded rows past the sequence.
+                in_tree = visible & (tj[None, :] >= 0) & (ti[:, None] < tree_len)
+                bit = tl.load(
+                    tree_mask_ptr + ti[:, None] * tree_len + tj[None, :], mask=in_tree, other=1
+                )
+                visible = visible & (bit != 0)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -130,6 +153,9 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    tree_lens_ptr,
+    tree_mask_offsets_ptr,
+    tree_mask_ptr,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -146,6 +172,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_TREE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -181,19 +208,28 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     kv_head_off = kvh * stride_ch
-    # Keys before the tile's first query position are visible to all its rows.
+    # Keys before the tile's first query position (and before the tree, if any) are
+    # visible to all its rows.
     diag = ctx + first_tok
+    tree_len = 0
+    tree_lo = seq_len
+    seq_mask_ptr = tree_mask_ptr
+    if HAS_TREE:
+        tree_len = tl.load(tree_lens_ptr + seq)
+        tree_lo = seq_len - tree_len
+        seq_mask_ptr = tree_mask_ptr + tl.load(tree_mask_offsets_ptr + seq)
+        diag = tl.minimum(diag, tree_lo)
     full_hi = (diag // BLOCK_N) * BLOCK_N
     kv_hi = ctx + tl.minimum(q_len, first_tok + TOKENS_PER_TILE)  # last query position + 1
     m_i, l_i, acc = _attend_tile(
         q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off, q_pos, 0, full_hi,
         scale_log2, stride_cb, stride_cs, offs_n, offs_d, d_mask,
-        BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        BLOCK_SIZE, BLOCK_N, False, False, seq_mask_ptr, tree_lo, tree_len, DOT_PRECISION,
     )  # fmt: skip
     m_i, l_i, acc = _attend_tile(
         q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off, q_pos, full_hi, kv_hi,
         scale_log2, stride_cb, stride_cs, offs_n, offs_d, d_mask,
-        BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        BLOCK_SIZE, BLOCK_N, True, HAS_TREE, seq_mask_ptr, tree_lo, tree_len, DOT_PRECISION,
     )  # fmt: skip
 
     # Every real row sees key 0, so l_i > 0 there; padded rows are not stored.
@@ -205,6 +241,31 @@ def _prefill_kernel(
     )
 
 
+def _tree_args(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's three tree pointers: the checked tree tensors (the mask viewed as uint8,
+    which every Triton version loads), or ``seq_lens`` as an unread placeholder."""
+    if not meta.has_tree:
+        return meta.seq_lens, meta.seq_lens, meta.seq_lens
+    assert meta.tree_lens is not None and meta.tree_mask_offsets is not None
+    assert meta.tree_mask is not None
+    for name, t, dtype in [
+        ("tree_lens", meta.tree_lens, torch.int32),
+        ("tree_mask_offsets", meta.tree_mask_offsets, torch.int64),
+        ("tree_mask", meta.tree_mask, torch.bool),
+    ]:
+        if t.dtype != dtype or t.dim() != 1:
+            raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}; it must be 1-d {dtype}")
+        require_last_dim_contiguous(name, t)
+    if meta.tree_lens.shape[0] != meta.num_seqs:
+        raise ValueError(
+            f"tree_lens has {meta.tree_lens.shape[0]} entries for {meta.num_seqs} sequences"
+        )
+    # An all-empty mask (every tree_lens[s] == 0) may have no storage; no bit is read then,
+    # so any real buffer stands in for it.
+    mask = meta.tree_mask if meta.tree_mask.numel() else meta.seq_lens
+    return meta.tree_lens, meta.tree_mask_offsets, mask.view(torch.uint8)
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -214,10 +275,12 @@ def paged_attention(
     *,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
-    """Causal attention of each sequence's new tokens over its paged context.
+    """Causal attention of each sequence's new tokens over its paged context, with the
+    draft-tree mask on each sequence's tree part when ``meta.has_tree``.
 
     Same contract and result as ``paged_attention_ref``; any mix of q_len (decodes,
-    extends, whole prompts) in one batch. ``meta.max_query_len`` must bound every q_len.
+    extends, whole prompts, trees) in one batch. ``meta.max_query_len`` must bound every
+    q_len.
     """
     require_kv_cache(k_cache, v_cache)
     require_launchable(_prefill_kernel, q, k_cache, meta.query_start_loc, meta.block_tables)
@@ -232,6 +295,7 @@ def paged_attention(
     if config.block_m < group:
         raise ValueError(f"block_m {config.block_m} must be >= the GQA group {group}")
     require_grid_yz("num_seqs", meta.num_seqs)
+    tree_lens, tree_offsets, tree_mask = _tree_args(meta)
     out = torch.empty_like(q)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
@@ -245,6 +309,9 @@ def paged_attention(
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
+        tree_lens,
+        tree_offsets,
+        tree_mask,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -261,6 +328,7 @@ def paged_attention(
         BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
+        HAS_TREE=meta.has_tree,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

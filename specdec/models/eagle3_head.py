@@ -1,0 +1,442 @@
+"""The EAGLE-3 draft head: one Llama decoder layer over fused target hidden states.
+
+A draft step takes a token and a hidden state and predicts the next token in a reduced
+draft vocabulary. The first step's hidden state is ``fuse(aux)``: the target's residual
+stream entering three of its layers (low, mid, high; ``aux_layer_ids``, vLLM's convention)
+concatenated and projected by ``fc`` (3H -> H). Later steps consume the previous step's
+*pre-norm* output instead. The layer's attention reads ``cat(input_layernorm(embed(tok)),
+hidden_norm(h))`` (2H wide, so q/k/v take 2H) and its residual is the un-normed ``h``; the
+MLP has the target's width; ``norm`` + ``lm_head`` (H -> draft vocab) give the logits.
+
+The token embedding is the target's: the head borrows it (``bind_embedding``), never owns,
+trains or saves it. The head's own K/V live in paged blocks like the target's, written and
+read through ``AttentionBackend.forward`` with an explicit ``AttentionMetadata``, so the
+engine can give it its own paged cache. The forward is free of host syncs.
+
+Weights are stored fused as in ``llama.py`` (``qkv_proj``, ``gate_up_proj``);
+``checkpoint_layout`` names the research-format keys (``midlayer.*``) each parameter is
+assembled from. Reading and writing checkpoints lives in ``eagle3_formats.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.attention.base import AttentionBackend
+from specdec.attention.metadata import AttentionMetadata
+from specdec.models.config import ModelConfig
+from specdec.models.llama import KVCache, RMSNorm
+from specdec.models.rope import (
+    RopeParams,
+    RotaryEmbedding,
+    apply_rotary,
+    max_context_len,
+    validate_rope_scaling,
+)
+
+Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids [n] -> embeddings [n, hidden]
+
+NUM_AUX_LAYERS = 3  # EAGLE-3 fuses exactly three target layers (fc is 3H -> H)
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """(2, N // 2, N - 3): the residual stream entering these layers of an N-layer target
+    (vLLM's, EAGLE's and SGLang's default choice, in vLLM's numbering)."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    if num_layers < 4:
+        raise ValueError(
+            f"a {num_layers}-layer target has no default EAGLE-3 aux layers {ids}; "
+            "pass aux_layer_ids explicitly (each in [0, num_layers))"
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class TreeDefaults:
+    """The draft tree a head was tuned for, in ``SpeculativeConfig``'s terms (same field
+    names and meaning): ``tree`` "chain" drafts ``num_speculative_tokens`` tokens in a line;
+    "dynamic" grows an EAGLE-2 tree of that depth with ``top_k`` children per node and
+    keeps the ``total_tokens`` best nodes. The engine's speculation config may override."""
+
+    tree: str
+    num_speculative_tokens: int
+    top_k: int = 1
+    total_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tree not in ("chain", "dynamic"):
+            raise ValueError(f"tree defaults: tree={self.tree!r}; choose chain or dynamic")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"tree defaults: num_speculative_tokens={self.num_speculative_tokens} must be >= 1"
+            )
+        if self.tree == "dynamic" and not 1 <= self.top_k <= self.total_tokens:
+            raise ValueError(
+                f"tree defaults: a dynamic tree needs 1 <= top_k ({self.top_k}) <= "
+                f"total_tokens ({self.total_tokens})"
+            )
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Shape and numerics of one EAGLE-3 head, validated on construction.
+
+    Invariants: sizes positive, ``num_heads % num_kv_heads == 0``, ``head_dim`` even,
+    ``draft_vocab_size <= vocab_size`` (the target's), exactly three ``aux_layer_ids`` (the
+    residual stream *entering* those target layers, vLLM's convention), ``rope_scaling`` a
+    complete variant from ``rope.ROPE_TYPES`` or None. ``norm_before_residual`` (a
+    speculators option, off in EAGLE-3 proper) makes the residual ``hidden_norm(h)``.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int  # the RoPE parameter (dynamic/yarn read it), not a limit
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    target_name: str = ""
+    tree: TreeDefaults | None = None
+    norm_before_residual: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "vocab_size",
+            "draft_vocab_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Eagle3Config.{name} must be a positive int; got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}; grouped-query attention needs whole groups"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ValueError(
+                f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta ({self.rope_theta}) "
+                "must be positive"
+            )
+        validate_rope_scaling(self.rope_scaling, self.head_dim)
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size="
+                f"{self.vocab_size}; the draft vocabulary is a subset of the target's"
+            )
+        ids = self.aux_layer_ids
+        if len(ids) != NUM_AUX_LAYERS or any(not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(
+                f"aux_layer_ids={ids!r} must be {NUM_AUX_LAYERS} non-negative target layer "
+                "ids (the residual stream entering each; low, mid, high)"
+            )
+
+    @property
+    def max_context_len(self) -> int:
+        """Positions the head's RoPE reaches by its own parameters (see ``rope.py``)."""
+        return max_context_len(self.rope_scaling, self.max_position_embeddings)
+
+    @classmethod
+    def for_target(
+        cls,
+        model_config: ModelConfig,
+        draft_vocab_size: int,
+        *,
+        aux_layer_ids: tuple[int, ...] | None = None,
+        target_name: str = "",
+        tree: TreeDefaults | None = None,
+    ) -> Eagle3Config:
+        """A head shaped like one layer of ``model_config`` (same widths, heads, norm eps
+        and RoPE), reading the default aux layers unless ``aux_layer_ids`` is given."""
+        ids = aux_layer_ids or default_aux_layer_ids(model_config.num_layers)
+        bad = [i for i in ids if not 0 <= i < model_config.num_layers]
+        if bad:
+            raise ValueError(
+                f"aux_layer_ids {list(ids)} include {bad}, outside [0, "
+                f"{model_config.num_layers}) for a {model_config.num_layers}-layer target"
+            )
+        return cls(
+            hidden_size=model_config.hidden_size,
+            intermediate_size=model_config.intermediate_size,
+            num_heads=model_config.num_heads,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            rms_norm_eps=model_config.rms_norm_eps,
+            rope_theta=model_config.rope_theta,
+            rope_scaling=model_config.rope_scaling,
+            max_position_embeddings=model_config.max_position_embeddings,
+            vocab_size=model_config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=tuple(ids),
+            target_name=target_name,
+            tree=tree,
+        )
+
+
+def validate_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """Raise naming the first violation unless (d2t, t2d) is a valid draft vocabulary.
+
+    ``d2t`` [draft_vocab] int64 holds offsets: draft id ``i`` is target id ``i + d2t[i]``.
+    ``t2d`` [target_vocab] bool marks exactly those target ids. The kept ids are strictly
+    ascending (sorted, no repeats) and lie in the target vocabulary.
+    """
+    if d2t.dtype != torch.int64 or d2t.ndim != 1:
+        raise ValueError(f"d2t must be a 1-D int64 tensor; got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or t2d.ndim != 1:
+        raise ValueError(f"t2d must be a 1-D bool tensor; got {t2d.dtype} {tuple(t2d.shape)}")
+    draft_vocab, target_vocab = d2t.shape[0], t2d.shape[0]
+    kept = torch.arange(draft_vocab, device=d2t.device) + d2t  # [draft_vocab] target ids
+    out = ((kept < 0) | (kept >= target_vocab)).nonzero()
+    if out.numel():
+        i = int(out[0])
+        raise ValueError(
+            f"d2t maps draft id {i} to target id {int(kept[i])}, outside the target "
+            f"vocabulary [0, {target_vocab}); the vocab map belongs to another target"
+        )
+    unsorted = (kept[1:] <= kept[:-1]).nonzero()
+    if unsorted.numel():
+        i = int(unsorted[0]) + 1
+        raise ValueError(
+            f"d2t kept ids are not strictly ascending: draft id {i} -> target id "
+            f"{int(kept[i])} follows target id {int(kept[i - 1])}; rebuild the map with "
+            "the kept ids sorted"
+        )
+    # Kept ids are distinct, so "all kept ids marked" plus equal counts means "exactly".
+    unmarked = (~t2d.to(kept.device)[kept]).nonzero()
+    marked = int(t2d.sum())
+    if unmarked.numel() or marked != draft_vocab:
+        detail = (
+            f"target id {int(kept[int(unmarked[0])])} (draft id {int(unmarked[0])}) is kept "
+            "by d2t but not marked in t2d"
+            if unmarked.numel()
+            else f"t2d marks {marked} target ids, d2t keeps {draft_vocab}"
+        )
+        raise ValueError(
+            f"t2d does not mark exactly the kept ids: {detail}; build d2t and t2d from one "
+            "sorted list of kept target ids"
+        )
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H-wide ``cat(embed, hidden)``."""
+
+    def __init__(self, config: Eagle3Config, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = nn.Linear(
+            2 * config.hidden_size, self.q_size + 2 * self.kv_size, bias=False
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, 2 * hidden]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))  # out: [num_tokens, heads, head_dim]
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The head's one decoder layer (``midlayer`` in the research checkpoints)."""
+
+    def __init__(self, config: Eagle3Config, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.norm_before_residual = config.norm_before_residual
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Eagle3MLP(config)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [num_tokens, hidden]: target embeddings of the input tokens
+        hidden: torch.Tensor,  # [num_tokens, hidden]: fc(aux) or the previous pre-norm output
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]: pre-norm output
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # [num_tokens, 2H]
+        hidden = residual + self.self_attn(x, cos, sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 draft head over a paged KV cache (see the module docstring).
+
+    Buffers: ``d2t`` [draft_vocab] int64 (draft id ``i`` is target id ``i + d2t[i]``) and
+    ``t2d`` [target_vocab] bool (the kept target ids); both ship inside the weights. A new
+    head keeps target ids ``0 .. draft_vocab - 1`` until ``set_vocab_map``.
+    """
+
+    # Fused parameter -> the research-format projections concatenated into it, in order.
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    d2t: torch.Tensor  # [draft_vocab] int64
+    t2d: torch.Tensor  # [target_vocab] bool
+
+    def __init__(
+        self,
+        config: Eagle3Config,
+        attention: AttentionBackend,
+        *,
+        embed: Embedding | None = None,
+        max_positions: int | None = None,
+    ) -> None:
+        """``embed`` is the target's token embedding (bind later with ``bind_embedding``);
+        ``max_positions`` sizes the RoPE table and must cover every position the target
+        runs at (default: the head's own ``config.max_context_len``)."""
+        super().__init__()
+        if max_positions is not None and max_positions <= 0:
+            raise ValueError(f"max_positions must be positive; got {max_positions}")
+        self.config = config
+        self.attention = attention
+        self.fc = nn.Linear(NUM_AUX_LAYERS * config.hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config, attention)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        rope = RopeParams(
+            head_dim=config.head_dim,
+            theta=config.rope_theta,
+            max_position_embeddings=config.max_position_embeddings,
+            scaling=config.rope_scaling or {},
+        )
+        self.rotary = RotaryEmbedding(rope, max_positions or config.max_context_len)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.bind_embedding(embed)
+
+    def bind_embedding(self, embed: Embedding | None) -> None:
+        """Use the target's embedding (``CausalLM.embed`` or its ``nn.Embedding``).
+
+        Kept outside ``nn.Module`` registration on purpose: it is the target's frozen
+        weight, so it must not appear in the head's parameters, state dict or ``.to()``.
+        """
+        self.__dict__["_embed"] = embed
+
+    def fuse(
+        self,
+        aux_hidden: torch.Tensor,  # [n, 3 * hidden]: entering aux layers low | mid | high
+    ) -> torch.Tensor:  # [n, hidden]
+        return self.fc(aux_hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [n] int64: target token ids
+        hidden: torch.Tensor,  # [n, hidden]: fuse(aux) at the first step, else prev out_prenorm
+        positions: torch.Tensor,  # [n] int64
+        kv_cache: KVCache,  # the head's own (k_cache, v_cache)
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,  # [m] int64: rows to project; None = all
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``out_prenorm`` [n, hidden] (the next step's ``hidden``) and draft
+        logits [m, draft_vocab] float32 (m = n without ``logits_indices``)."""
+        embed: Embedding | None = self.__dict__["_embed"]
+        if embed is None:
+            raise RuntimeError(
+                "Eagle3Head has no token embedding; call head.bind_embedding(target.embed) "
+                "(the head always uses the target's embedding)"
+            )
+        embeds = embed(input_ids).to(hidden.dtype)  # [n, hidden]
+        cos, sin = self.rotary(positions, hidden.dtype)
+        out = self.midlayer(embeds, hidden, cos, sin, kv_cache, meta)  # [n, hidden]
+        rows = out if logits_indices is None else out.index_select(0, logits_indices)
+        return out, self.compute_logits(rows)
+
+    def compute_logits(
+        self,
+        out_prenorm: torch.Tensor,  # [m, hidden]
+    ) -> torch.Tensor:  # [m, draft_vocab] float32
+        return self.lm_head(self.norm(out_prenorm)).float()
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [...]
+        """Target token ids of draft-vocabulary ids (int64, same shape)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Validate (``validate_vocab_map``) and install a draft vocabulary."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "
+                f"the head's draft_vocab_size={self.config.draft_vocab_size}, target "
+                f"vocab_size={self.config.vocab_size}"
+            )
+        validate_vocab_map(d2t, t2d)
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+    def checkpoint_layout(self, param_name: str) -> list[tuple[str, int]]:
+        """The research-format keys that, concatenated along dim 0 in order, form
+        ``param_name``, each with its number of rows.
+
+        ``midlayer.self_attn.qkv_proj.weight`` -> ``[("midlayer.self_attn.q_proj.weight",
+        q_rows), (... k_proj ...), (... v_proj ...)]``; unfused names map to themselves.
+        """
+        module, _, leaf = param_name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        if last not in self.packed_modules:
+            return [(param_name, self.get_parameter(param_name).shape[0])]
+        c = self.config
+        rows_by_part = {
+            "q_proj": c.num_heads * c.head_dim,
+            "k_proj": c.num_kv_heads * c.head_dim,
+            "v_proj": c.num_kv_heads * c.head_dim,
+            "gate_proj": c.intermediate_size,
+            "up_proj": c.intermediate_size,
+        }
+        return [
+            (f"{parent}.{part}.{leaf}", rows_by_part[part]) for part in self.packed_modules[last]
+        ]

@@ -1,0 +1,42 @@
+"""Prompt-lookup proposer: chains from ``ngram_propose`` (model-free, host-side)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specdec.config import SpeculativeConfig
+from specdec.spec.ngram import NgramConfig, ngram_propose
+from specdec.spec.proposer import Proposer
+from specdec.spec.tree import DraftTree
+
+
+def chain_tree(root: int, drafts: Sequence[int]) -> DraftTree:
+    """The tree of a chain: node i's parent is node i-1."""
+    n = len(drafts) + 1
+    return DraftTree(
+        token_ids=torch.tensor([root, *drafts], dtype=torch.int64),
+        parents=torch.tensor([0, *range(n - 1)], dtype=torch.int64),
+        depths=torch.arange(n, dtype=torch.int64),
+    )
+
+
+class NgramProposer(Proposer):
+    name = "ngram"
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self.ngram = NgramConfig(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+
+    def propose(self, requests, max_draft_tokens):
+        trees: list[DraftTree | None] = []
+        for request, limit in zip(requests, max_draft_tokens, strict=True):
+            if limit < 1:
+                trees.append(None)
+                continue
+            tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+            drafts = ngram_propose(tokens, self.ngram)[:limit]
+            trees.append(chain_tree(int(tokens[-1]), drafts.tolist()) if drafts.size else None)
+        return trees

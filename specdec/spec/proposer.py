@@ -1,0 +1,49 @@
+"""The proposer interface and registry.
+
+A proposer looks at running requests that are about to decode and returns, for each, a
+draft tree rooted at the request's last token (the token this step computes anyway), or
+None when it has nothing to propose. The engine verifies every tree in one target
+forward; the proposer never sees the target's logits.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from specdec.config import SpeculativeConfig
+from specdec.engine.request import Request
+from specdec.spec.tree import DraftTree
+
+_PROPOSERS: dict[str, type[Proposer]] = {}
+
+
+class Proposer(ABC):
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if getattr(cls, "name", None):
+            _PROPOSERS[cls.name] = cls
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def propose(
+        self, requests: Sequence[Request], max_draft_tokens: Sequence[int]
+    ) -> list[DraftTree | None]:
+        """One tree (or None) per request with at most ``max_draft_tokens[i]`` draft
+        nodes; the root's token is ``requests[i]``'s last token."""
+
+
+def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:
+    from specdec.spec import ngram_proposer  # noqa: F401  (registers "ngram")
+
+    if config.method not in _PROPOSERS:
+        raise ValueError(
+            f"speculative method {config.method!r} is not available; choose one of "
+            f"{sorted(_PROPOSERS)}"
+        )
+    return _PROPOSERS[config.method](config, **kwargs)

@@ -1,0 +1,446 @@
+"""Draft trees: the shapes a proposer's guesses can take, and one request's tree tensors.
+
+A draft tree hangs below the *root*, the request's last committed token (not a draft
+token): the target's logits at the root predict draft position 1, and the logits at a node
+of depth d predict position d + 1. Nodes are numbered parents before children
+(``parents[i] < i``), so a node's path is a chain of smaller indices and the verifier can
+lay the nodes out in index order.
+
+Shapes (how many children, where):
+
+- ``ChainShape(k)``: k draft tokens in a line (classic speculative decoding).
+- ``StaticTreeShape(choices)``: a fixed tree written as choice paths (EAGLE/Medusa style);
+  ``(0, 1)`` is the second-ranked child of the best child of the root.
+- ``DynamicTreeShape(top_k, depth, total_tokens)``: EAGLE-2's tree grown from the draft's
+  own confidence (see ``_build_dynamic``).
+
+``build_tree`` grows any shape by querying a proposer level by level through a
+``StepLogprobsFn``, so tree construction knows nothing about the proposer. By default
+children are the proposer's top-ranked tokens: *deterministic candidates*
+(``sampled=False``), which lossless acceptance verifies as if drawn from a one-hot draft.
+With ``sample=True`` (chain and static shapes only) children are drawn at random without
+replacement from the draft distribution (``sampled=True``; the tree keeps that distribution
+in ``draft_probs``).
+
+Building never reads a device value on the host: every size is fixed by the shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+StepLogprobsFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``fn(node_token_ids [n] int64, parent_rows [n] int64, depth) -> logprobs [n, vocab]``.
+
+Called once per tree level, from the root (depth 0) down. Row j asks for the draft's
+log-probabilities of the token after node j, whose token is ``node_token_ids[j]`` and whose
+depth is ``depth``. ``parent_rows[j]`` is the row of node j's parent in the *previous*
+call (so a proposer gathers the state it kept per row, e.g. EAGLE hidden states, with
+``state[parent_rows]``); in the depth-0 call the only node is the root and
+``parent_rows == [0]``. Only nodes that will get children are queried: leaves never are.
+The vocabulary is the target's: a proposer with a reduced draft vocabulary (EAGLE-3's
+``d2t``) scatters its log-probabilities into target ids, -inf elsewhere.
+"""
+
+
+@dataclass
+class DraftTree:
+    """One request's draft tree, on the proposer's device.
+
+    Invariants: ``parents[0] == 0`` and ``depths[0] == 0`` (node 0 is the root); for
+    i > 0, ``parents[i] < i`` and ``depths[i] == depths[parents[i]] + 1``; siblings carry
+    distinct tokens. Siblings are listed in the order acceptance tries them: best-ranked
+    first for deterministic candidates, draw order for sampled ones. When ``sampled``,
+    ``draft_probs[i]`` is the distribution node i was drawn from (shared by siblings; row
+    0 is unused). ``__post_init__`` checks shapes only (no device sync); ``check()``
+    checks the structure.
+    """
+
+    token_ids: torch.Tensor  # [num_nodes] int64; token_ids[0] is the root token
+    parents: torch.Tensor  # [num_nodes] int64
+    depths: torch.Tensor  # [num_nodes] int64
+    draft_probs: torch.Tensor | None = None  # [num_nodes, vocab] float32, sampled trees
+    sampled: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.token_ids.shape[0] if self.token_ids.dim() == 1 else -1
+        for name in ("token_ids", "parents", "depths"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.shape[0] != n or t.dtype != torch.int64:
+                raise ValueError(
+                    f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}; every node "
+                    f"array must be [num_nodes] int64 with num_nodes = {n} (token_ids)"
+                )
+        if n < 1:
+            raise ValueError("a draft tree needs at least its root (num_nodes >= 1)")
+        if self.sampled and self.draft_probs is None:
+            raise ValueError(
+                "sampled=True needs draft_probs [num_nodes, vocab]: lossless acceptance of "
+                "sampled children divides by the draft probability"
+            )
+        if self.draft_probs is not None and (
+            self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n
+        ):
+            raise ValueError(
+                f"draft_probs has shape {tuple(self.draft_probs.shape)}; expected "
+                f"[{n}, vocab] (one row per node)"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Nodes other than the root: the draft tokens this tree asks the target to verify."""
+        return self.num_nodes - 1
+
+    def parent_list(self) -> list[int]:
+        """``parents`` on the host (one device sync)."""
+        return self.parents.tolist()
+
+    def check(self) -> None:
+        """Raise ValueError unless the structural invariants hold (syncs; for tests and
+        for trees a proposer assembled by hand)."""
+        parents = self.parents.tolist()
+        depths = self.depths.tolist()
+        tokens = self.token_ids.tolist()
+        if parents[0] != 0 or depths[0] != 0:
+            raise ValueError(
+                f"root has parent {parents[0]} and depth {depths[0]}; node 0 is the root and "
+                "needs parent 0, depth 0"
+            )
+        for i in range(1, len(parents)):
+            if not 0 <= parents[i] < i:
+                raise ValueError(
+                    f"node {i} has parent {parents[i]}; number nodes parents first "
+                    "(0 <= parents[i] < i)"
+                )
+            if depths[i] != depths[parents[i]] + 1:
+                raise ValueError(
+                    f"node {i} has depth {depths[i]} but its parent {parents[i]} has depth "
+                    f"{depths[parents[i]]}; a child is one level below its parent"
+                )
+        first_with: dict[tuple[int, int], int] = {}
+        for i in range(1, len(parents)):
+            other = first_with.setdefault((parents[i], tokens[i]), i)
+            if other != i:
+                raise ValueError(
+                    f"nodes {other} and {i} (children of {parents[i]}) both carry token "
+                    f"{tokens[i]}; siblings must differ (deduplicate the candidates)"
+                )
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root to ``node``, both included (host; one sync)."""
+        if not 0 <= node < self.num_nodes:
+            raise IndexError(f"node {node} is outside the tree's {self.num_nodes} nodes")
+        parents = self.parent_list()
+        out = [node]
+        while node != 0:
+            node = parents[node]
+            out.append(node)
+        return out[::-1]
+
+    def leaves(self) -> list[int]:
+        """Nodes without children, in increasing index order (host)."""
+        has_child = [False] * self.num_nodes
+        for p in self.parent_list()[1:]:
+            has_child[p] = True
+        return [i for i, h in enumerate(has_child) if not h]
+
+    def retrieve_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every root-to-leaf path, one row per leaf (leaves in index order).
+
+        Returns ``indices [num_leaves, max_depth + 1] int64`` and ``lengths [num_leaves]
+        int64``: row r's first ``lengths[r]`` entries are the path (root first); the rest
+        are 0, the root. The filler is a valid index, so gathering with ``indices`` never
+        goes out of bounds, but it is not part of the path: always mask with ``lengths``.
+        """
+        paths = [self.path(leaf) for leaf in self.leaves()]
+        width = max(len(p) for p in paths)
+        rows = [p + [0] * (width - len(p)) for p in paths]
+        device = self.token_ids.device
+        return (
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor([len(p) for p in paths], dtype=torch.int64, device=device),
+        )
+
+    def positions(self, prefix_len: int | torch.Tensor) -> torch.Tensor:  # [num_nodes]
+        """Each node's position in the sequence. ``prefix_len`` counts the tokens before
+        the root, so it is the root's own position; siblings share a position."""
+        return self.depths + prefix_len
+
+
+# ---------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class ChainShape:
+    """``k`` draft tokens in a line: each node's single child is its top-ranked token."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"ChainShape(k={self.k!r}) is invalid; use k >= 1 draft tokens")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.k
+
+
+@dataclass(frozen=True)
+class StaticTreeShape:
+    """A fixed tree given as choice paths, one per draft node.
+
+    ``(r0, r1, ..., rd)`` is the node reached by taking the root's rank-``r0`` child, then
+    that node's rank-``r1`` child, and so on (rank 0 = best). Every proper prefix of a path
+    must itself be a path. Nodes are numbered by (depth, path), so siblings come best-ranked
+    first and parents before children.
+    """
+
+    choices: tuple[tuple[int, ...], ...]
+
+    def __init__(self, choices: list[tuple[int, ...]] | list[list[int]]) -> None:
+        paths = [tuple(c) for c in choices]
+        if not paths:
+            raise ValueError("StaticTreeShape needs at least one choice path, e.g. [(0,)]")
+        seen: set[tuple[int, ...]] = set()
+        for path in paths:
+            if not path or any(not isinstance(r, int) or r < 0 for r in path):
+                raise ValueError(
+                    f"choice {path} is invalid; a choice is a non-empty tuple of ranks >= 0"
+                )
+            if path in seen:
+                raise ValueError(f"choice {path} appears twice; list each node once")
+            seen.add(path)
+        for path in paths:
+            if len(path) > 1 and path[:-1] not in seen:
+                raise ValueError(
+                    f"choice {path} has no parent {path[:-1]}; add {path[:-1]} (every prefix "
+                    "of a choice must be a choice)"
+                )
+        object.__setattr__(self, "choices", tuple(sorted(paths, key=lambda p: (len(p), p))))
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return len(self.choices)
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.choices)
+
+    def ranks_contiguous(self) -> bool:
+        """True when every node's children have ranks 0, 1, ..., m-1 (no gaps)."""
+        present = set(self.choices)
+        return all(p[-1] == 0 or (*p[:-1], p[-1] - 1) in present for p in self.choices)
+
+
+@dataclass(frozen=True)
+class DynamicTreeShape:
+    """EAGLE-2's dynamic tree: ``depth`` levels, ``top_k`` children per expanded node,
+    at most ``top_k`` expanded nodes per level, ``total_tokens`` draft nodes kept."""
+
+    top_k: int
+    depth: int
+    total_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "depth", "total_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DynamicTreeShape {name}={value!r} is invalid; use >= 1")
+        if self.total_tokens > self.num_candidates:
+            raise ValueError(
+                f"total_tokens={self.total_tokens} exceeds the {self.num_candidates} "
+                f"candidates that top_k={self.top_k}, depth={self.depth} can grow; lower "
+                "total_tokens or raise top_k/depth"
+            )
+
+    @property
+    def num_candidates(self) -> int:
+        """Nodes grown before reranking: top_k at depth 1, top_k**2 at each deeper level."""
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.total_tokens
+
+
+TreeShape = ChainShape | StaticTreeShape | DynamicTreeShape
+
+
+# ---------------------------------------------------------------- building
+
+
+def build_tree(
+    shape: TreeShape,
+    root_token: int | torch.Tensor,  # int, or [] / [1] int64 on the proposer's device
+    step_logprobs_fn: StepLogprobsFn,
+    *,
+    sample: bool = False,
+    generator: torch.Generator | None = None,
+) -> DraftTree:
+    """Grow ``shape`` below ``root_token`` by querying ``step_logprobs_fn`` level by level.
+
+    ``sample=False``: children are the top-ranked tokens (deterministic candidates; ties as
+    ``torch.topk`` breaks them). ``sample=True``: the children of a node are successive
+    draws without replacement from softmax(logprobs) (using ``generator``), in draw order;
+    only chain and static shapes allow it, and a static shape's sibling ranks must then be
+    contiguous (a gap would mean a drawn token acceptance never saw).
+    """
+    root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)  # [1]
+    if isinstance(shape, DynamicTreeShape):
+        if sample:
+            raise ValueError(
+                "sample=True is not lossless with DynamicTreeShape: pruning by score keeps a "
+                "sampled child depending on its value; use deterministic candidates "
+                "(sample=False) or a chain/static shape"
+            )
+        return _build_dynamic(shape, root, step_logprobs_fn)
+    if isinstance(shape, ChainShape):
+        shape = StaticTreeShape([(0,) * d for d in range(1, shape.k + 1)])
+    if sample and not shape.ranks_contiguous():
+        raise ValueError(
+            f"sample=True needs contiguous sibling ranks, but {shape.choices} skips one; "
+            "add the missing ranks or use sample=False"
+        )
+    return _build_static(shape, root, step_logprobs_fn, sample, generator)
+
+
+def _level_logprobs(
+    fn: StepLogprobsFn, tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int
+) -> torch.Tensor:  # [n, vocab] float32, normalised
+    logprobs = fn(tokens, parent_rows, depth)
+    if logprobs.dim() != 2 or logprobs.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"step_logprobs_fn returned shape {tuple(logprobs.shape)} at depth {depth}; "
+            f"expected [{tokens.shape[0]}, vocab] (one row per queried node)"
+        )
+    # Idempotent on log-probabilities; makes raw logits safe too.
+    return logprobs.float().log_softmax(dim=-1)
+
+
+def _build_static(
+    shape: StaticTreeShape,
+    root: torch.Tensor,  # [1] int64
+    fn: StepLogprobsFn,
+    sample: bool,
+    generator: torch.Generator | None,
+) -> DraftTree:
+    device = root.device
+    paths = [(), *shape.choices]  # node index -> path; the root is ()
+    index = {p: i for i, p in enumerate(paths)}
+    parents = [0] + [index[p[:-1]] for p in paths[1:]]
+    depths = [len(p) for p in paths]
+    num_nodes = len(paths)
+    token_ids = torch.empty(num_nodes, dtype=torch.int64, device=device)
+    token_ids[0] = root[0]
+    draft_probs: torch.Tensor | None = None
+
+    has_children = set(parents[1:])
+    expanded = [0]  # nodes queried at the current depth; all have children
+    prev_row = {0: 0}  # node -> its row in the previous call
+    for depth in range(shape.depth):
+        rows = torch.tensor([prev_row[parents[v]] for v in expanded], device=device)
+        logprobs = _level_logprobs(fn, token_ids[expanded], rows, depth)  # [n, vocab]
+        if sample and draft_probs is None:
+            draft_probs = torch.zeros(num_nodes, logprobs.shape[1], device=device)
+        row_of = {v: r for r, v in enumerate(expanded)}
+        children = [i for i in range(1, num_nodes) if depths[i] == depth + 1]
+        child_rows = [row_of[parents[i]] for i in children]
+        ranks = torch.tensor([paths[i][-1] for i in children], device=device)
+        width = max(paths[i][-1] for i in children) + 1
+        if sample:
+            probs = logprobs.exp()  # [n, vocab]
+            # Exponential race: sorting p / Exp(1) gives successive draws without replacement.
+            race = torch.empty_like(probs).exponential_(generator=generator)
+            ranked = (probs / race).topk(width, dim=-1).indices  # [n, width]
+            assert draft_probs is not None
+            draft_probs[children] = probs[child_rows]
+        else:
+            ranked = logprobs.topk(width, dim=-1).indices  # [n, width]
+        token_ids[children] = ranked[child_rows, ranks]
+        prev_row = row_of
+        expanded = [i for i in children if i in has_children]
+        if not expanded:
+            break
+
+    return DraftTree(
+        token_ids=token_ids,
+        parents=torch.tensor(parents, dtype=torch.int64, device=device),
+        depths=torch.tensor(depths, dtype=torch.int64, device=device),
+        draft_probs=draft_probs,
+        sampled=sample,
+    )
+
+
+def _build_dynamic(shape: DynamicTreeShape, root: torch.Tensor, fn: StepLogprobsFn) -> DraftTree:
+    """EAGLE-2. A node's score is its cumulative draft log-probability (sum over its path).
+
+    Grow: the root gets its top_k tokens as children (the depth-1 frontier); at each
+    further level every frontier node gets its top_k tokens as candidates, and the top_k
+    candidates by score become the next frontier. Rerank: keep the ``total_tokens`` best
+    candidates of all levels by score, renumbered in candidate order.
+
+    Why a kept node's parent is always kept: a child's score is its parent's plus a
+    log-probability <= 0, so never larger (float addition of a non-positive number cannot
+    increase a value); candidates are numbered level by level, so a parent's number is
+    smaller, and a stable descending sort puts it before the child on ties. The kept set
+    is a prefix of that order, hence closed under taking parents; renumbering in candidate
+    order keeps parents before children.
+    """
+    device = root.device
+    k = shape.top_k
+    scores: list[torch.Tensor] = []  # per level: [m] cumulative log-probs
+    tokens: list[torch.Tensor] = []  # per level: [m] int64
+    parent_ids: list[torch.Tensor] = []  # per level: [m] candidate id of the parent (0=root)
+
+    # Candidate ids: 0 is the root, then levels in order.
+    logprobs = _level_logprobs(fn, root, torch.zeros(1, dtype=torch.int64, device=device), 0)
+    top = logprobs[0].topk(k)  # [k]
+    frontier_scores, frontier_tokens = top.values, top.indices  # [k]
+    frontier_ids = torch.arange(1, k + 1, device=device)  # [k]
+    scores.append(frontier_scores)
+    tokens.append(frontier_tokens)
+    parent_ids.append(torch.zeros(k, dtype=torch.int64, device=device))
+    next_id = k + 1
+    frontier_rows = torch.zeros(k, dtype=torch.int64, device=device)  # rows in the last call
+
+    for depth in range(1, shape.depth):
+        logprobs = _level_logprobs(fn, frontier_tokens, frontier_rows, depth)  # [k, vocab]
+        top = logprobs.topk(k, dim=-1)  # [k, k]
+        cand_scores = (frontier_scores[:, None] + top.values).flatten()  # [k*k]
+        cand_tokens = top.indices.flatten()  # [k*k]
+        cand_parent_row = torch.arange(k, device=device).repeat_interleave(k)  # [k*k]
+        scores.append(cand_scores)
+        tokens.append(cand_tokens)
+        parent_ids.append(frontier_ids[cand_parent_row])
+        best = cand_scores.sort(descending=True, stable=True).indices[:k]  # [k]
+        frontier_scores, frontier_tokens = cand_scores[best], cand_tokens[best]
+        frontier_ids = next_id + best
+        frontier_rows = cand_parent_row[best]
+        next_id += k * k
+
+    all_scores = torch.cat(scores)  # [num_candidates]; candidate id = position + 1
+    order = all_scores.sort(descending=True, stable=True).indices
+    kept = order[: shape.total_tokens].sort().values + 1  # [total_tokens] candidate ids
+    all_tokens = torch.cat(tokens)
+    all_parents = torch.cat(parent_ids)
+    # new_index[candidate id] = node index in the tree (the root stays 0).
+    new_index = torch.zeros(shape.num_candidates + 1, dtype=torch.int64, device=device)
+    new_index[kept] = torch.arange(1, shape.total_tokens + 1, device=device)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    parents = torch.cat([zero, new_index[all_parents[kept - 1]]])  # [total_tokens + 1]
+    depth_of_candidate = torch.cat(
+        [torch.full_like(t, d + 1) for d, t in enumerate(tokens)]
+    )  # [num_candidates]
+    return DraftTree(
+        token_ids=torch.cat([root, all_tokens[kept - 1]]),
+        parents=parents,
+        depths=torch.cat([zero, depth_of_candidate[kept - 1]]),
+        sampled=False,
+    )

@@ -1,0 +1,306 @@
+"""Draft-tree invariants: shapes grow valid trees (parents first, consistent depths, correct
+paths), children are the proposer's ranked (or drawn) tokens along the right path, and
+the EAGLE-2 dynamic tree keeps exactly the best-scored nodes, never an orphan."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from specdec.spec.tree import (
+    ChainShape,
+    DraftTree,
+    DynamicTreeShape,
+    StaticTreeShape,
+    build_tree,
+)
+
+ROOT = 3
+
+
+class PathModel:
+    """A toy proposer: the draft distribution after a token path is a fixed function of
+    the path. It follows ``parent_rows`` exactly as a real proposer must, rebuilding each
+    queried node's path from the previous call, and records what it was asked."""
+
+    def __init__(self, vocab: int, seed: int = 0, peaked: bool = False) -> None:
+        self.vocab = vocab
+        self.seed = seed
+        self.peaked = peaked
+        self.prev_paths: list[tuple[int, ...]] = []
+        self.calls: list[tuple[int, list[tuple[int, ...]]]] = []  # (depth, queried paths)
+
+    def logprobs(self, path: tuple[int, ...]) -> torch.Tensor:  # [vocab]
+        gen = torch.Generator().manual_seed(hash((self.seed, *path)) % 2**62)
+        logits = torch.randn(self.vocab, generator=gen) * 2.0
+        if self.peaked:
+            # Probability-1 tokens make a child's score equal its parent's: ties everywhere.
+            logits = torch.full((self.vocab,), float("-inf"))
+            logits[sum(path) % self.vocab] = 0.0
+        return logits.log_softmax(-1)
+
+    def __call__(self, tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int):
+        if depth == 0:
+            assert parent_rows.tolist() == [0]
+            paths = [(int(tokens[0]),)]
+        else:
+            paths = [
+                (*self.prev_paths[r], t)
+                for t, r in zip(tokens.tolist(), parent_rows.tolist(), strict=True)
+            ]
+        assert all(len(p) == depth + 1 for p in paths)
+        self.prev_paths = paths
+        self.calls.append((depth, paths))
+        return torch.stack([self.logprobs(p) for p in paths])
+
+
+def token_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Each node's token path from the root (root token included)."""
+    tokens = tree.token_ids.tolist()
+    return [tuple(tokens[n] for n in tree.path(i)) for i in range(tree.num_nodes)]
+
+
+def ranked(model: PathModel, path: tuple[int, ...]) -> list[int]:
+    return model.logprobs(path).sort(descending=True, stable=True).indices.tolist()
+
+
+# ---------------------------------------------------------------- DraftTree
+
+
+def test_tree_validation_names_the_bad_node() -> None:
+    ids = torch.tensor([5, 1, 2, 3])
+    ok = DraftTree(
+        token_ids=ids, parents=torch.tensor([0, 0, 1, 1]), depths=torch.tensor([0, 1, 2, 2])
+    )
+    ok.check()
+    bad_parent = DraftTree(ids, torch.tensor([0, 0, 3, 1]), torch.tensor([0, 1, 2, 2]))
+    with pytest.raises(ValueError, match=r"node 2 has parent 3"):
+        bad_parent.check()
+    bad_depth = DraftTree(ids, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match=r"node 3 has depth 3 but its parent 1 has depth 1"):
+        bad_depth.check()
+    twins = DraftTree(torch.tensor([5, 1, 2, 2]), ok.parents, ok.depths)
+    with pytest.raises(ValueError, match=r"nodes 2 and 3 \(children of 1\) both carry token 2"):
+        twins.check()
+    with pytest.raises(ValueError, match=r"parents has shape \(3,\)"):
+        DraftTree(ids, torch.tensor([0, 0, 1]), ok.depths)
+    with pytest.raises(ValueError, match=r"sampled=True needs draft_probs"):
+        DraftTree(ids, ok.parents, ok.depths, sampled=True)
+
+
+def test_retrieve_indices_and_positions() -> None:
+    #        0
+    #      1   2
+    #     3 4   5
+    #     6
+    tree = DraftTree(
+        token_ids=torch.arange(7) + 10,
+        parents=torch.tensor([0, 0, 0, 1, 1, 2, 3]),
+        depths=torch.tensor([0, 1, 1, 2, 2, 2, 3]),
+    )
+    tree.check()
+    assert tree.leaves() == [4, 5, 6]
+    assert tree.path(6) == [0, 1, 3, 6]
+    assert tree.path(0) == [0]
+    indices, lengths = tree.retrieve_indices()
+    assert indices.tolist() == [[0, 1, 4, 0], [0, 2, 5, 0], [0, 1, 3, 6]]
+    assert lengths.tolist() == [3, 3, 4]
+    assert tree.positions(100).tolist() == [100, 101, 101, 102, 102, 102, 103]
+    root_only = DraftTree(torch.tensor([7]), torch.tensor([0]), torch.tensor([0]))
+    assert root_only.retrieve_indices()[0].tolist() == [[0]]
+
+
+# ---------------------------------------------------------------- chain and static
+
+
+def test_chain_follows_the_draft_argmax() -> None:
+    model = PathModel(vocab=20)
+    tree = build_tree(ChainShape(4), ROOT, model)
+    tree.check()
+    assert tree.parents.tolist() == [0, 0, 1, 2, 3]
+    assert tree.depths.tolist() == [0, 1, 2, 3, 4]
+    assert not tree.sampled and tree.draft_probs is None
+    path = (ROOT,)
+    for t in tree.token_ids.tolist()[1:]:
+        assert t == ranked(model, path)[0]
+        path = (*path, t)
+    assert [d for d, _ in model.calls] == [0, 1, 2, 3]  # the leaf is never queried
+
+
+def test_static_tree_children_are_ranked_tokens_of_their_path() -> None:
+    choices = [(1, 0), (0,), (0, 0, 1), (2,), (0, 1), (1,), (0, 0), (0, 0, 0), (0, 2)]
+    shape = StaticTreeShape(choices)
+    assert shape.choices[:3] == ((0,), (1,), (2,))  # ordered by depth, then rank
+    model = PathModel(vocab=16)
+    tree = build_tree(shape, ROOT, model)
+    tree.check()
+    assert tree.num_draft_tokens == len(choices)
+    paths = token_paths(tree)
+    for node, choice in enumerate(shape.choices, start=1):
+        assert len(paths[node]) == len(choice) + 1
+        # The node's token is rank choice[-1] among its parent path's draft tokens.
+        assert paths[node][-1] == ranked(model, paths[node][:-1])[choice[-1]]
+        # Its parent is the node for choice[:-1].
+        parent = tree.parents[node].item()
+        assert (shape.choices[parent - 1] if parent else ()) == choice[:-1]
+    # Only nodes with children are queried: the root, (0,), (1,), (0, 0).
+    assert [len(p) for _, p in model.calls] == [1, 2, 1]
+    indices, lengths = tree.retrieve_indices()
+    for row, n in zip(indices.tolist(), lengths.tolist(), strict=True):
+        assert row[:n] == tree.path(row[n - 1])
+        assert all(x == 0 for x in row[n:])
+
+
+@pytest.mark.parametrize(
+    ("choices", "message"),
+    [
+        ([(0,), (0, 1, 0)], r"choice \(0, 1, 0\) has no parent \(0, 1\); add \(0, 1\)"),
+        ([(1, 0)], r"choice \(1, 0\) has no parent \(1,\)"),
+        ([(0,), (0,)], r"choice \(0,\) appears twice"),
+        ([(0,), ()], r"choice \(\) is invalid"),
+        ([(0,), (-1,)], r"choice \(-1,\) is invalid"),
+        ([], r"needs at least one choice"),
+    ],
+)
+def test_static_choices_are_validated(choices: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StaticTreeShape(choices)
+
+
+def test_sampled_tree_needs_contiguous_ranks_and_a_static_shape() -> None:
+    model = PathModel(vocab=8)
+    with pytest.raises(ValueError, match=r"sample=True needs contiguous sibling ranks"):
+        build_tree(StaticTreeShape([(0,), (2,)]), ROOT, model, sample=True)
+    with pytest.raises(ValueError, match=r"not lossless with DynamicTreeShape"):
+        build_tree(DynamicTreeShape(2, 2, 3), ROOT, model, sample=True)
+    with pytest.raises(ValueError, match=r"ChainShape\(k=0\)"):
+        ChainShape(0)
+
+
+def test_sampled_children_are_draws_without_replacement() -> None:
+    """Root children (a, b) must follow q(a) q(b) / (1 - q(a)): chi-square, 4,000 builds."""
+    vocab, draws = 6, 4000
+    model = PathModel(vocab=vocab, seed=5)
+    q = model.logprobs((ROOT,)).exp().double()
+    gen = torch.Generator().manual_seed(11)
+    shape = StaticTreeShape([(0,), (1,)])
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for _ in range(draws):
+        tree = build_tree(shape, ROOT, model, sample=True, generator=gen)
+        a, b = tree.token_ids.tolist()[1:]
+        counts[a, b] += 1
+    tree.check()
+    assert tree.sampled
+    torch.testing.assert_close(tree.draft_probs[1:].double(), q.expand(2, vocab))
+    expected = draws * q[:, None] * q[None, :] / (1 - q[:, None])
+    expected.fill_diagonal_(0.0)
+    assert counts.diagonal().sum() == 0  # never the same token twice
+    keep = expected.flatten() >= 5
+    observed, expected = counts.flatten(), expected.flatten()
+    other_obs, other_exp = observed[~keep].sum(), expected[~keep].sum()
+    o = torch.cat([observed[keep], other_obs[None]])
+    e = torch.cat([expected[keep], other_exp[None]])
+    stat = ((o - e) ** 2 / e).sum()
+    dof = o.numel() - 1
+    p_value = torch.special.gammaincc(torch.tensor(dof / 2), stat / 2).item()
+    assert p_value > 0.01, p_value
+
+
+# ---------------------------------------------------------------- dynamic (EAGLE-2)
+
+
+def _score(model: PathModel, path: tuple[int, ...]) -> float:
+    """Cumulative draft log-probability of the draft tokens path[1:] after the root."""
+    return sum(model.logprobs(path[:i])[path[i]].item() for i in range(1, len(path)))
+
+
+def _eagle2_reference(model: PathModel, top_k: int, depth: int, total: int) -> set[tuple[int, ...]]:
+    """EAGLE-2 written directly on token paths (no tensors, no renumbering)."""
+    candidates: list[tuple[int, ...]] = []
+    frontier = [(ROOT,)]
+    for _ in range(depth):
+        grown = [(*p, t) for p in frontier for t in ranked(model, p)[:top_k]]
+        candidates += grown
+        frontier = sorted(grown, key=lambda p: -_score(model, p))[:top_k]
+    return set(sorted(candidates, key=lambda p: -_score(model, p))[:total])
+
+
+def test_dynamic_tree_with_full_width_keeps_the_best_sequences() -> None:
+    """top_k = vocab and depth 2 grows every sequence of length <= 2, so the kept nodes must
+    be exactly the best-scored sequences by brute-force enumeration."""
+    vocab, total = 5, 9
+    model = PathModel(vocab=vocab, seed=1)
+    tree = build_tree(DynamicTreeShape(top_k=vocab, depth=2, total_tokens=total), ROOT, model)
+    tree.check()
+    every = [(ROOT, a) for a in range(vocab)] + [
+        (ROOT, a, b) for a, b in itertools.product(range(vocab), repeat=2)
+    ]
+    best = sorted(every, key=lambda p: -_score(model, p))[:total]
+    assert set(token_paths(tree)[1:]) == set(best)
+    assert tree.num_draft_tokens == total
+
+
+@pytest.mark.parametrize(("top_k", "depth", "total"), [(2, 3, 8), (3, 4, 20), (4, 3, 5)])
+def test_dynamic_tree_matches_eagle2_reference(top_k: int, depth: int, total: int) -> None:
+    model = PathModel(vocab=7, seed=top_k * 10 + depth)
+    shape = DynamicTreeShape(top_k=top_k, depth=depth, total_tokens=total)
+    tree = build_tree(shape, ROOT, model)
+    tree.check()
+    paths = token_paths(tree)
+    assert set(paths[1:]) == _eagle2_reference(model, top_k, depth, total)
+    assert tree.num_nodes == total + 1
+    # Depth >= 2 levels query exactly top_k frontier nodes, each one level deeper.
+    assert [(d, len(p)) for d, p in model.calls] == [(0, 1)] + [(d, top_k) for d in range(1, depth)]
+    # Node 1 is the draft's best first token: no deeper node can outscore it.
+    assert paths[1] == (ROOT, ranked(model, (ROOT,))[0])
+    # Scores never increase from parent to child, so the kept set is closed under parents.
+    for i in range(1, tree.num_nodes):
+        parent = tree.parents[i].item()
+        assert _score(model, paths[i]) <= _score(model, paths[parent]) + 1e-6
+
+
+def test_dynamic_tree_keeps_parents_under_ties() -> None:
+    """With probability-1 draft tokens a child scores exactly its parent's score (and the
+    other children -inf); stable ordering must still keep every kept node's parent."""
+    model = PathModel(vocab=6, peaked=True)
+    for top_k, depth, total in [(2, 4, 6), (3, 3, 12), (1, 5, 5)]:
+        tree = build_tree(DynamicTreeShape(top_k, depth, total), ROOT, model)
+        tree.check()  # an orphan would be renumbered to the root: depth check fails
+        tokens = tree.token_ids.tolist()
+        for i in range(1, tree.num_nodes):
+            parent = tree.parents[i].item()
+            # Among top_k of its parent's draft tokens (ties in any order: check by value).
+            lp = model.logprobs(token_paths(tree)[parent])
+            assert lp[tokens[i]] >= lp.sort(descending=True).values[top_k - 1]
+        # The probability-1 chain outranks every other node: it is kept whole.
+        scores = [_score(model, p) for p in token_paths(tree)]
+        chain_depths = [d for d, s in zip(tree.depths.tolist(), scores, strict=True) if s == 0]
+        assert chain_depths == list(range(min(depth, total) + 1))
+        assert all(s == 0.0 or math.isinf(s) for s in scores)
+
+
+def test_dynamic_tree_with_top_k_1_is_the_greedy_chain() -> None:
+    model = PathModel(vocab=9, seed=3)
+    dynamic = build_tree(DynamicTreeShape(top_k=1, depth=5, total_tokens=5), ROOT, model)
+    chain = build_tree(ChainShape(5), ROOT, PathModel(vocab=9, seed=3))
+    assert torch.equal(dynamic.token_ids, chain.token_ids)
+    assert torch.equal(dynamic.parents, chain.parents)
+    assert torch.equal(dynamic.depths, chain.depths)
+
+
+def test_dynamic_shape_is_validated() -> None:
+    assert DynamicTreeShape(top_k=4, depth=3, total_tokens=36).num_candidates == 36
+    with pytest.raises(ValueError, match=r"total_tokens=37 exceeds the 36 candidates"):
+        DynamicTreeShape(top_k=4, depth=3, total_tokens=37)
+    with pytest.raises(ValueError, match=r"top_k=0 is invalid"):
+        DynamicTreeShape(top_k=0, depth=3, total_tokens=3)
+
+
+def test_step_fn_must_return_one_row_per_node() -> None:
+    with pytest.raises(
+        ValueError, match=r"returned shape \(2, 8\) at depth 0; expected \[1, vocab\]"
+    ):
+        build_tree(ChainShape(2), ROOT, lambda tokens, rows, depth: torch.zeros(2, 8))
