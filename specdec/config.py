@@ -85,9 +85,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1"
-            )
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1")
         if self.tree not in ("chain", "dynamic", "static"):
             raise ValueError(f"tree={self.tree!r}; choose chain, dynamic or static")
         if self.tree == "static" and not self.choices:

@@ -21,7 +21,7 @@ from specdec.engine.scheduler import Scheduler
 from specdec.models import load_tokenizer, resolve_model
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from specdec.sampling_params import RequestOutputKind, SamplingParams
-from specdec.spec.acceptance import accept_batch, greedy_accept
+from specdec.spec.acceptance import accept_batch, greedy_accept_batch
 from specdec.spec.metrics import SpecStats
 from specdec.spec.proposer import make_proposer
 from specdec.spec.tree import DraftTree
@@ -263,10 +263,7 @@ class LLMEngine:
         tree_logits = logits[rows]  # [sum nodes, vocab]
         params = [st.request.sampling_params for st in states]
         if all(p.is_greedy for p in params):
-            results, start = [], 0
-            for tree in tree_list:
-                results.append(greedy_accept(tree, tree_logits[start : start + tree.num_nodes]))
-                start += tree.num_nodes
+            results = greedy_accept_batch(tree_list, tree_logits)  # one host sync
         else:
             meta = SamplingMetadata.build(params, [st.generator for st in states], logits.device)
             results = accept_batch(tree_list, tree_logits, meta, self.sampler.generator)

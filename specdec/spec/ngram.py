@@ -22,9 +22,7 @@ class NgramConfig:
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1"
-            )
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1")
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(
                 f"n-gram sizes min_n={self.min_n}, max_n={self.max_n} need 1 <= min_n <= max_n"
