@@ -206,3 +206,62 @@ def test_ngram_speculation_is_lossless(smollm2_dir, chats, reference, kwargs):
 def test_speculation_alone_equals_plain(smollm2_dir, chats, reference):
     llm = make_llm(smollm2_dir, speculative=SpeculativeConfig(num_speculative_tokens=3))
     assert token_ids(llm.generate([chats[7]], greedy(), use_tqdm=False))[0] == reference[7]
+
+
+def test_oracle_draft_model_accepts_everything(smollm2_dir, llm, chats):
+    """The target as its own draft model: every draft is accepted, τ = K + 1, and the
+    output equals plain greedy decoding."""
+    k = 3
+    spec = SpeculativeConfig(method="draft_model", model=str(smollm2_dir), num_speculative_tokens=k)
+    oracle = make_llm(smollm2_dir, speculative=spec)
+    params = greedy(1 + (k + 1) * 8)  # prefill's token, then 8 full steps
+    expected = token_ids(llm.generate(chats[:4], params, use_tqdm=False))
+    assert token_ids(oracle.generate(chats[:4], params, use_tqdm=False)) == expected
+    stats = oracle.engine.spec_stats
+    assert stats.accepted_tokens == stats.drafted_tokens == 4 * 8 * k
+    assert stats.tau == k + 1
+    assert stats.acceptance_rates == [1.0] * k
+
+
+@pytest.fixture(scope="module")
+def random_draft_dir(tmp_path_factory, smollm2_dir):
+    """A 2-layer random model with SmolLM2's vocabulary: a draft that is mostly wrong."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    config.update(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    out = tmp_path_factory.mktemp("random_draft")
+    (out / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
+    model.save_pretrained(out)
+    return out
+
+
+def test_random_draft_model_is_lossless_under_preemption(
+    smollm2_dir, random_draft_dir, chats, reference
+):
+    spec = SpeculativeConfig(
+        method="draft_model", model=str(random_draft_dir), num_speculative_tokens=3
+    )
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
+    llm = make_llm(
+        smollm2_dir,
+        speculative=spec,
+        max_num_batched_tokens=64,
+        kv_cache_memory=120 * block_bytes,
+    )
+    assert token_ids(llm.generate(chats, greedy(), use_tqdm=False)) == reference
+    stats = llm.engine.spec_stats
+    assert stats.steps > 0 and stats.accepted_tokens < stats.drafted_tokens  # mostly wrong
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert not llm.engine.proposer._states  # per-request draft state released

@@ -60,7 +60,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self._states: dict[str, _RequestState] = {}
         spec = self.config.speculative
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.proposer = make_proposer(spec, runner=self.runner) if spec is not None else None
         self.lookahead = spec.max_draft_tokens if spec is not None else 0
         self.spec_stats = SpecStats()
         self._ids = itertools.count()
@@ -142,9 +142,10 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
+        state = self._states.get(request_id)
         if state is not None:
             self.scheduler.finish(state.request, RequestStatus.FINISHED_ABORTED)
+            self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -206,8 +207,13 @@ class LLMEngine:
             if request.is_finished or kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(state, delta=kind is RequestOutputKind.DELTA))
             if request.is_finished:
-                del self._states[request.request_id]
+                self._forget(request.request_id)
         return outputs
+
+    def _forget(self, request_id: str) -> None:
+        del self._states[request_id]
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def _state_of(self, sched, inputs, i: int) -> _RequestState:
         return self._states[sched.scheduled[inputs.sampled_rows[i]].request.request_id]

@@ -26,7 +26,7 @@ def chain_tree(root: int, drafts: Sequence[int]) -> DraftTree:
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, **_unused) -> None:
         super().__init__(config)
         self.ngram = NgramConfig(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
 

@@ -30,6 +30,9 @@ class Proposer(ABC):
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
+    def release(self, request_id: str) -> None:  # noqa: B027  (optional hook)
+        """Forget per-request state once a request finishes or is aborted."""
+
     @abstractmethod
     def propose(
         self, requests: Sequence[Request], max_draft_tokens: Sequence[int]
@@ -39,7 +42,7 @@ class Proposer(ABC):
 
 
 def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:
-    from specdec.spec import ngram_proposer  # noqa: F401  (registers "ngram")
+    from specdec.spec import draft_model, ngram_proposer  # noqa: F401  (registration)
 
     if config.method not in _PROPOSERS:
         raise ValueError(
