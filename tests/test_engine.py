@@ -11,6 +11,7 @@ import torch
 from prompts import varied_conversations
 
 from specdec import LLM, SamplingParams
+from specdec.attention import get_attention_backend
 from specdec.config import SpeculativeConfig
 
 NEW_TOKENS = 64
@@ -265,3 +266,35 @@ def test_random_draft_model_is_lossless_under_preemption(
     assert stats.steps > 0 and stats.accepted_tokens < stats.drafted_tokens  # mostly wrong
     assert llm.engine.scheduler.num_preemptions > 0
     assert not llm.engine.proposer._states  # per-request draft state released
+
+
+@pytest.fixture(scope="module")
+def random_head_dir(tmp_path_factory, smollm2_dir):
+    """A randomly initialised EAGLE-3 head for SmolLM2 (pruned 4,096-token draft vocab),
+    saved in the project format: its drafts are mostly rejected."""
+    from specdec.models import load_config
+    from specdec.models.eagle3_formats import save_eagle3
+    from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(0)
+    config = Eagle3Config.for_target(load_config(str(smollm2_dir)), 4096)
+    head = Eagle3Head(config, get_attention_backend("torch"))
+    out = tmp_path_factory.mktemp("random_head")
+    save_eagle3(head, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"max_num_batched_tokens": 64, "kv_cache_memory": 120 * 2 * 30 * 16 * 3 * 64 * 4}],
+    ids=["batch16", "chunk64+preemption"],
+)
+def test_random_eagle3_head_is_lossless(smollm2_dir, random_head_dir, chats, reference, kwargs):
+    spec = SpeculativeConfig(method="eagle3", model=str(random_head_dir), num_speculative_tokens=3)
+    llm = make_llm(smollm2_dir, speculative=spec, **kwargs)
+    assert token_ids(llm.generate(chats, greedy(), use_tqdm=False)) == reference
+    stats = llm.engine.spec_stats
+    assert stats.steps > 0 and stats.accepted_tokens < stats.drafted_tokens  # mostly wrong
+    if kwargs:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert not llm.engine.proposer._states

@@ -62,6 +62,8 @@ class LLMEngine:
         spec = self.config.speculative
         self.proposer = make_proposer(spec, runner=self.runner) if spec is not None else None
         self.lookahead = spec.max_draft_tokens if spec is not None else 0
+        if self.proposer is not None:
+            self.runner.aux_layer_ids = self.proposer.aux_layer_ids
         self.spec_stats = SpecStats()
         self._ids = itertools.count()
         self.num_steps = 0
@@ -165,8 +167,9 @@ class LLMEngine:
         trees = self._propose(sched.scheduled)
         for row, tree in trees.items():
             sched.scheduled[row].num_new_tokens = tree.num_nodes
+        starts = [s.request.num_computed_tokens for s in sched.scheduled]
         inputs = self.runner.prepare(sched.scheduled, trees)
-        logits = self.runner.execute(inputs)
+        logits, aux = self.runner.execute(inputs)
         for row, s in enumerate(sched.scheduled):
             if row not in trees:  # tree rows advance by what acceptance keeps
                 s.request.num_computed_tokens += s.num_new_tokens
@@ -190,8 +193,11 @@ class LLMEngine:
                 if lps:
                     logprobs[i] = lps[j]
         spec = [i for i, r in enumerate(inputs.sampled_rows) if r in trees]
+        accepted: dict[int, list[int]] = {}
         if spec:
-            self._verify(sched, inputs, trees, spec, logits, offsets, emitted)
+            accepted = self._verify(sched, inputs, trees, spec, logits, offsets, emitted)
+        if aux is not None:
+            self._observe(sched, inputs, starts, accepted, aux)
         now = time.monotonic()
         outputs = []
         for i, row in enumerate(inputs.sampled_rows):
@@ -259,8 +265,22 @@ class LLMEngine:
         drafts = self.proposer.propose([scheduled[r].request for r in rows], limits)
         return {r: t for r, t in zip(rows, drafts, strict=True) if t is not None}
 
-    def _verify(self, sched, inputs, trees, spec, logits, offsets, emitted) -> None:
-        """Acceptance for the tree rows, then move the accepted path's K/V into place."""
+    def _observe(self, sched, inputs, starts, accepted, aux: torch.Tensor) -> None:
+        """Hand the proposer the aux states of every token the target computed this step:
+        all new tokens of plain rows, the root and accepted nodes of tree rows."""
+        q_lens = inputs.meta.query_lens_cpu
+        offset = 0
+        for row, (s, start) in enumerate(zip(sched.scheduled, starts, strict=True)):
+            if row in accepted:
+                rows = torch.tensor([0, *accepted[row]], device=aux.device) + offset
+                self.proposer.observe(s.request, start, aux[rows])
+            else:
+                self.proposer.observe(s.request, start, aux[offset : offset + q_lens[row]])
+            offset += q_lens[row]
+
+    def _verify(self, sched, inputs, trees, spec, logits, offsets, emitted) -> dict[int, list[int]]:
+        """Acceptance for the tree rows, then move the accepted path's K/V into place.
+        Returns each tree row's accepted node indices."""
         states = [self._state_of(sched, inputs, i) for i in spec]
         tree_list = [trees[inputs.sampled_rows[i]] for i in spec]
         rows = torch.cat(
@@ -289,6 +309,9 @@ class LLMEngine:
             self.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
             state.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
         self.runner.move_kv(src, dst)
+        return {
+            inputs.sampled_rows[i]: r.accepted_nodes for i, r in zip(spec, results, strict=True)
+        }
 
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Rows below ``min_tokens`` must not produce EOS or a stop token id: mask them

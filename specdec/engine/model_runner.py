@@ -103,6 +103,9 @@ class ModelRunner:
         self.block_table_width = cdiv(self.max_model_len, self.block_size)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # Layers whose entering residual stream a proposer needs (EAGLE-3); set by the
+        # engine before the first step. Steps that capture them run without CUDA graphs.
+        self.aux_layer_ids: tuple[int, ...] = ()
         self.graphs: DecodeGraphs | None = None
         if self.runtime.use_cuda_graphs:
             self._capture_graphs()
@@ -233,14 +236,19 @@ class ModelRunner:
                 flat[dst] = flat[src]
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """One forward. Returns float32 logits of the sampled rows, [num_sampled, vocab]."""
+    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward. Returns float32 logits of the logits rows [num_logits, vocab], and
+        the aux residual streams of every token [num_tokens, len(aux_layer_ids) * hidden]
+        when ``aux_layer_ids`` is set (else None)."""
         if (
             self.graphs is not None
+            and not self.aux_layer_ids
             and inputs.is_decode_only
             and self.graphs.bucket(inputs.input_ids.shape[0]) is not None
         ):
             # Every decode row is sampled, so logits rows == batch rows.
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta), None
+        hidden, aux = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.aux_layer_ids
+        )
+        return self.model.compute_logits(hidden[inputs.logits_indices]), aux

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.models import load_config, load_model, resolve_model
+from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.ngram_proposer import chain_tree
 from specdec.spec.proposer import Proposer
 from specdec.spec.tree import DraftTree
@@ -93,7 +93,7 @@ class DraftModelProposer(Proposer):
         chunks = []
         for request in requests:
             start = self._start(request)
-            chunks.append((request, start, request.token_ids(start, request.num_tokens)))
+            chunks.append(Chunk(request, start, request.token_ids(start, request.num_tokens)))
         logits = self._forward(chunks)  # [num_requests, vocab]: logits at each root
         drafts: list[list[int]] = [[] for _ in requests]
         active = list(range(len(requests)))
@@ -106,7 +106,7 @@ class DraftModelProposer(Proposer):
             if not active:
                 break
             chunks = [
-                (requests[i], requests[i].num_tokens + len(drafts[i]) - 1, [drafts[i][-1]])
+                Chunk(requests[i], requests[i].num_tokens + len(drafts[i]) - 1, [drafts[i][-1]])
                 for i in active
             ]
             next_tokens = self._forward(chunks).argmax(dim=-1).tolist()
@@ -119,41 +119,8 @@ class DraftModelProposer(Proposer):
             trees.append(chain_tree(request.token_id(request.num_tokens - 1), draft))
         return trees
 
-    def _forward(self, chunks: list[tuple[Request, int, list[int]]]) -> torch.Tensor:
-        """One varlen forward of the draft: chunk (request, start index, tokens) writes
-        K/V at the request's slots start.. and returns the last token's logits per chunk."""
-        bs = self.block_size
-        ids, pos, slots, q_lens, seq_lens = [], [], [], [], []
-        for request, start, tokens in chunks:
-            blocks = request.block_ids
-            end = start + len(tokens)
-            ids += tokens
-            pos += range(start, end)
-            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-            q_lens.append(len(tokens))
-            seq_lens.append(end)
-        width = max(len(r.block_ids) for r, _, _ in chunks)
-        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for row, (request, _, _) in enumerate(chunks):
-            tables[row, : len(request.block_ids)] = torch.tensor(request.block_ids)
-        qsl = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(q_lens).cumsum(0)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-            query_start_loc=qsl.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            block_tables=tables.to(dev),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        hidden, _ = self.model(
-            torch.tensor(ids, dtype=torch.int64).to(dev),
-            torch.tensor(pos, dtype=torch.int64).to(dev),
-            self.kv_caches,
-            meta,
-        )
-        last = qsl[1:].to(dev).long() - 1
-        return self.model.compute_logits(hidden[last])
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """One varlen draft forward; returns the logits at each chunk's last token."""
+        x = build_chunk_inputs(chunks, self.block_size, self.device)
+        hidden, _ = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
+        return self.model.compute_logits(hidden[x.last_rows])

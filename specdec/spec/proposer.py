@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
+import torch
+
 from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.spec.tree import DraftTree
@@ -30,8 +32,20 @@ class Proposer(ABC):
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
+    # Target layers whose entering residual stream this proposer reads (EAGLE-3); the
+    # engine then passes every computed token's aux states to ``observe``.
+    aux_layer_ids: tuple[int, ...] = ()
+
     def release(self, request_id: str) -> None:  # noqa: B027  (optional hook)
         """Forget per-request state once a request finishes or is aborted."""
+
+    def observe(  # noqa: B027  (optional hook)
+        self,
+        request: Request,
+        start: int,  # cache index of the first row's token
+        aux: torch.Tensor,  # [m, len(aux_layer_ids) * hidden]: tokens start, start+1, ...
+    ) -> None:
+        """Aux states of tokens the target just computed for ``request``, in order."""
 
     @abstractmethod
     def propose(
@@ -42,7 +56,7 @@ class Proposer(ABC):
 
 
 def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:
-    from specdec.spec import draft_model, ngram_proposer  # noqa: F401  (registration)
+    from specdec.spec import draft_model, eagle3, ngram_proposer  # noqa: F401  (registration)
 
     if config.method not in _PROPOSERS:
         raise ValueError(
