@@ -279,6 +279,8 @@ def random_head_dir(tmp_path_factory, smollm2_dir):
     torch.manual_seed(0)
     config = Eagle3Config.for_target(load_config(str(smollm2_dir)), 4096)
     head = Eagle3Head(config, get_attention_backend("torch"))
+    with torch.no_grad():  # SmolLM2's residual stream reaches ~1e4: keep fc(aux) O(1) so
+        head.fc.weight.mul_(1e-3)  # tokens and positions matter to the drafts (tests)
     out = tmp_path_factory.mktemp("random_head")
     save_eagle3(head, out)
     return out
@@ -298,3 +300,64 @@ def test_random_eagle3_head_is_lossless(smollm2_dir, random_head_dir, chats, ref
     if kwargs:
         assert llm.engine.scheduler.num_preemptions > 0
     assert not llm.engine.proposer._states
+
+
+def _full_forward_inputs(n: int, block_size: int = 16):
+    """Metadata for one sequence of n tokens laid out in blocks 1, 2, ... (fresh cache)."""
+    from specdec.attention.metadata import AttentionMetadata
+
+    nb = (n + block_size - 1) // block_size
+    blocks = torch.arange(1, nb + 1, dtype=torch.int32)
+    pos = torch.arange(n)
+    meta = AttentionMetadata(
+        slot_mapping=blocks[pos // block_size].long() * block_size + pos % block_size,
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=blocks[None, :],
+        max_query_len=n,
+        max_seq_len=n,
+    )
+    return pos, meta, nb + 1
+
+
+def test_eagle3_incremental_catch_up_equals_full_recompute(smollm2_dir, random_head_dir, chats):
+    """Every depth-1 draft the proposer makes (after catching up step by step, across
+    accepted and rejected drafts) equals the head run from scratch over the whole
+    sequence with the target's aux states: positions, shifting and paging are right."""
+    spec = SpeculativeConfig(method="eagle3", model=str(random_head_dir), num_speculative_tokens=2)
+    llm = make_llm(smollm2_dir, speculative=spec)
+    proposer = llm.engine.proposer
+    seen: list[tuple[list[int], int]] = []
+    propose = proposer.propose
+
+    def recording(requests, limits):
+        trees = propose(requests, limits)
+        for request, tree in zip(requests, trees, strict=True):
+            if tree is not None:
+                seen.append((list(request.all_token_ids), tree.token_ids[1:].tolist()))
+        return trees
+
+    proposer.propose = recording
+    llm.generate([chats[2]], greedy(12), use_tqdm=False)
+    assert len(seen) >= 4
+    target, head = llm.engine.runner.model, proposer.head
+    c, hc = target.config, head.config
+    for tokens, drafts in seen:
+        n = len(tokens) - 1  # tokens 0..n-1 are computed; tokens[n] is the root
+        pos, meta, nb = _full_forward_inputs(n)
+        kv = [(torch.zeros(nb, 16, c.num_kv_heads, c.head_dim),) * 2 for _ in range(c.num_layers)]
+        kv = [(torch.zeros_like(k), torch.zeros_like(k)) for k, _ in kv]
+        with torch.inference_mode():
+            _, aux = target(torch.tensor(tokens[:n]), pos, kv, meta, hc.aux_layer_ids)
+            head_kv = (torch.zeros(nb, 16, hc.num_kv_heads, hc.head_dim),) * 1
+            head_kv = (head_kv[0], torch.zeros_like(head_kv[0]))
+            out, logits = head(torch.tensor(tokens[1 : n + 1]), head.fuse(aux), pos, head_kv, meta)
+            expected = [int(head.draft_to_target(logits[-1].argmax()))]
+            if len(drafts) > 1:  # depth 2: the first draft at position n, previous output
+                pos2, meta2, _ = _full_forward_inputs(n + 1)
+                meta2.query_start_loc = torch.tensor([0, 1], dtype=torch.int32)
+                meta2.slot_mapping = meta2.slot_mapping[-1:]
+                meta2.max_query_len, meta2.query_lens_cpu = 1, None
+                _, logits2 = head(torch.tensor(expected), out[-1:], pos2[-1:], head_kv, meta2)
+                expected.append(int(head.draft_to_target(logits2[-1].argmax())))
+        assert drafts == expected
