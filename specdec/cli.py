@@ -51,7 +51,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft",
         default=None,
-        help="speculate with this proposer (ngram); default: plain decoding",
+        choices=["ngram", "eagle3", "draft_model"],
+        help="speculate with this proposer; default: plain decoding",
+    )
+    g.add_argument(
+        "--draft-model", default=None, help="EAGLE-3 head dir (eagle3) or draft LM (draft_model)"
     )
     g.add_argument("--num-speculative-tokens", type=int, default=3, help="chain length K")
 
@@ -73,7 +77,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         seed=args.seed,
         speculative=(
-            SpeculativeConfig(method=args.draft, num_speculative_tokens=args.num_speculative_tokens)
+            SpeculativeConfig(
+                method=args.draft,
+                model=args.draft_model,
+                num_speculative_tokens=args.num_speculative_tokens,
+            )
             if args.draft
             else None
         ),

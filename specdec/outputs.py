@@ -31,6 +31,15 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # Speculation (zero without it): verify steps with a draft, draft tokens, accepted ones.
+    spec_steps: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verify step, bonus included (0 without speculation)."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_steps if self.spec_steps else 0.0
 
 
 @dataclass

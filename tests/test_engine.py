@@ -218,8 +218,10 @@ def test_oracle_draft_model_accepts_everything(smollm2_dir, llm, chats):
     params = greedy(1 + (k + 1) * 8)  # prefill's token, then 8 full steps
     expected = token_ids(llm.generate(chats[:4], params, use_tqdm=False))
     assert token_ids(oracle.generate(chats[:4], params, use_tqdm=False)) == expected
+    outs = oracle.generate(chats[:2], params, use_tqdm=False)
+    assert all(o.metrics.tau == k + 1 and o.metrics.spec_steps == 8 for o in outs)
     stats = oracle.engine.spec_stats
-    assert stats.accepted_tokens == stats.drafted_tokens == 4 * 8 * k
+    assert stats.accepted_tokens == stats.drafted_tokens == 6 * 8 * k
     assert stats.tau == k + 1
     assert stats.acceptance_rates == [1.0] * k
 

@@ -406,6 +406,9 @@ class LLMEngine:
                 finished_time=request.finished_time,
                 num_cached_tokens=request.num_cached_tokens,
                 num_preemptions=request.num_preemptions,
+                spec_steps=state.spec_stats.steps,
+                spec_drafted_tokens=state.spec_stats.drafted_tokens,
+                spec_accepted_tokens=state.spec_stats.accepted_tokens,
             ),
             text_delta=text_delta,
         )
