@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
 from specdec.models.config import ModelConfig
-from specdec.models.llama import KVCache, RMSNorm
+from specdec.models.llama import MLP, KVCache, RMSNorm
 from specdec.models.rope import (
     RopeParams,
     RotaryEmbedding,
@@ -269,17 +268,6 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.q_size))  # out: [num_tokens, heads, head_dim]
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, config: Eagle3Config) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class Eagle3DecoderLayer(nn.Module):
     """The head's one decoder layer (``midlayer`` in the research checkpoints)."""
 
@@ -290,7 +278,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Eagle3Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Eagle3MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self,

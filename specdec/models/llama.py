@@ -89,10 +89,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """SiLU-gated MLP (gate and up fused into one matmul); shared with the EAGLE-3 head."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -105,7 +107,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self,
