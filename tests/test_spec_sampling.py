@@ -1,0 +1,143 @@
+"""Speculative sampling through the whole engine keeps the target's distribution.
+
+A tiny random target and a different tiny random draft model (both with SmolLM2's
+vocabulary, so the engine runs its real tokenizer path) generate 3 tokens for 6,000
+copies of one prompt at temperature 1 with top-k 4. The first token comes from plain
+sampling, the second from verifying the draft's token (accepted, or rejected and
+resampled from the residual). The joint frequency of (first, second) must match the
+exact target distribution p(t1) p(t2 | t1) computed with HF transformers — and the same
+test must reject a broken acceptor that always accepts the draft.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.config import SpeculativeConfig
+
+N = 6_000
+TOP_K = 4
+PROMPT = [17, 2934, 880, 41, 1337, 9, 512, 77]
+
+
+def _tiny_dir(tmp_path_factory, smollm2_dir, name: str, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    config.update(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    out = tmp_path_factory.mktemp(name)
+    (out / "config.json").write_text(json.dumps(config))
+    for f in smollm2_dir.iterdir():  # the tokenizer, so the engine can load this dir
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            (out / f.name).write_bytes(f.read_bytes())
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
+    with torch.no_grad():  # sharper logits: a top-4 set with uneven probabilities
+        model.lm_head.weight.mul_(40.0) if not config["tie_word_embeddings"] else (
+            model.model.embed_tokens.weight.mul_(6.0)
+        )
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, smollm2_dir):
+    return _tiny_dir(tmp_path_factory, smollm2_dir, "tiny_target", 1)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, smollm2_dir):
+    return _tiny_dir(tmp_path_factory, smollm2_dir, "tiny_draft", 2)
+
+
+def _filtered(logits: torch.Tensor) -> torch.Tensor:  # [V] -> [V] probabilities
+    top = logits.topk(TOP_K)
+    probs = torch.zeros_like(logits)
+    probs[top.indices] = torch.softmax(top.values, dim=-1)
+    return probs
+
+
+@pytest.fixture(scope="module")
+def exact_joint(target_dir) -> dict[tuple[int, int], float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = _filtered(model(torch.tensor([PROMPT])).logits[0, -1].double())
+        joint = {}
+        for t1 in p1.nonzero().flatten().tolist():
+            p2 = _filtered(model(torch.tensor([[*PROMPT, t1]])).logits[0, -1].double())
+            for t2 in p2.nonzero().flatten().tolist():
+                joint[(t1, t2)] = float(p1[t1] * p2[t2])
+    return joint
+
+
+def _sample_pairs(target_dir, draft_dir) -> tuple[dict[tuple[int, int], int], LLM]:
+    spec = SpeculativeConfig(method="draft_model", model=str(draft_dir), num_speculative_tokens=1)
+    llm = LLM(
+        str(target_dir),
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory=512 << 20,
+        max_model_len=64,
+        max_num_seqs=1000,  # waves of 1,000: [1000, vocab] logits stay small
+        max_num_batched_tokens=1000 * len(PROMPT),
+        speculative=spec,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([PROMPT] * N, params, use_tqdm=False)
+    counts: dict[tuple[int, int], int] = {}
+    for o in outs:
+        pair = tuple(o.outputs[0].token_ids[:2])
+        counts[pair] = counts.get(pair, 0) + 1
+    return counts, llm
+
+
+def _chi_square_p(counts, joint) -> float:
+    unexpected = sum(n for pair, n in counts.items() if pair not in joint)
+    if unexpected:
+        return 0.0
+    stat = sum((counts.get(c, 0) - N * p) ** 2 / (N * p) for c, p in joint.items())
+    dof = len(joint) - 1
+    # Wilson-Hilferty normal approximation of the chi-square tail.
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_engine_speculative_sampling_matches_target(target_dir, draft_dir, exact_joint):
+    counts, llm = _sample_pairs(target_dir, draft_dir)
+    stats = llm.engine.spec_stats
+    assert stats.steps >= N and 0 < stats.accepted_tokens < stats.drafted_tokens
+    assert _chi_square_p(counts, exact_joint) > 0.01
+
+
+def test_broken_acceptor_is_detected(target_dir, draft_dir, exact_joint, monkeypatch):
+    """Always accepting the draft token skews the second token: the same check fails."""
+    from specdec.engine import llm_engine
+    from specdec.spec.acceptance import AcceptResult
+
+    def accept_all(trees, target_logits, meta, generator=None):
+        out, start = [], 0
+        for tree in trees:
+            nodes = list(range(1, tree.num_nodes))
+            bonus = int(target_logits[start + tree.num_nodes - 1].argmax())
+            out.append(AcceptResult(nodes, [*tree.token_ids[1:].tolist(), bonus]))
+            start += tree.num_nodes
+        return out
+
+    monkeypatch.setattr(llm_engine, "accept_batch", accept_all)
+    counts, _ = _sample_pairs(target_dir, draft_dir)
+    assert _chi_square_p(counts, exact_joint) < 1e-6
