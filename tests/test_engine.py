@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 from prompts import varied_conversations
+from tiny_models import make_tiny_model_dir
 
 from specdec import LLM, SamplingParams
 from specdec.attention import get_attention_backend
@@ -229,25 +230,7 @@ def test_oracle_draft_model_accepts_everything(smollm2_dir, llm, chats):
 @pytest.fixture(scope="module")
 def random_draft_dir(tmp_path_factory, smollm2_dir):
     """A 2-layer random model with SmolLM2's vocabulary: a draft that is mostly wrong."""
-    import json
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = json.loads((smollm2_dir / "config.json").read_text())
-    config.update(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    out = tmp_path_factory.mktemp("random_draft")
-    (out / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
-    model.save_pretrained(out)
-    return out
+    return make_tiny_model_dir(tmp_path_factory.mktemp("random_draft"), smollm2_dir, seed=0)
 
 
 def test_random_draft_model_is_lossless_under_preemption(

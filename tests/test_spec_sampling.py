@@ -11,11 +11,11 @@ test must reject a broken acceptor that always accepts the draft.
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
+from tiny_models import make_tiny_model_dir
 
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
@@ -25,41 +25,16 @@ TOP_K = 4
 PROMPT = [17, 2934, 880, 41, 1337, 9, 512, 77]
 
 
-def _tiny_dir(tmp_path_factory, smollm2_dir, name: str, seed: int):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = json.loads((smollm2_dir / "config.json").read_text())
-    config.update(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    out = tmp_path_factory.mktemp(name)
-    (out / "config.json").write_text(json.dumps(config))
-    for f in smollm2_dir.iterdir():  # the tokenizer, so the engine can load this dir
-        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-            (out / f.name).write_bytes(f.read_bytes())
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
-    with torch.no_grad():  # sharper logits: a top-4 set with uneven probabilities
-        model.lm_head.weight.mul_(40.0) if not config["tie_word_embeddings"] else (
-            model.model.embed_tokens.weight.mul_(6.0)
-        )
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, smollm2_dir):
-    return _tiny_dir(tmp_path_factory, smollm2_dir, "tiny_target", 1)
+    out = tmp_path_factory.mktemp("tiny_target")
+    return make_tiny_model_dir(out, smollm2_dir, seed=1, logit_scale=6.0)
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory, smollm2_dir):
-    return _tiny_dir(tmp_path_factory, smollm2_dir, "tiny_draft", 2)
+    out = tmp_path_factory.mktemp("tiny_draft")
+    return make_tiny_model_dir(out, smollm2_dir, seed=2, logit_scale=6.0)
 
 
 def _filtered(logits: torch.Tensor) -> torch.Tensor:  # [V] -> [V] probabilities
