@@ -130,55 +130,52 @@ def _device_dtype(opts: Options) -> tuple[torch.device, torch.dtype]:
 
 def run_variant(opts: Options, variant: str) -> list[common.ResultRow]:
     rows: list[common.ResultRow] = []
-    if True:
-        llm = LLM(
-            opts.model,
-            device=opts.device,
-            dtype=opts.dtype,
-            attention_backend=opts.attention_backend,
-            enable_prefix_caching=False,
-            kv_cache_memory=opts.kv_cache_memory,
-            max_model_len=max(opts.prompt_len + opts.steps + 2, opts.prefill_len + 2),
-            max_num_seqs=max(max(opts.batch_sizes), opts.prefill_batch),
-            cuda_graph_max_batch_size=max(opts.batch_sizes),
-            **VARIANTS[variant],
-        )
-        runtime = llm.engine.runner.runtime
-        env = common.env_info(runtime.device, runtime.dtype)
-        for batch in opts.batch_sizes:
-            decode_seconds(llm, batch, opts, seed=0)  # warm-up
-            secs = statistics.median(
-                decode_seconds(llm, batch, opts, seed=r + 1) for r in range(opts.repeats)
-            )
-            rows.append(
-                common.ResultRow(
-                    bench="specdec-engine",
-                    variant=variant,
-                    batch_size=batch,
-                    prompt_len=opts.prompt_len,
-                    new_tokens=opts.steps,
-                    ms_per_step=secs / opts.steps * 1e3,
-                    decode_tokens_per_s=batch * opts.steps / secs,
-                )
-            )
-            print(common.markdown_table(rows[-1:]).splitlines()[-1], flush=True)
-        prefill_seconds(llm, opts, seed=0)
+    llm = LLM(
+        opts.model,
+        device=opts.device,
+        dtype=opts.dtype,
+        attention_backend=opts.attention_backend,
+        enable_prefix_caching=False,
+        kv_cache_memory=opts.kv_cache_memory,
+        max_model_len=max(opts.prompt_len + opts.steps + 2, opts.prefill_len + 2),
+        max_num_seqs=max(max(opts.batch_sizes), opts.prefill_batch),
+        cuda_graph_max_batch_size=max(opts.batch_sizes),
+        **VARIANTS[variant],
+    )
+    runtime = llm.engine.runner.runtime
+    env = common.env_info(runtime.device, runtime.dtype)
+    for batch in opts.batch_sizes:
+        decode_seconds(llm, batch, opts, seed=0)  # warm-up
         secs = statistics.median(
-            prefill_seconds(llm, opts, seed=r + 1) for r in range(opts.repeats)
+            decode_seconds(llm, batch, opts, seed=r + 1) for r in range(opts.repeats)
         )
         rows.append(
             common.ResultRow(
                 bench="specdec-engine",
                 variant=variant,
-                batch_size=opts.prefill_batch,
-                prompt_len=opts.prefill_len,
-                new_tokens=1,
-                prefill_tokens_per_s=opts.prefill_batch * opts.prefill_len / secs,
+                batch_size=batch,
+                prompt_len=opts.prompt_len,
+                new_tokens=opts.steps,
+                ms_per_step=secs / opts.steps * 1e3,
+                decode_tokens_per_s=batch * opts.steps / secs,
             )
         )
         print(common.markdown_table(rows[-1:]).splitlines()[-1], flush=True)
-        common.print_env(env)
-        del llm
+    prefill_seconds(llm, opts, seed=0)
+    secs = statistics.median(prefill_seconds(llm, opts, seed=r + 1) for r in range(opts.repeats))
+    rows.append(
+        common.ResultRow(
+            bench="specdec-engine",
+            variant=variant,
+            batch_size=opts.prefill_batch,
+            prompt_len=opts.prefill_len,
+            new_tokens=1,
+            prefill_tokens_per_s=opts.prefill_batch * opts.prefill_len / secs,
+        )
+    )
+    print(common.markdown_table(rows[-1:]).splitlines()[-1], flush=True)
+    common.print_env(env)
+    del llm
     return rows
 
 

@@ -330,12 +330,12 @@ def test_eagle3_incremental_catch_up_equals_full_recompute(smollm2_dir, random_h
     for tokens, drafts in seen:
         n = len(tokens) - 1  # tokens 0..n-1 are computed; tokens[n] is the root
         pos, meta, nb = _full_forward_inputs(n)
-        kv = [(torch.zeros(nb, 16, c.num_kv_heads, c.head_dim),) * 2 for _ in range(c.num_layers)]
-        kv = [(torch.zeros_like(k), torch.zeros_like(k)) for k, _ in kv]
+        shape = (nb, 16, c.num_kv_heads, c.head_dim)
+        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
         with torch.inference_mode():
             _, aux = target(torch.tensor(tokens[:n]), pos, kv, meta, hc.aux_layer_ids)
-            head_kv = (torch.zeros(nb, 16, hc.num_kv_heads, hc.head_dim),) * 1
-            head_kv = (head_kv[0], torch.zeros_like(head_kv[0]))
+            head_shape = (nb, 16, hc.num_kv_heads, hc.head_dim)
+            head_kv = (torch.zeros(head_shape), torch.zeros(head_shape))
             out, logits = head(torch.tensor(tokens[1 : n + 1]), head.fuse(aux), pos, head_kv, meta)
             expected = [int(head.draft_to_target(logits[-1].argmax()))]
             if len(drafts) > 1:  # depth 2: the first draft at position n, previous output

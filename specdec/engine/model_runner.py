@@ -11,6 +11,7 @@ import torch
 
 from specdec.attention import get_attention_backend
 from specdec.attention.custom_op import OpaqueAttention
+from specdec.attention.metadata import AttentionMetadata
 from specdec.config import EngineConfig
 from specdec.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
 from specdec.engine.input_batch import StepInputs, build_step_inputs
@@ -151,8 +152,6 @@ class ModelRunner:
         scratch = self._allocate_kv_cache(scratch_blocks)
         scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in scratch)
         ids = torch.randint(0, self.model_config.vocab_size, (num_tokens,), device=self.device)
-        from specdec.attention.metadata import AttentionMetadata
-
         blocks = torch.arange(1, scratch_blocks, dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=self.device) + self.block_size,

@@ -379,11 +379,9 @@ def accept_batch(
     return [r for r in results if r is not None]
 
 
-def _select_rows(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
-    """Rows ``rows`` (all random) of ``meta``. The no_* host flags are kept: for a subset
-    they can only over-state the filtering work (a filter run with every row disabled),
-    never skip needed work; recomputing them exactly would need a sync."""
-    index = torch.tensor(rows, device=meta.temperature.device)
+def _take_rows(meta: SamplingMetadata, index: torch.Tensor, **flags) -> SamplingMetadata:
+    """``meta``'s per-row tensors gathered at ``index``; ``flags`` replace fields whose
+    value the gather changes (host flags, generators)."""
     return dataclasses.replace(
         meta,
         temperature=meta.temperature[index],
@@ -391,6 +389,18 @@ def _select_rows(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
         top_p=meta.top_p[index],
         min_p=meta.min_p[index],
         greedy=meta.greedy[index],
+        **flags,
+    )
+
+
+def _select_rows(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
+    """Rows ``rows`` (all random) of ``meta``. The no_* host flags are kept: for a subset
+    they can only over-state the filtering work (a filter run with every row disabled),
+    never skip needed work; recomputing them exactly would need a sync."""
+    index = torch.tensor(rows, device=meta.temperature.device)
+    return _take_rows(
+        meta,
+        index,
         all_greedy=False,
         all_random=True,
         generators=[meta.generators[b] for b in rows],
@@ -403,13 +413,9 @@ def _per_node(meta: SamplingMetadata, counts: list[int]) -> SamplingMetadata:
     index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(
         meta.temperature.device
     )  # [total_nodes]
-    return dataclasses.replace(
+    return _take_rows(
         meta,
-        temperature=meta.temperature[index],
-        top_k=meta.top_k[index],
-        top_p=meta.top_p[index],
-        min_p=meta.min_p[index],
-        greedy=meta.greedy[index],
+        index,
         generators=[g for g, n in zip(meta.generators, counts, strict=True) for _ in range(n)],
         max_num_logprobs=None,
     )
