@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from specdec.spec.tree import ChainShape, DynamicTreeShape, StaticTreeShape, TreeShape
+
 _GIB = 1 << 30
 
 
@@ -96,14 +98,24 @@ class SpeculativeConfig:
                 f"({self.total_tokens})"
             )
 
+        try:
+            self.tree_shape  # noqa: B018  (the shape validates its own sizes)
+        except ValueError as e:
+            raise ValueError(f"{e} (the tree's depth is num_speculative_tokens)") from e
+
+    @property
+    def tree_shape(self) -> TreeShape:
+        """The draft-tree shape these fields describe (``specdec.spec.tree``)."""
+        if self.tree == "chain":
+            return ChainShape(self.num_speculative_tokens)
+        if self.tree == "static":
+            return StaticTreeShape(self.choices or [])
+        return DynamicTreeShape(self.top_k, self.num_speculative_tokens, self.total_tokens)
+
     @property
     def max_draft_tokens(self) -> int:
-        """Draft nodes per request per step (the scheduler's lookahead slots)."""
-        if self.tree == "chain":
-            return self.num_speculative_tokens
-        if self.tree == "static":
-            return len(self.choices or [])
-        return self.total_tokens
+        """Draft nodes per request per step (what verification computes)."""
+        return self.tree_shape.max_draft_tokens
 
 
 @dataclass

@@ -16,6 +16,9 @@ from specdec.attention import get_attention_backend
 from specdec.config import SpeculativeConfig
 
 NEW_TOKENS = 64
+# Chunked prefill and a pool so small that requests are preempted mid-speculation.
+PREEMPTING = {"max_num_batched_tokens": 64, "kv_cache_memory": 120 * 2 * 30 * 16 * 3 * 64 * 4}
+DYNAMIC = {"tree": "dynamic", "num_speculative_tokens": 4, "top_k": 4, "total_tokens": 12}
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +187,7 @@ def test_errors_name_value_and_limit(llm):
     "kwargs",
     [
         {},
-        # chunked prefill + a pool so small that requests are preempted mid-speculation
-        {"max_num_batched_tokens": 64, "kv_cache_memory": 120 * 2 * 30 * 16 * 3 * 64 * 4},
+        PREEMPTING,
     ],
     ids=["batch16", "chunk64+preemption"],
 )
@@ -205,9 +207,16 @@ def test_ngram_speculation_is_lossless(smollm2_dir, chats, reference, kwargs):
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 
-def test_speculation_alone_equals_plain(smollm2_dir, chats, reference):
-    llm = make_llm(smollm2_dir, speculative=SpeculativeConfig(num_speculative_tokens=3))
+@pytest.mark.parametrize("proposer", ["ngram", "eagle3-dynamic"])
+def test_speculation_alone_equals_plain(smollm2_dir, random_head_dir, chats, reference, proposer):
+    """Batch 1: a request speculating alone emits the plain greedy tokens."""
+    if proposer == "ngram":
+        spec = SpeculativeConfig(num_speculative_tokens=3)
+    else:
+        spec = SpeculativeConfig(method="eagle3", model=str(random_head_dir), **DYNAMIC)
+    llm = make_llm(smollm2_dir, speculative=spec)
     assert token_ids(llm.generate([chats[7]], greedy(), use_tqdm=False))[0] == reference[7]
+    assert llm.engine.spec_stats.steps > 0
 
 
 def test_oracle_draft_model_accepts_everything(smollm2_dir, llm, chats):
@@ -227,18 +236,34 @@ def test_oracle_draft_model_accepts_everything(smollm2_dir, llm, chats):
     assert stats.acceptance_rates == [1.0] * k
 
 
+def test_oracle_draft_tree_accepts_its_best_path(smollm2_dir, llm, chats):
+    """A static tree drafted by the target itself: the rank-0 path is always the target's
+    greedy continuation, so every step accepts the full depth (τ = depth + 1) whatever the
+    side branches hold: draft steps over a tree see exactly their ancestors."""
+    choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2, 0], [0, 0, 1]]
+    spec = SpeculativeConfig(
+        method="draft_model", model=str(smollm2_dir), tree="static", choices=choices
+    )
+    oracle = make_llm(smollm2_dir, speculative=spec)
+    params = greedy(1 + 4 * 6)  # prefill's token, then 6 steps of depth 3 + bonus
+    expected = token_ids(llm.generate(chats[4:8], params, use_tqdm=False))
+    outs = oracle.generate(chats[4:8], params, use_tqdm=False)
+    assert token_ids(outs) == expected
+    assert all(o.metrics.tau == 4 and o.metrics.spec_steps == 6 for o in outs)
+    assert oracle.engine.spec_stats.drafted_tokens == 4 * 6 * len(choices)
+
+
 @pytest.fixture(scope="module")
 def random_draft_dir(tmp_path_factory, smollm2_dir):
     """A 2-layer random model with SmolLM2's vocabulary: a draft that is mostly wrong."""
     return make_tiny_model_dir(tmp_path_factory.mktemp("random_draft"), smollm2_dir, seed=0)
 
 
+@pytest.mark.parametrize("tree", [{"num_speculative_tokens": 3}, DYNAMIC], ids=["chain", "dynamic"])
 def test_random_draft_model_is_lossless_under_preemption(
-    smollm2_dir, random_draft_dir, chats, reference
+    smollm2_dir, random_draft_dir, chats, reference, tree
 ):
-    spec = SpeculativeConfig(
-        method="draft_model", model=str(random_draft_dir), num_speculative_tokens=3
-    )
+    spec = SpeculativeConfig(method="draft_model", model=str(random_draft_dir), **tree)
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
     llm = make_llm(
         smollm2_dir,
@@ -272,12 +297,24 @@ def random_head_dir(tmp_path_factory, smollm2_dir):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [{}, {"max_num_batched_tokens": 64, "kv_cache_memory": 120 * 2 * 30 * 16 * 3 * 64 * 4}],
-    ids=["batch16", "chunk64+preemption"],
+    ("tree", "kwargs"),
+    [
+        ({"num_speculative_tokens": 3}, {}),
+        ({"num_speculative_tokens": 3}, PREEMPTING),
+        (DYNAMIC, {}),
+        (DYNAMIC, PREEMPTING),
+    ],
+    ids=[
+        "chain-batch16",
+        "chain-chunk64+preemption",
+        "dynamic-batch16",
+        "dynamic-chunk64+preemption",
+    ],
 )
-def test_random_eagle3_head_is_lossless(smollm2_dir, random_head_dir, chats, reference, kwargs):
-    spec = SpeculativeConfig(method="eagle3", model=str(random_head_dir), num_speculative_tokens=3)
+def test_random_eagle3_head_is_lossless(
+    smollm2_dir, random_head_dir, chats, reference, tree, kwargs
+):
+    spec = SpeculativeConfig(method="eagle3", model=str(random_head_dir), **tree)
     llm = make_llm(smollm2_dir, speculative=spec, **kwargs)
     assert token_ids(llm.generate(chats, greedy(), use_tqdm=False)) == reference
     stats = llm.engine.spec_stats

@@ -16,6 +16,7 @@ from specdec.spec.tree import (
     DynamicTreeShape,
     StaticTreeShape,
     build_tree,
+    build_trees,
 )
 
 ROOT = 3
@@ -301,6 +302,49 @@ def test_dynamic_shape_is_validated() -> None:
 
 def test_step_fn_must_return_one_row_per_node() -> None:
     with pytest.raises(
-        ValueError, match=r"returned shape \(2, 8\) at depth 0; expected \[1, vocab\]"
+        ValueError, match=r"returned shape \(1, 2, 8\) at depth 0; expected \[1, 1, vocab\]"
     ):
         build_tree(ChainShape(2), ROOT, lambda tokens, rows, depth: torch.zeros(2, 8))
+
+
+class BatchedPathModels:
+    """One ``PathModel`` per tree, queried through the batched interface."""
+
+    def __init__(self, models: list[PathModel]) -> None:
+        self.models = models
+
+    def __call__(self, tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int):
+        assert tokens.shape == parent_rows.shape and tokens.shape[0] == len(self.models)
+        return torch.stack(
+            [m(t, r, depth) for m, t, r in zip(self.models, tokens, parent_rows, strict=True)]
+        )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ChainShape(3),
+        StaticTreeShape([(0,), (1,), (0, 0), (0, 1), (1, 0)]),
+        DynamicTreeShape(3, 4, 10),
+    ],
+    ids=["chain", "static", "dynamic"],
+)
+@pytest.mark.parametrize("peaked", [False, True], ids=["random", "ties"])
+def test_batched_growth_equals_one_tree_at_a_time(shape, peaked: bool) -> None:
+    """Trees grown together never interact: each equals the tree grown alone."""
+    roots = [3, 7, 3, 11]
+    batched = BatchedPathModels([PathModel(16, seed=s, peaked=peaked) for s in range(4)])
+    trees = build_trees(shape, torch.tensor(roots), batched)
+    for seed, (root, tree) in enumerate(zip(roots, trees, strict=True)):
+        alone = build_tree(shape, root, PathModel(16, seed=seed, peaked=peaked))
+        tree.check()
+        for name in ("token_ids", "parents", "depths"):
+            assert getattr(tree, name).tolist() == getattr(alone, name).tolist(), name
+
+
+def test_shape_sizes() -> None:
+    assert (ChainShape(4).depth, ChainShape(4).num_expanded) == (4, 3)
+    static = StaticTreeShape([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert (static.depth, static.num_expanded) == (3, 3)  # (0,), (1,), (0, 0) have children
+    dynamic = DynamicTreeShape(8, 5, 48)
+    assert (dynamic.depth, dynamic.num_expanded, dynamic.num_candidates) == (5, 32, 264)

@@ -37,10 +37,16 @@ def random_parents(rng: random.Random, t: int) -> list[int]:
     return [0] + [rng.randrange(i) for i in range(1, t)]
 
 
+def random_forest(rng: random.Random, t: int, roots: int) -> list[int]:
+    """A draft step's forest: nodes ``0 .. roots-1`` are their own parents (the depth-1
+    drafts below a root that is not in the tree), later nodes hang anywhere earlier."""
+    return list(range(roots)) + [rng.randrange(i) for i in range(roots, t)]
+
+
 def path_to_root(parents: list[int], node: int) -> list[int]:
-    """Node indices from the root down to ``node``."""
+    """Node indices from the (forest) root down to ``node``."""
     path = [node]
-    while path[-1] != 0:
+    while parents[path[-1]] != path[-1]:
         path.append(parents[path[-1]])
     return path[::-1]
 
@@ -109,8 +115,9 @@ def make_tree_case(
 
 
 def mixed_batch(rng: random.Random, block_size: int) -> list[tuple[int, int, list[int]]]:
-    """Decodes, a prefill chunk and trees of assorted shapes, with the tree's first cache
-    index on, just before and just after block boundaries."""
+    """Decodes, a prefill chunk, trees of assorted shapes (the tree's first cache index on,
+    just before and just after block boundaries) and draft steps (trees longer than the
+    step's queries)."""
     bs = block_size
     t1, t2 = rng.randint(8, 24), rng.randint(6, 14)
     t_long = bs + 3  # spans a page boundary
@@ -123,6 +130,10 @@ def mixed_batch(rng: random.Random, block_size: int) -> list[tuple[int, int, lis
         (t_long, t_long + 5, random_parents(rng, t_long)),
         (1, 2 * bs, []),
         (t2, bs + 1 + t2, random_parents(rng, t2)),
+        # Draft steps: the queries are a forest's last nodes, its earlier levels cached.
+        (3, 2 * bs + 9, random_forest(rng, 9, roots=3)),
+        (4, bs + 2 + 12, random_forest(rng, 12, roots=4)),
+        (1, 5 + 4, [0, 0, 1, 2]),  # a chain's next node
     ]
 
 
@@ -160,6 +171,7 @@ def test_tree_mask_matches_python_reference():
     rng = random.Random(0)
     trees = [random_parents(rng, rng.randint(1, 40)) for _ in range(12)]
     trees += [[0, *range(63)], [0] * 30, [], [0]]  # deepest chain, star, none, lone root
+    trees += [random_forest(rng, 24, roots=8), [0, 1, 2]]  # draft-step forests
     out = build_tree_mask([torch.tensor(p, dtype=torch.int64, device=DEVICE) for p in trees])
 
     assert out.tree_lens.dtype == torch.int32 and out.tree_mask_offsets.dtype == torch.int64

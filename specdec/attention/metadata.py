@@ -12,8 +12,11 @@ tokens of context *including* them, so its new tokens sit at absolute positions
 ``seq_lens[s] - q_len ... seq_lens[s] - 1`` and query ``i`` attends causally to keys
 ``0 ... seq_lens[s] - q_len + i``. Decode is the case ``q_len == 1``.
 
-Draft-tree verification. The last ``t = tree_lens[s]`` new tokens of sequence ``s`` may form
-a tree (``t == 0``: no tree, the causal rule alone). Tree nodes occupy consecutive cache
+Draft trees. The last ``t = tree_lens[s]`` tokens of sequence ``s``'s context may form a
+tree (``t == 0``: no tree, the causal rule alone). In verification they are the step's last
+``t`` new tokens; in a proposer's draft step, which adds one level to a tree whose earlier
+levels are already cached, ``t`` exceeds ``q_len`` and the queries are the tree's last
+``q_len`` nodes (several "roots" whose parent is themselves make the tree a forest). Tree nodes occupy consecutive cache
 indices ``seq_lens[s] - t ... seq_lens[s] - 1`` in node order, parents before children.
 ``tree_mask[tree_mask_offsets[s] :][: t * t]`` is that tree's row-major ``[t, t]`` matrix
 with ``mask[i, j]`` true iff node ``j`` is node ``i`` or one of its ancestors. A query of
@@ -44,7 +47,7 @@ class AttentionMetadata:
     ``max_query_len``/``max_seq_len`` are host ints (grid sizes; no device sync needed) and
     are upper bounds: a CUDA graph captures with the largest values it will ever replay.
     Tree fields (module docstring): the three tensors come together or not at all,
-    ``tree_lens[s] <= q_len``, and ``max_tree_len`` bounds every ``tree_lens[s]``; with
+    ``tree_lens[s] <= seq_lens[s]``, and ``max_tree_len`` bounds every ``tree_lens[s]``; with
     ``max_tree_len == 0`` the tensors are ignored and every query is causal.
     """
 

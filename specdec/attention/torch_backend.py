@@ -55,9 +55,12 @@ def attention_mask_ref(
     mask = torch.arange(seq_len, device=device)[None, :] <= q_pos  # [q_len, L]
     if tree is not None and tree.shape[0] > 0:
         t = tree.shape[0]
-        if t > q_len:
-            raise ValueError(f"tree_len {t} exceeds the sequence's q_len {q_len}")
-        mask[q_len - t :, seq_len - t :] &= tree.to(device=device, dtype=torch.bool)
+        if t > seq_len:
+            raise ValueError(f"tree_len {t} exceeds the sequence's seq_len {seq_len}")
+        # The queries are the tree's last min(q_len, t) nodes (a draft step adds a level to
+        # a tree whose earlier levels are cached); queries before the tree stay causal.
+        n = min(q_len, t)
+        mask[q_len - n :, seq_len - t :] &= tree[t - n :].to(device=device, dtype=torch.bool)
     return mask
 
 

@@ -61,7 +61,7 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         spec = self.config.speculative
         self.proposer = make_proposer(spec, runner=self.runner) if spec is not None else None
-        self.lookahead = spec.max_draft_tokens if spec is not None else 0
+        self.lookahead = self.proposer.lookahead_slots if self.proposer is not None else 0
         if self.proposer is not None:
             self.runner.aux_layer_ids = self.proposer.aux_layer_ids
         self.spec_stats = SpecStats()
@@ -255,8 +255,12 @@ class LLMEngine:
                 or request.num_output_tokens < params.min_tokens
             ):
                 continue
-            # Never draft past max_tokens: a step emits at most drafts + 1 tokens.
-            limit = min(s.num_lookahead_tokens, request.max_tokens - request.num_output_tokens - 1)
+            # Never draft deeper than max_tokens allows: a step emits at most depth + 1
+            # tokens. With room for the whole shape the proposer grows it, else a chain.
+            depth_left = request.max_tokens - request.num_output_tokens - 1
+            limit = s.num_lookahead_tokens
+            if depth_left < self.proposer.shape.depth:
+                limit = min(limit, depth_left)
             if limit > 0:
                 rows.append(row)
                 limits.append(limit)

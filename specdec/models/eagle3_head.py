@@ -393,6 +393,15 @@ class Eagle3Head(nn.Module):
         """Target token ids of draft-vocabulary ids (int64, same shape)."""
         return draft_ids + self.d2t[draft_ids]
 
+    def scatter_to_target(
+        self,
+        draft_logits: torch.Tensor,  # [m, draft_vocab]
+    ) -> torch.Tensor:  # [m, target_vocab]: -inf outside the draft vocabulary
+        """Draft-vocabulary scores placed at their target ids (what tree growth ranks)."""
+        out = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), -torch.inf)
+        ids = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=out.device))
+        return out.index_copy_(1, ids, draft_logits)
+
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Validate (``validate_vocab_map``) and install a draft vocabulary."""
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:

@@ -1,4 +1,5 @@
-"""Draft-model proposer: a smaller LM with the target's tokenizer drafts a greedy chain.
+"""Draft-model proposer: a smaller LM with the target's tokenizer drafts a chain or a tree
+of its top-ranked tokens.
 
 The draft keeps its own K/V in paged blocks that mirror the target's: the same block ids,
 block tables and slots, in separate tensors. So the scheduler's lookahead slots serve
@@ -6,9 +7,10 @@ both models, and preemption or finishing frees both at once.
 
 Per request the proposer remembers how many tokens its cache holds. Before drafting it
 catches up on the tokens it has not seen (the prompt the first time; after a step, the
-tokens the target emitted that differ from what was drafted), then feeds each new draft
-token back for the next one. After verification, the draft's entries stay valid up to the
-target's computed tokens: accepted drafts are exactly the tokens the draft fed.
+tokens the target emitted that differ from what was drafted), then grows the tree level by
+level, each level one forward over its nodes (``TreeDraftLayout``). After verification, a
+fed draft's entry stays valid where the request really holds that token at that index and
+the target has computed it.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.models import load_config, load_model, resolve_model
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
-from specdec.spec.ngram_proposer import chain_tree
 from specdec.spec.proposer import Proposer
-from specdec.spec.tree import DraftTree
+from specdec.spec.tree import DraftTree, TreeShape, build_trees
+from specdec.spec.tree_draft import TreeDraftLayout
 
 
 @dataclass
 class _DraftState:
-    num_preemptions: int  # the request's count when `computed` was recorded
-    computed: int  # tokens whose draft K/V is in the cache
+    num_preemptions: int  # the request's count when this was recorded
+    computed: int  # tokens 0 .. computed-1 have draft K/V in the cache (through the root)
+    fed: list[int]  # tokens fed at cache indices computed, computed+1, ... along one path
 
 
 class DraftModelProposer(Proposer):
@@ -40,11 +43,6 @@ class DraftModelProposer(Proposer):
         super().__init__(config)
         if config.model is None:
             raise ValueError("method='draft_model' needs model=<draft model alias/dir/gguf>")
-        if config.tree != "chain":
-            raise ValueError(
-                f"the draft_model proposer drafts chains; got tree={config.tree!r} "
-                "(use tree='chain')"
-            )
         resolved = resolve_model(config.model)
         draft_config = load_config(resolved)
         target_vocab = runner.model_config.vocab_size
@@ -81,11 +79,17 @@ class DraftModelProposer(Proposer):
         self._states.pop(request_id, None)
 
     def _start(self, request: Request) -> int:
-        """First token index the draft cache lacks for ``request``."""
+        """First token index the draft cache lacks for ``request``: past the root, fed
+        drafts count only where the request really holds those tokens."""
         state = self._states.get(request.request_id)
         if state is None or state.num_preemptions != request.num_preemptions:
             return 0  # new, or preempted: its blocks were freed and recomputed
-        return min(state.computed, request.num_computed_tokens)
+        valid = state.computed
+        for token in state.fed:
+            if valid >= request.num_tokens or request.token_id(valid) != token:
+                break
+            valid += 1
+        return min(valid, request.num_computed_tokens)
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], max_draft_tokens: Sequence[int]):
@@ -94,30 +98,43 @@ class DraftModelProposer(Proposer):
         for request in requests:
             start = self._start(request)
             chunks.append(Chunk(request, start, request.token_ids(start, request.num_tokens)))
-        logits = self._forward(chunks)  # [num_requests, vocab]: logits at each root
-        drafts: list[list[int]] = [[] for _ in requests]
-        active = list(range(len(requests)))
-        next_tokens = logits.argmax(dim=-1).tolist()
-        # 2. Feed each draft back for the next one, one token per active request.
-        while True:
-            for i in active:
-                drafts[i].append(next_tokens[active.index(i)])
-            active = [i for i in active if len(drafts[i]) < max_draft_tokens[i]]
-            if not active:
-                break
-            chunks = [
-                Chunk(requests[i], requests[i].num_tokens + len(drafts[i]) - 1, [drafts[i][-1]])
-                for i in active
-            ]
-            next_tokens = self._forward(chunks).argmax(dim=-1).tolist()
-        trees: list[DraftTree | None] = []
-        for request, draft in zip(requests, drafts, strict=True):
-            # The draft cache now holds the root and every fed draft (all but the last).
-            self._states[request.request_id] = _DraftState(
-                request.num_preemptions, request.num_tokens + len(draft) - 1
-            )
-            trees.append(chain_tree(request.token_id(request.num_tokens - 1), draft))
+        root_logits = self._forward(chunks)  # [num_requests, vocab]: logits at each root
+        # 2. Grow the trees, one batch per shape (the configured one; chains near the end).
+        groups: dict[TreeShape, list[int]] = {}
+        for i, request in enumerate(requests):
+            room = len(request.block_ids) * self.block_size - request.num_tokens
+            groups.setdefault(self.shape_for(max_draft_tokens[i], room), []).append(i)
+        trees: list[DraftTree | None] = [None] * len(requests)
+        for shape, members in groups.items():
+            picked = torch.tensor(members, device=self.device)
+            grown = self._grow(shape, [requests[i] for i in members], root_logits[picked])
+            for i, tree in zip(members, grown, strict=True):
+                trees[i] = tree
         return trees
+
+    def _grow(
+        self, shape: TreeShape, requests: list[Request], root_logits: torch.Tensor
+    ) -> list[DraftTree]:
+        """Draft steps: level ``d`` feeds its nodes at position ``root + d``, laid out right
+        after the root (the target's lookahead slots)."""
+        layout = TreeDraftLayout(
+            requests, [r.num_tokens for r in requests], self.block_size, self.device
+        )
+
+        def step(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:
+            if depth == 0:
+                return root_logits[:, None]  # [batch, 1, vocab]
+            x = layout.level(tokens, parent_rows, depth)
+            hidden, _ = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
+            return self.model.compute_logits(hidden).view(*tokens.shape, -1)
+
+        roots = torch.tensor([r.token_id(r.num_tokens - 1) for r in requests], device=self.device)
+        grown = build_trees(shape, roots, step)
+        for request, fed in zip(requests, layout.chain_prefix(), strict=True):
+            self._states[request.request_id] = _DraftState(
+                request.num_preemptions, request.num_tokens, fed
+            )
+        return grown
 
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """One varlen draft forward; returns the logits at each chunk's last token."""

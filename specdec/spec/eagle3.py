@@ -7,14 +7,15 @@ sits at index ``r`` and whose target-computed tokens are ``0 .. r-1``:
 
 - catch-up: positions ``head_computed .. r-1`` from the aux states the engine handed to
   ``observe`` (all computed tokens); the last one predicts ``x[r+1]``, draft depth 1;
-- depth ``k >= 2`` feeds draft ``k-1`` at position ``r + k - 2``.
+- tree level ``d >= 1`` feeds its depth-``d`` draft nodes at position ``r + d - 1``, each
+  with its parent's pre-norm output, attending to its ancestors (``TreeDraftLayout``); a
+  chain is the tree with one node per level.
 
 The head's K/V lives in paged blocks mirroring the target's (same block ids and slots, its
 own tensors). Draft-step entries are provisional: the next catch-up rewrites those
 positions with the target's real aux states, so only positions below the target's
 computed tokens count as done. Aux states for prefix-cache hits are never observed; the
 head then relies on what the shared blocks hold (drafts may be worse, never wrong).
-This proposer drafts chains; trees follow with the tree-attention draft steps.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.models.eagle3_formats import load_eagle3
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
-from specdec.spec.ngram_proposer import chain_tree
 from specdec.spec.proposer import Proposer
-from specdec.spec.tree import DraftTree
+from specdec.spec.tree import DraftTree, TreeShape, build_trees
+from specdec.spec.tree_draft import TreeDraftLayout
 
 
 @dataclass
@@ -51,11 +52,6 @@ class Eagle3Proposer(Proposer):
         super().__init__(config)
         if config.model is None:
             raise ValueError("method='eagle3' needs model=<EAGLE-3 head directory>")
-        if config.tree != "chain":
-            raise ValueError(
-                f"the eagle3 proposer drafts chains for now; got tree={config.tree!r} "
-                "(use tree='chain')"
-            )
         self.device = runner.device
         self.block_size = runner.block_size
         self.head = load_eagle3(
@@ -109,30 +105,52 @@ class Eagle3Proposer(Proposer):
             hidden.append(torch.cat(state.pending))  # exactly end - start rows (observe)
             state.head_computed, state.pending = end, []
         out, logits = self._forward(chunks, self.head.fuse(torch.cat(hidden)))
-        drafts: dict[int, list[int]] = {i: [] for i in rows}
-        active = rows
-        while True:
-            tokens = self.head.draft_to_target(logits.argmax(dim=-1))  # [len(active)]
-            for i, t in zip(active, tokens.tolist(), strict=True):
-                drafts[i].append(t)
-            keep = [j for j, i in enumerate(active) if len(drafts[i]) < max_draft_tokens[i]]
-            if not keep:
-                break
-            active = [active[j] for j in keep]
-            # 2. Feed each draft at the next position with the previous pre-norm output.
-            chunks = [
-                Chunk(
-                    requests[i],
-                    requests[i].num_computed_tokens + len(drafts[i]) - 1,
-                    [drafts[i][-1]],
-                )
-                for i in active
-            ]
-            out, logits = self._forward(chunks, out[torch.tensor(keep, device=out.device)])
-        for i in rows:
+        # 2. Grow the trees, one batch per shape (the configured one; chains near the end).
+        groups: dict[TreeShape, list[int]] = {}  # shape -> positions in `rows`
+        for j, i in enumerate(rows):
             request = requests[i]
-            trees[i] = chain_tree(request.token_id(request.num_tokens - 1), drafts[i])
+            room = len(request.block_ids) * self.block_size - request.num_computed_tokens
+            groups.setdefault(self.shape_for(max_draft_tokens[i], room), []).append(j)
+        for shape, members in groups.items():
+            picked = torch.tensor(members, device=self.device)
+            grown = self._grow(
+                shape, [requests[rows[j]] for j in members], out[picked], logits[picked]
+            )
+            for j, tree in zip(members, grown, strict=True):
+                trees[rows[j]] = tree
         return trees
+
+    def _grow(
+        self,
+        shape: TreeShape,
+        requests: list[Request],
+        root_out: torch.Tensor,  # [batch, hidden]: the catch-up's last pre-norm rows
+        root_logits: torch.Tensor,  # [batch, draft_vocab]: depth-1 predictions
+    ) -> list[DraftTree]:
+        """Draft steps: level ``d`` feeds its nodes at position ``root + d - 1``, each with
+        its parent's pre-norm output, laid out from the root's cache index (the target's
+        lookahead slots; the next catch-up rewrites them)."""
+        layout = TreeDraftLayout(
+            requests, [r.num_computed_tokens for r in requests], self.block_size, self.device
+        )
+        prev_out = root_out[:, None]  # [batch, 1, hidden]: rows of the previous call
+
+        def step(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:
+            nonlocal prev_out
+            batch, n = tokens.shape
+            if depth == 0:
+                return self.head.scatter_to_target(root_logits)[:, None]  # [batch, 1, V]
+            width = prev_out.shape[2]
+            hidden = prev_out.gather(1, parent_rows[:, :, None].expand(batch, n, width))
+            x = layout.level(tokens, parent_rows, depth)
+            out, logits = self.head(
+                x.input_ids, hidden.flatten(0, 1), x.positions, self.kv_cache, x.meta
+            )
+            prev_out = out.view(batch, n, width)
+            return self.head.scatter_to_target(logits).view(batch, n, -1)
+
+        roots = torch.tensor([r.token_id(r.num_tokens - 1) for r in requests], device=self.device)
+        return build_trees(shape, roots, step)
 
     def _catch_up_len(self, request: Request) -> int:
         state = self._states.get(request.request_id)

@@ -28,6 +28,11 @@ class NgramProposer(Proposer):
 
     def __init__(self, config: SpeculativeConfig, **_unused) -> None:
         super().__init__(config)
+        if config.tree != "chain":
+            raise ValueError(
+                f"the ngram proposer drafts the one continuation it finds (a chain); got "
+                f"tree={config.tree!r}, use tree='chain'"
+            )
         self.ngram = NgramConfig(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
 
     def propose(self, requests, max_draft_tokens):

@@ -16,7 +16,7 @@ import torch
 
 from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
-from specdec.spec.tree import DraftTree
+from specdec.spec.tree import ChainShape, DraftTree, TreeShape
 
 _PROPOSERS: dict[str, type[Proposer]] = {}
 
@@ -31,6 +31,22 @@ class Proposer(ABC):
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.shape: TreeShape = config.tree_shape
+
+    @property
+    def lookahead_slots(self) -> int:
+        """Cache slots past the root a decoding request reserves per step: the tree's
+        draft nodes for verification, and room for a model proposer's fed nodes."""
+        return max(self.shape.max_draft_tokens, self.shape.num_expanded)
+
+    def shape_for(self, max_draft_tokens: int, room: int) -> TreeShape:
+        """The configured shape when ``max_draft_tokens`` nodes and ``room`` fed-node
+        slots allow it; otherwise the chain that fits (near the context's or the request's
+        end). A chain never needs more room than verification already reserves."""
+        shape = self.shape
+        if max_draft_tokens >= shape.max_draft_tokens and room >= shape.num_expanded:
+            return shape
+        return ChainShape(min(max_draft_tokens, shape.depth))
 
     # Target layers whose entering residual stream this proposer reads (EAGLE-3); the
     # engine then passes every computed token's aux states to ``observe``.

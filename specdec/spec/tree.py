@@ -14,8 +14,9 @@ Shapes (how many children, where):
 - ``DynamicTreeShape(top_k, depth, total_tokens)``: EAGLE-2's tree grown from the draft's
   own confidence (see ``_build_dynamic``).
 
-``build_tree`` grows any shape by querying a proposer level by level through a
-``StepLogprobsFn``, so tree construction knows nothing about the proposer. By default
+``build_trees`` grows any shape below a batch of roots by querying a proposer level by
+level through a ``BatchStepLogprobsFn`` (``build_tree``: one root), so tree construction
+knows nothing about the proposer. By default
 children are the proposer's top-ranked tokens: *deterministic candidates*
 (``sampled=False``), which lossless acceptance verifies as if drawn from a one-hot draft.
 With ``sample=True`` (chain and static shapes only) children are drawn at random without
@@ -43,6 +44,13 @@ call (so a proposer gathers the state it kept per row, e.g. EAGLE hidden states,
 ``parent_rows == [0]``. Only nodes that will get children are queried: leaves never are.
 The vocabulary is the target's: a proposer with a reduced draft vocabulary (EAGLE-3's
 ``d2t``) scatters its log-probabilities into target ids, -inf elsewhere.
+"""
+
+BatchStepLogprobsFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``fn(node_token_ids [batch, n] int64, parent_rows [batch, n] int64, depth) -> logprobs
+[batch, n, vocab]``: ``StepLogprobsFn`` for a batch of trees grown together. Row ``b`` of
+every argument belongs to tree ``b``; ``parent_rows[b, j]`` indexes tree ``b``'s rows of
+the previous call.
 """
 
 
@@ -191,6 +199,18 @@ class ChainShape:
     def max_draft_tokens(self) -> int:
         return self.k
 
+    @property
+    def depth(self) -> int:
+        return self.k
+
+    @property
+    def num_expanded(self) -> int:
+        """Draft nodes that get children (queried for the next level): all but the last."""
+        return self.k - 1
+
+    def as_static(self) -> StaticTreeShape:
+        return StaticTreeShape([(0,) * d for d in range(1, self.k + 1)])
+
 
 @dataclass(frozen=True)
 class StaticTreeShape:
@@ -233,6 +253,11 @@ class StaticTreeShape:
     def depth(self) -> int:
         return max(len(p) for p in self.choices)
 
+    @property
+    def num_expanded(self) -> int:
+        """Draft nodes (not the root) that get children."""
+        return len({p[:-1] for p in self.choices if len(p) > 1})
+
     def ranks_contiguous(self) -> bool:
         """True when every node's children have ranks 0, 1, ..., m-1 (no gaps)."""
         present = set(self.choices)
@@ -269,6 +294,11 @@ class DynamicTreeShape:
     def max_draft_tokens(self) -> int:
         return self.total_tokens
 
+    @property
+    def num_expanded(self) -> int:
+        """Draft nodes that get children: the top_k frontier of every level but the last."""
+        return self.top_k * (self.depth - 1)
+
 
 TreeShape = ChainShape | StaticTreeShape | DynamicTreeShape
 
@@ -284,7 +314,26 @@ def build_tree(
     sample: bool = False,
     generator: torch.Generator | None = None,
 ) -> DraftTree:
-    """Grow ``shape`` below ``root_token`` by querying ``step_logprobs_fn`` level by level.
+    """Grow ``shape`` below one root: ``build_trees`` for a batch of one."""
+    root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)  # [1]
+
+    def batched(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:
+        return step_logprobs_fn(tokens[0], parent_rows[0], depth)[None]
+
+    return build_trees(shape, root, batched, sample=sample, generator=generator)[0]
+
+
+def build_trees(
+    shape: TreeShape,
+    roots: torch.Tensor,  # [batch] int64 on the proposer's device
+    step_logprobs_fn: BatchStepLogprobsFn,
+    *,
+    sample: bool = False,
+    generator: torch.Generator | None = None,
+) -> list[DraftTree]:
+    """Grow ``shape`` below each of ``roots`` by querying ``step_logprobs_fn`` level by
+    level, every tree of the batch in the same call (they share the shape, so a level is a
+    ``[batch, n]`` block of nodes).
 
     ``sample=False``: children are the top-ranked tokens (deterministic candidates; ties as
     ``torch.topk`` breaks them). ``sample=True``: the children of a node are successive
@@ -292,7 +341,9 @@ def build_tree(
     only chain and static shapes allow it, and a static shape's sibling ranks must then be
     contiguous (a gap would mean a drawn token acceptance never saw).
     """
-    root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)  # [1]
+    if roots.dim() != 1 or roots.shape[0] < 1:
+        raise ValueError(f"roots has shape {tuple(roots.shape)}; expected [batch >= 1]")
+    roots = roots.to(torch.int64)
     if isinstance(shape, DynamicTreeShape):
         if sample:
             raise ValueError(
@@ -300,25 +351,25 @@ def build_tree(
                 "sampled child depending on its value; use deterministic candidates "
                 "(sample=False) or a chain/static shape"
             )
-        return _build_dynamic(shape, root, step_logprobs_fn)
-    if isinstance(shape, ChainShape):
-        shape = StaticTreeShape([(0,) * d for d in range(1, shape.k + 1)])
-    if sample and not shape.ranks_contiguous():
+        return _build_dynamic(shape, roots, step_logprobs_fn)
+    static = shape.as_static() if isinstance(shape, ChainShape) else shape
+    if sample and not static.ranks_contiguous():
         raise ValueError(
-            f"sample=True needs contiguous sibling ranks, but {shape.choices} skips one; "
+            f"sample=True needs contiguous sibling ranks, but {static.choices} skips one; "
             "add the missing ranks or use sample=False"
         )
-    return _build_static(shape, root, step_logprobs_fn, sample, generator)
+    return _build_static(static, roots, step_logprobs_fn, sample, generator)
 
 
 def _level_logprobs(
-    fn: StepLogprobsFn, tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int
-) -> torch.Tensor:  # [n, vocab] float32, normalised
+    fn: BatchStepLogprobsFn, tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int
+) -> torch.Tensor:  # [batch, n, vocab] float32, normalised
     logprobs = fn(tokens, parent_rows, depth)
-    if logprobs.dim() != 2 or logprobs.shape[0] != tokens.shape[0]:
+    if logprobs.dim() != 3 or logprobs.shape[:2] != tokens.shape:
         raise ValueError(
             f"step_logprobs_fn returned shape {tuple(logprobs.shape)} at depth {depth}; "
-            f"expected [{tokens.shape[0]}, vocab] (one row per queried node)"
+            f"expected [{tokens.shape[0]}, {tokens.shape[1]}, vocab] (one row per queried "
+            "node)"
         )
     # Idempotent on log-probabilities; makes raw logits safe too.
     return logprobs.float().log_softmax(dim=-1)
@@ -326,19 +377,20 @@ def _level_logprobs(
 
 def _build_static(
     shape: StaticTreeShape,
-    root: torch.Tensor,  # [1] int64
-    fn: StepLogprobsFn,
+    roots: torch.Tensor,  # [batch] int64
+    fn: BatchStepLogprobsFn,
     sample: bool,
     generator: torch.Generator | None,
-) -> DraftTree:
-    device = root.device
+) -> list[DraftTree]:
+    device = roots.device
+    batch = roots.shape[0]
     paths = [(), *shape.choices]  # node index -> path; the root is ()
     index = {p: i for i, p in enumerate(paths)}
     parents = [0] + [index[p[:-1]] for p in paths[1:]]
     depths = [len(p) for p in paths]
     num_nodes = len(paths)
-    token_ids = torch.empty(num_nodes, dtype=torch.int64, device=device)
-    token_ids[0] = root[0]
+    token_ids = torch.empty(batch, num_nodes, dtype=torch.int64, device=device)
+    token_ids[:, 0] = roots
     draft_probs: torch.Tensor | None = None
 
     has_children = set(parents[1:])
@@ -346,39 +398,48 @@ def _build_static(
     prev_row = {0: 0}  # node -> its row in the previous call
     for depth in range(shape.depth):
         rows = torch.tensor([prev_row[parents[v]] for v in expanded], device=device)
-        logprobs = _level_logprobs(fn, token_ids[expanded], rows, depth)  # [n, vocab]
+        logprobs = _level_logprobs(
+            fn, token_ids[:, expanded], rows.expand(batch, -1), depth
+        )  # [batch, n, vocab]
         if sample and draft_probs is None:
-            draft_probs = torch.zeros(num_nodes, logprobs.shape[1], device=device)
+            draft_probs = torch.zeros(batch, num_nodes, logprobs.shape[2], device=device)
         row_of = {v: r for r, v in enumerate(expanded)}
         children = [i for i in range(1, num_nodes) if depths[i] == depth + 1]
         child_rows = [row_of[parents[i]] for i in children]
         ranks = torch.tensor([paths[i][-1] for i in children], device=device)
         width = max(paths[i][-1] for i in children) + 1
         if sample:
-            probs = logprobs.exp()  # [n, vocab]
+            probs = logprobs.exp()  # [batch, n, vocab]
             # Exponential race: sorting p / Exp(1) gives successive draws without replacement.
             race = torch.empty_like(probs).exponential_(generator=generator)
-            ranked = (probs / race).topk(width, dim=-1).indices  # [n, width]
+            ranked = (probs / race).topk(width, dim=-1).indices  # [batch, n, width]
             assert draft_probs is not None
-            draft_probs[children] = probs[child_rows]
+            draft_probs[:, children] = probs[:, child_rows]
         else:
-            ranked = logprobs.topk(width, dim=-1).indices  # [n, width]
-        token_ids[children] = ranked[child_rows, ranks]
+            ranked = logprobs.topk(width, dim=-1).indices  # [batch, n, width]
+        token_ids[:, children] = ranked[:, child_rows, ranks]
         prev_row = row_of
         expanded = [i for i in children if i in has_children]
         if not expanded:
             break
 
-    return DraftTree(
-        token_ids=token_ids,
-        parents=torch.tensor(parents, dtype=torch.int64, device=device),
-        depths=torch.tensor(depths, dtype=torch.int64, device=device),
-        draft_probs=draft_probs,
-        sampled=sample,
-    )
+    parent_ids = torch.tensor(parents, dtype=torch.int64, device=device)
+    depth_ids = torch.tensor(depths, dtype=torch.int64, device=device)
+    return [
+        DraftTree(
+            token_ids=token_ids[b],
+            parents=parent_ids,
+            depths=depth_ids,
+            draft_probs=draft_probs[b] if draft_probs is not None else None,
+            sampled=sample,
+        )
+        for b in range(batch)
+    ]
 
 
-def _build_dynamic(shape: DynamicTreeShape, root: torch.Tensor, fn: StepLogprobsFn) -> DraftTree:
+def _build_dynamic(
+    shape: DynamicTreeShape, roots: torch.Tensor, fn: BatchStepLogprobsFn
+) -> list[DraftTree]:
     """EAGLE-2. A node's score is its cumulative draft log-probability (sum over its path).
 
     Grow: the root gets its top_k tokens as children (the depth-1 frontier); at each
@@ -392,55 +453,59 @@ def _build_dynamic(shape: DynamicTreeShape, root: torch.Tensor, fn: StepLogprobs
     smaller, and a stable descending sort puts it before the child on ties. The kept set
     is a prefix of that order, hence closed under taking parents; renumbering in candidate
     order keeps parents before children.
+
+    Every tensor carries the batch in front; trees never interact.
     """
-    device = root.device
-    k = shape.top_k
-    scores: list[torch.Tensor] = []  # per level: [m] cumulative log-probs
-    tokens: list[torch.Tensor] = []  # per level: [m] int64
-    parent_ids: list[torch.Tensor] = []  # per level: [m] candidate id of the parent (0=root)
+    device = roots.device
+    batch, k = roots.shape[0], shape.top_k
+    scores: list[torch.Tensor] = []  # per level: [batch, m] cumulative log-probs
+    tokens: list[torch.Tensor] = []  # per level: [batch, m] int64
+    parent_ids: list[torch.Tensor] = []  # per level: [batch, m] candidate id of the parent
 
     # Candidate ids: 0 is the root, then levels in order.
-    logprobs = _level_logprobs(fn, root, torch.zeros(1, dtype=torch.int64, device=device), 0)
-    top = logprobs[0].topk(k)  # [k]
-    frontier_scores, frontier_tokens = top.values, top.indices  # [k]
-    frontier_ids = torch.arange(1, k + 1, device=device)  # [k]
+    zeros = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [batch, 1]
+    logprobs = _level_logprobs(fn, roots[:, None], zeros, 0)  # [batch, 1, vocab]
+    top = logprobs[:, 0].topk(k, dim=-1)  # [batch, k]
+    frontier_scores, frontier_tokens = top.values, top.indices  # [batch, k]
+    frontier_ids = torch.arange(1, k + 1, device=device).expand(batch, k)  # [batch, k]
     scores.append(frontier_scores)
     tokens.append(frontier_tokens)
-    parent_ids.append(torch.zeros(k, dtype=torch.int64, device=device))
+    parent_ids.append(zeros.expand(batch, k))
     next_id = k + 1
-    frontier_rows = torch.zeros(k, dtype=torch.int64, device=device)  # rows in the last call
+    frontier_rows = zeros.expand(batch, k)  # [batch, k]: rows in the last call
+    cand_parent_row = torch.arange(k, device=device).repeat_interleave(k)  # [k*k]
 
     for depth in range(1, shape.depth):
-        logprobs = _level_logprobs(fn, frontier_tokens, frontier_rows, depth)  # [k, vocab]
-        top = logprobs.topk(k, dim=-1)  # [k, k]
-        cand_scores = (frontier_scores[:, None] + top.values).flatten()  # [k*k]
-        cand_tokens = top.indices.flatten()  # [k*k]
-        cand_parent_row = torch.arange(k, device=device).repeat_interleave(k)  # [k*k]
+        logprobs = _level_logprobs(fn, frontier_tokens, frontier_rows, depth)  # [batch, k, V]
+        top = logprobs.topk(k, dim=-1)  # [batch, k, k]
+        cand_scores = (frontier_scores[:, :, None] + top.values).flatten(1)  # [batch, k*k]
+        cand_tokens = top.indices.flatten(1)  # [batch, k*k]
         scores.append(cand_scores)
         tokens.append(cand_tokens)
-        parent_ids.append(frontier_ids[cand_parent_row])
-        best = cand_scores.sort(descending=True, stable=True).indices[:k]  # [k]
-        frontier_scores, frontier_tokens = cand_scores[best], cand_tokens[best]
+        parent_ids.append(frontier_ids[:, cand_parent_row])
+        best = cand_scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        frontier_scores = cand_scores.gather(1, best)  # [batch, k]
+        frontier_tokens = cand_tokens.gather(1, best)
         frontier_ids = next_id + best
         frontier_rows = cand_parent_row[best]
         next_id += k * k
 
-    all_scores = torch.cat(scores)  # [num_candidates]; candidate id = position + 1
-    order = all_scores.sort(descending=True, stable=True).indices
-    kept = order[: shape.total_tokens].sort().values + 1  # [total_tokens] candidate ids
-    all_tokens = torch.cat(tokens)
-    all_parents = torch.cat(parent_ids)
-    # new_index[candidate id] = node index in the tree (the root stays 0).
-    new_index = torch.zeros(shape.num_candidates + 1, dtype=torch.int64, device=device)
-    new_index[kept] = torch.arange(1, shape.total_tokens + 1, device=device)
-    zero = torch.zeros(1, dtype=torch.int64, device=device)
-    parents = torch.cat([zero, new_index[all_parents[kept - 1]]])  # [total_tokens + 1]
+    all_scores = torch.cat(scores, dim=1)  # [batch, num_candidates]; id = column + 1
+    order = all_scores.sort(dim=-1, descending=True, stable=True).indices
+    kept = order[:, : shape.total_tokens].sort(dim=-1).values + 1  # [batch, total] ids
+    all_tokens = torch.cat(tokens, dim=1)
+    all_parents = torch.cat(parent_ids, dim=1)
+    # new_index[b, candidate id] = node index in tree b (the root stays 0).
+    new_index = torch.zeros(batch, shape.num_candidates + 1, dtype=torch.int64, device=device)
+    node_numbers = torch.arange(1, shape.total_tokens + 1, device=device).expand_as(kept)
+    new_index.scatter_(1, kept, node_numbers)
+    parents = torch.cat([zeros, new_index.gather(1, all_parents.gather(1, kept - 1))], dim=1)
     depth_of_candidate = torch.cat(
-        [torch.full_like(t, d + 1) for d, t in enumerate(tokens)]
+        [torch.full_like(t[0], d + 1) for d, t in enumerate(tokens)]
     )  # [num_candidates]
-    return DraftTree(
-        token_ids=torch.cat([root, all_tokens[kept - 1]]),
-        parents=parents,
-        depths=torch.cat([zero, depth_of_candidate[kept - 1]]),
-        sampled=False,
-    )
+    depths = torch.cat([zeros, depth_of_candidate[kept - 1]], dim=1)  # [batch, total + 1]
+    token_ids = torch.cat([roots[:, None], all_tokens.gather(1, kept - 1)], dim=1)
+    return [
+        DraftTree(token_ids=token_ids[b], parents=parents[b], depths=depths[b], sampled=False)
+        for b in range(batch)
+    ]
