@@ -42,3 +42,22 @@ def smollm2_tokenizer(smollm2_dir: Path):
     from specdec.models import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(SMOLLM2))
+
+
+@pytest.fixture(scope="session")
+def random_head_dir(tmp_path_factory, smollm2_dir):
+    """A randomly initialised EAGLE-3 head for SmolLM2 (pruned 4,096-token draft vocab),
+    saved in the project format: its drafts are mostly rejected."""
+    from specdec.attention import get_attention_backend
+    from specdec.models import load_config
+    from specdec.models.eagle3_formats import save_eagle3
+    from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(0)
+    config = Eagle3Config.for_target(load_config(str(smollm2_dir)), 4096)
+    head = Eagle3Head(config, get_attention_backend("torch"))
+    with torch.no_grad():  # SmolLM2's residual stream reaches ~1e4: keep fc(aux) O(1) so
+        head.fc.weight.mul_(1e-3)  # tokens and positions matter to the drafts (tests)
+    out = tmp_path_factory.mktemp("random_head")
+    save_eagle3(head, out)
+    return out

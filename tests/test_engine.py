@@ -12,7 +12,6 @@ from prompts import varied_conversations
 from tiny_models import make_tiny_model_dir
 
 from specdec import LLM, SamplingParams
-from specdec.attention import get_attention_backend
 from specdec.config import SpeculativeConfig
 
 NEW_TOKENS = 64
@@ -276,24 +275,6 @@ def test_random_draft_model_is_lossless_under_preemption(
     assert stats.steps > 0 and stats.accepted_tokens < stats.drafted_tokens  # mostly wrong
     assert llm.engine.scheduler.num_preemptions > 0
     assert not llm.engine.proposer._states  # per-request draft state released
-
-
-@pytest.fixture(scope="module")
-def random_head_dir(tmp_path_factory, smollm2_dir):
-    """A randomly initialised EAGLE-3 head for SmolLM2 (pruned 4,096-token draft vocab),
-    saved in the project format: its drafts are mostly rejected."""
-    from specdec.models import load_config
-    from specdec.models.eagle3_formats import save_eagle3
-    from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
-
-    torch.manual_seed(0)
-    config = Eagle3Config.for_target(load_config(str(smollm2_dir)), 4096)
-    head = Eagle3Head(config, get_attention_backend("torch"))
-    with torch.no_grad():  # SmolLM2's residual stream reaches ~1e4: keep fc(aux) O(1) so
-        head.fc.weight.mul_(1e-3)  # tokens and positions matter to the drafts (tests)
-    out = tmp_path_factory.mktemp("random_head")
-    save_eagle3(head, out)
-    return out
 
 
 @pytest.mark.parametrize(

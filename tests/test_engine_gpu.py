@@ -12,6 +12,7 @@ import torch
 from prompts import varied_conversations
 
 from specdec import LLM, SamplingParams
+from specdec.config import SpeculativeConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,7 +20,7 @@ pytestmark = [
 ]
 
 
-def run(smollm2_dir, prompts, **kwargs) -> list[list[int]]:
+def run(smollm2_dir, prompts, inspect=None, **kwargs) -> list[list[int]]:
     llm = LLM(
         str(smollm2_dir),
         device="cuda",
@@ -33,6 +34,8 @@ def run(smollm2_dir, prompts, **kwargs) -> list[list[int]]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     pool = llm.engine.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
+    if inspect is not None:
+        inspect({"engine": llm.engine})
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -57,3 +60,66 @@ def test_memory_profiling_sizes_the_pool(smollm2_dir):
     assert 0 < kv_bytes <= 0.3 * total
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+SPEC_CASES = {
+    "ngram-chain": {"method": "ngram", "num_speculative_tokens": 4},
+    "eagle3-chain": {"method": "eagle3", "num_speculative_tokens": 3},
+    "eagle3-dynamic": {
+        "method": "eagle3",
+        "tree": "dynamic",
+        "num_speculative_tokens": 5,
+        "top_k": 8,
+        "total_tokens": 48,
+    },
+    "draft-static": {
+        "method": "draft_model",
+        "tree": "static",
+        "choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2_tokenizer):
+    return [
+        list(smollm2_tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"])
+        for c in varied_conversations(12)
+    ]
+
+
+@pytest.fixture(scope="module")
+def eager_reference(smollm2_dir, chat_prompts):
+    return run(smollm2_dir, chat_prompts, attention_backend="torch", enforce_eager=True)
+
+
+@pytest.mark.parametrize("case", list(SPEC_CASES))
+def test_speculation_on_graphs_equals_plain(
+    smollm2_dir, random_head_dir, chat_prompts, eager_reference, case
+):
+    """Verify steps and draft steps replayed from CUDA graphs (Triton, compiled, fp32)
+    emit the plain reference tokens, and the graphs really ran."""
+    kwargs = dict(SPEC_CASES[case])
+    if kwargs["method"] == "eagle3":
+        kwargs["model"] = str(random_head_dir)
+    elif kwargs["method"] == "draft_model":
+        kwargs["model"] = str(smollm2_dir)  # the oracle: its best path is always accepted
+    captured: dict = {}
+    assert (
+        run(
+            smollm2_dir,
+            chat_prompts,
+            speculative=SpeculativeConfig(**kwargs),
+            inspect=captured.update,
+        )
+        == eager_reference
+    )
+    engine = captured["engine"]
+    graphs = engine.runner.graphs
+    q = engine.proposer.shape.max_draft_tokens + 1
+    assert graphs.num_replays.get(q, 0) > 0, "no verify step ran on a graph"
+    grower = getattr(engine.proposer, "grower", None)
+    if grower is not None:
+        assert grower.graphs is not None and grower.graphs.num_replays > 0
+    if case == "draft-static":
+        assert engine.spec_stats.tau > 3.5  # depth 3 + bonus on (nearly) every step

@@ -16,8 +16,9 @@ Draft trees. The last ``t = tree_lens[s]`` tokens of sequence ``s``'s context ma
 tree (``t == 0``: no tree, the causal rule alone). In verification they are the step's last
 ``t`` new tokens; in a proposer's draft step, which adds one level to a tree whose earlier
 levels are already cached, ``t`` exceeds ``q_len`` and the queries are the tree's last
-``q_len`` nodes (several "roots" whose parent is themselves make the tree a forest). Tree nodes occupy consecutive cache
-indices ``seq_lens[s] - t ... seq_lens[s] - 1`` in node order, parents before children.
+``q_len`` nodes (several "roots" whose parent is themselves make the tree a forest). Tree
+nodes occupy consecutive cache indices ``seq_lens[s] - t ... seq_lens[s] - 1`` in node
+order, parents before children.
 ``tree_mask[tree_mask_offsets[s] :][: t * t]`` is that tree's row-major ``[t, t]`` matrix
 with ``mask[i, j]`` true iff node ``j`` is node ``i`` or one of its ancestors. A query of
 tree node ``i`` sees every key at cache index ``< seq_lens[s] - t`` (the committed context

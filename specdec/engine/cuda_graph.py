@@ -1,10 +1,16 @@
-"""CUDA graphs for decode steps, one per bucketed batch size.
+"""CUDA graphs for uniform steps, one per (tokens per sequence, bucketed batch size).
 
-On the H200 a decode step of a small model is launch-bound (hundreds of small kernels), so
-each decode batch replays a captured graph: inputs are copied into static buffers, the
-graph runs the whole forward plus the lm_head, and the logits come out of a static buffer.
-A batch of ``n`` sequences uses the smallest bucket ``>= n``; the padding rows point at
-the null block (slot 0, context length 1) and their logits are ignored.
+On the H200 a step of a small model is launch-bound (hundreds of small kernels), so steps
+whose shape repeats replay a captured graph: inputs are copied into static buffers, the
+graph runs the whole forward plus the lm_head (and the aux residual streams a proposer
+reads), and the outputs come out of static buffers. Two shapes repeat:
+
+- decode steps: every sequence computes ``q = 1`` token;
+- verify steps: every sequence computes a draft tree of ``q`` nodes (root included). Their
+  graphs always take the tree-mask path; a batch of chains copies in a causal mask.
+
+A batch of ``n`` sequences uses the smallest bucket ``>= n``; padding sequences point at the
+null block (slot 0) with ``q`` tokens of context and their outputs are ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata
 
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+ForwardFn = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor | None]
+]
+"""``forward(input_ids, positions, meta) -> (logits [n, vocab], aux [n, A] or None)``."""
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -27,89 +36,136 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
-    """Captures ``forward(input_ids, positions, meta) -> logits`` for each bucket.
+def tree_graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """Coarser buckets for verify steps (each graph holds ``bucket * q`` logits rows)."""
+    sizes = [s for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)]
+    sizes = [s for s in sizes if s < max_batch_size] + [max_batch_size]
+    return sorted(set(sizes))
 
-    ``max_seq_len`` is captured as the model's context limit so that one graph serves every
-    context length; the attention kernels stop at each sequence's real length.
-    """
+
+class _Buffers:
+    """Static inputs of every graph with ``q`` tokens per sequence (sized for the largest
+    bucket); graphs of smaller buckets use prefixes."""
+
+    def __init__(self, q: int, max_batch: int, width: int, device: torch.device) -> None:
+        n = max_batch * q
+        self.q = q
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
+        self.seq_lens = torch.full((max_batch,), q, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(
+            0, (max_batch + 1) * q, q, dtype=torch.int32, device=device
+        )
+        self.tree_lens = torch.full((max_batch,), q, dtype=torch.int32, device=device)
+        self.tree_mask_offsets = torch.arange(max_batch, device=device) * (q * q)
+        tril = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+        self.causal = tril.repeat(max_batch, 1).flatten()  # [max_batch * q * q]
+        self.tree_mask = self.causal.clone()
+
+    def meta(self, bs: int, max_seq_len: int) -> AttentionMetadata:
+        q = self.q
+        tree = {}
+        if q > 1:
+            tree = {
+                "tree_lens": self.tree_lens[:bs],
+                "tree_mask_offsets": self.tree_mask_offsets[:bs],
+                "tree_mask": self.tree_mask[: bs * q * q],
+                "max_tree_len": q,
+            }
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[: bs * q],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            max_query_len=q,
+            max_seq_len=max_seq_len,
+            **tree,
+        )
+
+
+class StepGraphs:
+    """Captures ``forward`` for uniform steps. ``max_seq_len`` is captured as the model's
+    context limit so that one graph serves every context length; the attention kernels stop
+    at each sequence's real length."""
 
     def __init__(
         self,
         forward: ForwardFn,
-        batch_sizes: list[int],
         block_table_width: int,
         max_seq_len: int,
         device: torch.device,
     ) -> None:
-        self.batch_sizes = sorted(batch_sizes)
-        self.max_batch_size = self.batch_sizes[-1]
         self.width = block_table_width
-        n = self.max_batch_size
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, block_table_width, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.max_seq_len = max_seq_len
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.device = device
         self._forward = forward
-        self._capture_all()
+        self._buffers: dict[int, _Buffers] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.batch_sizes: dict[int, list[int]] = {}
+        self.num_replays: dict[int, int] = {}  # per q
+        self.pool = None
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
-            max_query_len=1,
-            max_seq_len=self.max_seq_len,
-        )
-
-    def _capture_all(self) -> None:
+    def capture(self, q: int, batch_sizes: list[int]) -> None:
+        """Graphs for steps of ``q`` tokens per sequence at each batch size."""
+        sizes = sorted(batch_sizes)
+        buffers = _Buffers(q, sizes[-1], self.width, self.device)
+        self._buffers[q] = buffers
+        self.batch_sizes[q] = sizes
         # Largest first, so smaller graphs reuse the memory pool the largest one set up.
-        for bs in reversed(self.batch_sizes):
-            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        for bs in reversed(sizes):
+            args = (
+                buffers.input_ids[: bs * q],
+                buffers.positions[: bs * q],
+                buffers.meta(bs, self.max_seq_len),
+            )
             for _ in range(2):  # warm up: compilation, autotuning, lazy allocations
                 self._forward(*args)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bs] = self._forward(*args)
+                self.outputs[q, bs] = self._forward(*args)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[q, bs] = graph
         torch.cuda.synchronize()
 
-    def bucket(self, batch_size: int) -> int | None:
-        for bs in self.batch_sizes:
-            if bs >= batch_size:
+    def bucket(self, q: int, num_seqs: int) -> int | None:
+        for bs in self.batch_sizes.get(q, ()):
+            if bs >= num_seqs:
                 return bs
         return None
 
     def run(
         self,
-        input_ids: torch.Tensor,  # [n] int64
-        positions: torch.Tensor,  # [n] int64
+        q: int,
+        input_ids: torch.Tensor,  # [num_seqs * q] int64
+        positions: torch.Tensor,  # [num_seqs * q] int64
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [n, vocab] float32 logits
-        n = input_ids.shape[0]
-        bs = self.bucket(n)
-        assert bs is not None, f"batch of {n} exceeds the largest graph ({self.max_batch_size})"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [num_seqs * q, vocab], aux
+        num_seqs = meta.num_seqs
+        bs = self.bucket(q, num_seqs)
+        assert bs is not None, f"no graph for {num_seqs} sequences of {q} tokens"
+        buf = self._buffers[q]
+        n = num_seqs * q
         width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        if n < bs:  # padding rows read and write the null block only
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slot_mapping[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)
-            self.block_tables[n:bs].zero_()
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        buf.input_ids[:n].copy_(input_ids)
+        buf.positions[:n].copy_(positions)
+        buf.slot_mapping[:n].copy_(meta.slot_mapping)
+        buf.seq_lens[:num_seqs].copy_(meta.seq_lens)
+        buf.block_tables[:num_seqs, :width].copy_(meta.block_tables)
+        if q > 1:
+            mask = meta.tree_mask if meta.tree_mask is not None else buf.causal
+            buf.tree_mask[: n * q].copy_(mask[: n * q])
+        if num_seqs < bs:  # padding sequences read and write the null block only
+            buf.input_ids[n : bs * q].zero_()
+            buf.positions[n : bs * q].zero_()
+            buf.slot_mapping[n : bs * q].zero_()
+            buf.seq_lens[num_seqs:bs].fill_(q)
+            buf.block_tables[num_seqs:bs].zero_()
+        self.graphs[q, bs].replay()
+        self.num_replays[q] = self.num_replays.get(q, 0) + 1
+        logits, aux = self.outputs[q, bs]
+        return logits[:n], aux[:n] if aux is not None else None

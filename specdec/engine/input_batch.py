@@ -19,11 +19,6 @@ from specdec.spec.tree import DraftTree
 _NO_TREE = torch.empty(0, dtype=torch.int64)
 
 
-def _is_chain(tree: DraftTree) -> bool:
-    n = tree.num_nodes
-    return bool(torch.equal(tree.parents[1:], torch.arange(n - 1, dtype=torch.int64)))
-
-
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -33,6 +28,9 @@ class StepInputs:
     sampled_rows: list[int]  # index into `scheduled` of each request that gets tokens
     logits_counts: list[int]  # logits rows of each sampled row: 1, or its tree's node count
     is_decode_only: bool
+    # q when every sequence computes q tokens and every token's logits are returned in
+    # order (all decodes with q == 1, or all equally sized trees): what CUDA graphs replay.
+    uniform_q: int | None = None
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -73,6 +71,8 @@ def build_step_inputs(
     sampled_rows: list[int] = []
     logits_counts: list[int] = []
     tree_parents: list[torch.Tensor] = []
+    tree_list: list[DraftTree] = []
+    tree_token_rows: list[int] = []
     for row, (sched, start, q_len) in enumerate(zip(scheduled, starts, q_lens, strict=True)):
         request = sched.request
         blocks = request.block_ids
@@ -82,16 +82,20 @@ def build_step_inputs(
         if tree is not None:
             if tree.num_nodes != q_len:
                 raise ValueError(f"row {row}: tree of {tree.num_nodes} nodes, {q_len} tokens")
-            input_ids += tree.token_ids.tolist()
-            positions += (tree.depths + start).tolist()
+            # Token ids and depths stay on the proposer's device: placeholders here (the
+            # start, so positions = start + depth once the depths are added on device).
+            first = len(positions)
+            tree_token_rows += range(first, first + q_len)
+            input_ids += [0] * q_len
+            positions += [start] * q_len
             slot_mapping += [
                 blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
             ]
-            first = len(positions) - q_len
             logits_indices += range(first, first + q_len)
             sampled_rows.append(row)
             logits_counts.append(q_len)
             tree_parents.append(tree.parents)
+            tree_list.append(tree)
             continue
         tree_parents.append(_NO_TREE)
         input_ids += request.token_ids(start, end)
@@ -115,9 +119,17 @@ def build_step_inputs(
     # Two host-to-device copies per step (one per dtype) instead of one per tensor.
     n, s = num_tokens, len(scheduled)
     packed64 = _to_device(
-        np.array(input_ids + positions + slot_mapping + logits_indices, dtype=np.int64),
+        np.array(
+            input_ids + positions + slot_mapping + logits_indices + tree_token_rows,
+            dtype=np.int64,
+        ),
         device,
     )
+    num_logits = len(logits_indices)
+    if tree_list:
+        rows = packed64[3 * n + num_logits :]
+        packed64[:n].index_copy_(0, rows, torch.cat([t.token_ids for t in tree_list]).to(device))
+        packed64[n : 2 * n].index_add_(0, rows, torch.cat([t.depths for t in tree_list]).to(device))
     packed32 = _to_device(
         np.concatenate([query_start_loc, np.asarray(seq_lens, np.int32), block_tables.ravel()]),
         device,
@@ -132,15 +144,22 @@ def build_step_inputs(
         query_lens_cpu=q_lens,
         seq_lens_cpu=seq_lens,
     )
-    if any(not _is_chain(t) for t in trees.values()):
+    if any(not t.is_chain for t in tree_list):
         # A chain is plain causal attention; only branching trees need the mask.
         meta = build_tree_mask([p.to(device) for p in tree_parents]).attach(meta)
+    q = q_lens[0]
+    uniform = (
+        num_logits == n  # every token's logits (a 1-token prefill chunk may not be sampled)
+        and all(x == q for x in q_lens)
+        and ((q == 1 and not tree_list) or len(tree_list) == len(scheduled))
+    )
     return StepInputs(
         input_ids=packed64[:n],
         positions=packed64[n : 2 * n],
         meta=meta,
-        logits_indices=packed64[3 * n :],
+        logits_indices=packed64[3 * n : 3 * n + num_logits],
         logits_counts=logits_counts,
         sampled_rows=sampled_rows,
         is_decode_only=max(q_lens) == 1 and not trees,
+        uniform_q=q if uniform else None,
     )

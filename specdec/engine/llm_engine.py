@@ -64,9 +64,32 @@ class LLMEngine:
         self.lookahead = self.proposer.lookahead_slots if self.proposer is not None else 0
         if self.proposer is not None:
             self.runner.aux_layer_ids = self.proposer.aux_layer_ids
+        self._capture_graphs()
         self.spec_stats = SpecStats()
         self._ids = itertools.count()
         self.num_steps = 0
+
+    def _capture_graphs(self) -> None:
+        """Target graphs for decode and verify steps, then the proposer's draft steps for
+        batches a verify step can hold (GPU path only)."""
+        runner = self.runner
+        if not runner.runtime.use_cuda_graphs:
+            return
+        if self.proposer is None:
+            runner.capture_graphs()
+            return
+        q = self.proposer.shape.max_draft_tokens + 1  # tree nodes, root included
+        runner.capture_graphs((q,))
+        cfg = self.config
+        max_batch = min(
+            cfg.cuda_graph_max_batch_size,
+            cfg.scheduler.max_num_seqs,
+            cfg.scheduler.max_num_batched_tokens // q,
+        )
+        if cfg.speculative.disable_by_batch_size is not None:
+            max_batch = min(max_batch, cfg.speculative.disable_by_batch_size)
+        if max_batch >= 1:
+            self.proposer.capture_graphs(max_batch, runner.block_table_width, self.max_model_len)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(

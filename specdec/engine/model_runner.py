@@ -13,7 +13,7 @@ from specdec.attention import get_attention_backend
 from specdec.attention.custom_op import OpaqueAttention
 from specdec.attention.metadata import AttentionMetadata
 from specdec.config import EngineConfig
-from specdec.engine.cuda_graph import DecodeGraphs, graph_batch_sizes
+from specdec.engine.cuda_graph import StepGraphs, graph_batch_sizes, tree_graph_batch_sizes
 from specdec.engine.input_batch import StepInputs, build_step_inputs
 from specdec.engine.kv_cache_manager import cdiv
 from specdec.engine.scheduler import ScheduledRequest
@@ -105,11 +105,9 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Layers whose entering residual stream a proposer needs (EAGLE-3); set by the
-        # engine before the first step. Steps that capture them run without CUDA graphs.
+        # engine before ``capture_graphs`` (graphs capture the aux outputs too).
         self.aux_layer_ids: tuple[int, ...] = ()
-        self.graphs: DecodeGraphs | None = None
-        if self.runtime.use_cuda_graphs:
-            self._capture_graphs()
+        self.graphs: StepGraphs | None = None
 
     # ---- memory ------------------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
@@ -192,27 +190,34 @@ class ModelRunner:
         return [(make(), make()) for _ in range(c.num_layers)]
 
     # ---- forward -----------------------------------------------------------------------
-    def _forward_logits(self, input_ids, positions, meta) -> torch.Tensor:
-        hidden, _ = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden)
+    def _forward_graphed(self, input_ids, positions, meta):
+        hidden, aux = self.model(input_ids, positions, self.kv_caches, meta, self.aux_layer_ids)
+        return self.model.compute_logits(hidden), aux
 
     @torch.inference_mode()
-    def _capture_graphs(self) -> None:
+    def capture_graphs(self, tree_sizes: tuple[int, ...] = ()) -> None:
+        """CUDA graphs for decode steps and for verify steps of each tree size (nodes,
+        root included); no-op off the GPU path. Call once, after ``aux_layer_ids``."""
+        if not self.runtime.use_cuda_graphs or self.graphs is not None:
+            return
         max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
-        sizes = graph_batch_sizes(max_bs)
-        logger.info("capturing CUDA graphs for decode batch sizes %s", sizes)
-        forward = self._forward_logits
+        forward = self._forward_graphed
         if self.use_compile:
             # One dynamic-shape compilation serves every bucket; each bucket then gets
             # its own graph of the compiled kernels.
             forward = torch.compile(forward, dynamic=True)
-        self.graphs = DecodeGraphs(
-            forward,
-            sizes,
-            self.block_table_width,
-            self.max_model_len,
-            self.device,
-        )
+        self.graphs = StepGraphs(forward, self.block_table_width, self.max_model_len, self.device)
+        sizes = graph_batch_sizes(max_bs)
+        logger.info("capturing CUDA graphs for decode batch sizes %s", sizes)
+        self.graphs.capture(1, sizes)
+        budget = self.config.scheduler.max_num_batched_tokens
+        for q in sorted(set(tree_sizes)):
+            # A verify step of b trees computes b * q tokens: never more than the budget.
+            if q < 2 or budget < q:
+                continue
+            sizes = tree_graph_batch_sizes(min(max_bs, budget // q))
+            logger.info("capturing CUDA graphs for %d-node trees, batch sizes %s", q, sizes)
+            self.graphs.capture(q, sizes)
 
     def prepare(self, scheduled: list[ScheduledRequest], trees=None) -> StepInputs:
         return build_step_inputs(scheduled, self.block_size, self.device, trees=trees)
@@ -239,14 +244,14 @@ class ModelRunner:
         """One forward. Returns float32 logits of the logits rows [num_logits, vocab], and
         the aux residual streams of every token [num_tokens, len(aux_layer_ids) * hidden]
         when ``aux_layer_ids`` is set (else None)."""
+        q = inputs.uniform_q
         if (
-            self.graphs is not None
-            and not self.aux_layer_ids
-            and inputs.is_decode_only
-            and self.graphs.bucket(inputs.input_ids.shape[0]) is not None
+            q is not None
+            and self.graphs is not None
+            and self.graphs.bucket(q, inputs.meta.num_seqs) is not None
         ):
-            # Every decode row is sampled, so logits rows == batch rows.
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta), None
+            # Uniform steps return every token's logits, in order.
+            return self.graphs.run(q, inputs.input_ids, inputs.positions, inputs.meta)
         hidden, aux = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.aux_layer_ids
         )

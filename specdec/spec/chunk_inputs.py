@@ -53,18 +53,18 @@ def build_chunk_inputs(chunks: list[Chunk], block_size: int, device: torch.devic
     qsl = torch.zeros(len(chunks) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-        query_start_loc=qsl.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+        query_start_loc=qsl.to(device, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+        block_tables=tables.to(device, non_blocking=True),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=q_lens,
         seq_lens_cpu=seq_lens,
     )
     return ChunkInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64).to(device),
-        positions=torch.tensor(pos, dtype=torch.int64).to(device),
+        input_ids=torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),
+        positions=torch.tensor(pos, dtype=torch.int64).to(device, non_blocking=True),
         meta=meta,
-        last_rows=(qsl[1:].long() - 1).to(device),
+        last_rows=(qsl[1:].long() - 1).to(device, non_blocking=True),
     )

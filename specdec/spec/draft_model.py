@@ -25,8 +25,8 @@ from specdec.engine.request import Request
 from specdec.models import load_config, load_model, resolve_model
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
-from specdec.spec.tree import DraftTree, TreeShape, build_trees
-from specdec.spec.tree_draft import TreeDraftLayout
+from specdec.spec.tree import DraftTree, TreeBatch, TreeShape, grow_trees
+from specdec.spec.tree_draft import GrowInputs, TreeDraftLayout, TreeGrower
 
 
 @dataclass
@@ -74,6 +74,7 @@ class DraftModelProposer(Proposer):
             for _ in range(draft_config.num_layers)
         ]
         self._states: dict[str, _DraftState] = {}
+        self.grower = TreeGrower(self._grow, self.block_size)
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -106,20 +107,41 @@ class DraftModelProposer(Proposer):
             groups.setdefault(self.shape_for(max_draft_tokens[i], room), []).append(i)
         trees: list[DraftTree | None] = [None] * len(requests)
         for shape, members in groups.items():
-            picked = torch.tensor(members, device=self.device)
-            grown = self._grow(shape, [requests[i] for i in members], root_logits[picked])
-            for i, tree in zip(members, grown, strict=True):
+            group = [requests[i] for i in members]
+            picked = torch.tensor(members).to(self.device, non_blocking=True)
+            inputs = GrowInputs.build(
+                group,
+                [r.num_tokens for r in group],  # right after the root
+                (root_logits[picked],),
+                self.device,
+            )
+            grown = self.grower.grow(shape, inputs)
+            # Fed drafts the cache may keep: a chain's nodes 1 .. k-1 sit at consecutive
+            # indices after the root. A branching tree's level-1 entry is one of several
+            # siblings; only the root counts.
+            fed = grown.token_ids[:, 1:-1].tolist() if grown.is_chain else [[]] * len(group)
+            for i, request, tree, tokens in zip(members, group, grown.unbind(), fed, strict=True):
+                self._states[request.request_id] = _DraftState(
+                    request.num_preemptions, request.num_tokens, tokens
+                )
                 trees[i] = tree
         return trees
 
-    def _grow(
-        self, shape: TreeShape, requests: list[Request], root_logits: torch.Tensor
-    ) -> list[DraftTree]:
-        """Draft steps: level ``d`` feeds its nodes at position ``root + d``, laid out right
-        after the root (the target's lookahead slots)."""
-        layout = TreeDraftLayout(
-            requests, [r.num_tokens for r in requests], self.block_size, self.device
+    def capture_graphs(self, max_batch_size: int, block_table_width: int, max_seq_len: int):
+        example = GrowInputs(
+            roots=torch.zeros(1, dtype=torch.int64, device=self.device),
+            start=torch.zeros(1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            root_state=(torch.zeros(1, self.model.config.vocab_size, device=self.device),),
         )
+        self.grower.capture(self.shape, max_batch_size, example, block_table_width, max_seq_len)
+
+    def _grow(self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None) -> TreeBatch:
+        """Draft steps: level ``d`` feeds its nodes at position ``root + d``, laid out right
+        after the root (the target's lookahead slots). Root state: the logits at each root
+        [batch, vocab]."""
+        layout = TreeDraftLayout(inputs, self.block_size, max_seq_len)
+        (root_logits,) = inputs.root_state
 
         def step(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:
             if depth == 0:
@@ -128,13 +150,7 @@ class DraftModelProposer(Proposer):
             hidden, _ = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
             return self.model.compute_logits(hidden).view(*tokens.shape, -1)
 
-        roots = torch.tensor([r.token_id(r.num_tokens - 1) for r in requests], device=self.device)
-        grown = build_trees(shape, roots, step)
-        for request, fed in zip(requests, layout.chain_prefix(), strict=True):
-            self._states[request.request_id] = _DraftState(
-                request.num_preemptions, request.num_tokens, fed
-            )
-        return grown
+        return grow_trees(shape, inputs.roots, step)
 
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """One varlen draft forward; returns the logits at each chunk's last token."""

@@ -30,8 +30,8 @@ from specdec.engine.request import Request
 from specdec.models.eagle3_formats import load_eagle3
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
-from specdec.spec.tree import DraftTree, TreeShape, build_trees
-from specdec.spec.tree_draft import TreeDraftLayout
+from specdec.spec.tree import DraftTree, TreeBatch, TreeShape, grow_trees
+from specdec.spec.tree_draft import GrowInputs, TreeDraftLayout, TreeGrower
 
 
 @dataclass
@@ -71,6 +71,7 @@ class Eagle3Proposer(Proposer):
             torch.zeros(shape, dtype=runner.dtype, device=self.device),
         )
         self._states: dict[str, _HeadState] = {}
+        self.grower = TreeGrower(self._grow, self.block_size)
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -112,27 +113,39 @@ class Eagle3Proposer(Proposer):
             room = len(request.block_ids) * self.block_size - request.num_computed_tokens
             groups.setdefault(self.shape_for(max_draft_tokens[i], room), []).append(j)
         for shape, members in groups.items():
-            picked = torch.tensor(members, device=self.device)
-            grown = self._grow(
-                shape, [requests[rows[j]] for j in members], out[picked], logits[picked]
+            picked = torch.tensor(members).to(self.device, non_blocking=True)
+            group = [requests[rows[j]] for j in members]
+            inputs = GrowInputs.build(
+                group,
+                [r.num_computed_tokens for r in group],  # the root's cache index
+                (out[picked], logits[picked]),
+                self.device,
             )
-            for j, tree in zip(members, grown, strict=True):
+            for j, tree in zip(members, self.grower.grow(shape, inputs).unbind(), strict=True):
                 trees[rows[j]] = tree
         return trees
 
-    def _grow(
-        self,
-        shape: TreeShape,
-        requests: list[Request],
-        root_out: torch.Tensor,  # [batch, hidden]: the catch-up's last pre-norm rows
-        root_logits: torch.Tensor,  # [batch, draft_vocab]: depth-1 predictions
-    ) -> list[DraftTree]:
+    def capture_graphs(self, max_batch_size: int, block_table_width: int, max_seq_len: int):
+        c = self.head.config
+        dtype = self.kv_cache[0].dtype
+        example = GrowInputs(
+            roots=torch.zeros(1, dtype=torch.int64, device=self.device),
+            start=torch.zeros(1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+            root_state=(
+                torch.zeros(1, c.hidden_size, dtype=dtype, device=self.device),
+                torch.zeros(1, c.draft_vocab_size, dtype=torch.float32, device=self.device),
+            ),
+        )
+        self.grower.capture(self.shape, max_batch_size, example, block_table_width, max_seq_len)
+
+    def _grow(self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None) -> TreeBatch:
         """Draft steps: level ``d`` feeds its nodes at position ``root + d - 1``, each with
         its parent's pre-norm output, laid out from the root's cache index (the target's
-        lookahead slots; the next catch-up rewrites them)."""
-        layout = TreeDraftLayout(
-            requests, [r.num_computed_tokens for r in requests], self.block_size, self.device
-        )
+        lookahead slots; the next catch-up rewrites them). Root state: the catch-up's last
+        pre-norm rows [batch, hidden] and their draft logits [batch, draft_vocab]."""
+        layout = TreeDraftLayout(inputs, self.block_size, max_seq_len)
+        root_out, root_logits = inputs.root_state
         prev_out = root_out[:, None]  # [batch, 1, hidden]: rows of the previous call
 
         def step(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:
@@ -149,8 +162,7 @@ class Eagle3Proposer(Proposer):
             prev_out = out.view(batch, n, width)
             return self.head.scatter_to_target(logits).view(batch, n, -1)
 
-        roots = torch.tensor([r.token_id(r.num_tokens - 1) for r in requests], device=self.device)
-        return build_trees(shape, roots, step)
+        return grow_trees(shape, inputs.roots, step)
 
     def _catch_up_len(self, request: Request) -> int:
         state = self._states.get(request.request_id)

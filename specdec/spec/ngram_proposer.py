@@ -20,6 +20,7 @@ def chain_tree(root: int, drafts: Sequence[int]) -> DraftTree:
         token_ids=torch.tensor([root, *drafts], dtype=torch.int64),
         parents=torch.tensor([0, *range(n - 1)], dtype=torch.int64),
         depths=torch.arange(n, dtype=torch.int64),
+        is_chain=True,
     )
 
 

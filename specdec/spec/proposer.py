@@ -52,6 +52,12 @@ class Proposer(ABC):
     # engine then passes every computed token's aux states to ``observe``.
     aux_layer_ids: tuple[int, ...] = ()
 
+    def capture_graphs(  # noqa: B027  (optional hook)
+        self, max_batch_size: int, block_table_width: int, max_seq_len: int
+    ) -> None:
+        """Capture CUDA graphs of the draft steps for batches up to ``max_batch_size``
+        (model proposers; called once on the GPU path, after the target's graphs)."""
+
     def release(self, request_id: str) -> None:  # noqa: B027  (optional hook)
         """Forget per-request state once a request finishes or is aborted."""
 

@@ -72,6 +72,8 @@ class DraftTree:
     depths: torch.Tensor  # [num_nodes] int64
     draft_probs: torch.Tensor | None = None  # [num_nodes, vocab] float32, sampled trees
     sampled: bool = False
+    # Host-side hint: node i's parent is node i-1 (verification then needs no tree mask).
+    is_chain: bool = False
 
     def __post_init__(self) -> None:
         n = self.token_ids.shape[0] if self.token_ids.dim() == 1 else -1
@@ -132,6 +134,10 @@ class DraftTree:
                     f"node {i} has depth {depths[i]} but its parent {parents[i]} has depth "
                     f"{depths[parents[i]]}; a child is one level below its parent"
                 )
+        if self.is_chain and parents != [0, *range(len(parents) - 1)]:
+            raise ValueError(
+                f"is_chain=True but parents are {parents}; a chain's are 0, 0, 1, 2, ..."
+            )
         first_with: dict[tuple[int, int], int] = {}
         for i in range(1, len(parents)):
             other = first_with.setdefault((parents[i], tokens[i]), i)
@@ -323,6 +329,36 @@ def build_tree(
     return build_trees(shape, root, batched, sample=sample, generator=generator)[0]
 
 
+@dataclass
+class TreeBatch:
+    """Trees of one shape grown together, stacked: row ``b`` is tree ``b``.
+
+    Shapes: ``token_ids``, ``parents``, ``depths`` ``[batch, num_nodes]`` int64;
+    ``draft_probs`` ``[batch, num_nodes, vocab]`` for sampled trees.
+    """
+
+    token_ids: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+    sampled: bool = False
+    is_chain: bool = False
+
+    def unbind(self) -> list[DraftTree]:
+        """One ``DraftTree`` per row (views; no copies, no sync)."""
+        return [
+            DraftTree(
+                token_ids=self.token_ids[b],
+                parents=self.parents[b],
+                depths=self.depths[b],
+                draft_probs=self.draft_probs[b] if self.draft_probs is not None else None,
+                sampled=self.sampled,
+                is_chain=self.is_chain,
+            )
+            for b in range(self.token_ids.shape[0])
+        ]
+
+
 def build_trees(
     shape: TreeShape,
     roots: torch.Tensor,  # [batch] int64 on the proposer's device
@@ -331,6 +367,18 @@ def build_trees(
     sample: bool = False,
     generator: torch.Generator | None = None,
 ) -> list[DraftTree]:
+    """``grow_trees`` split into one ``DraftTree`` per root."""
+    return grow_trees(shape, roots, step_logprobs_fn, sample=sample, generator=generator).unbind()
+
+
+def grow_trees(
+    shape: TreeShape,
+    roots: torch.Tensor,  # [batch] int64 on the proposer's device
+    step_logprobs_fn: BatchStepLogprobsFn,
+    *,
+    sample: bool = False,
+    generator: torch.Generator | None = None,
+) -> TreeBatch:
     """Grow ``shape`` below each of ``roots`` by querying ``step_logprobs_fn`` level by
     level, every tree of the batch in the same call (they share the shape, so a level is a
     ``[batch, n]`` block of nodes).
@@ -340,6 +388,10 @@ def build_trees(
     draws without replacement from softmax(logprobs) (using ``generator``), in draw order;
     only chain and static shapes allow it, and a static shape's sibling ranks must then be
     contiguous (a gap would mean a drawn token acceptance never saw).
+
+    Growth runs device ops only, on tensors whose sizes the shape fixes: no host sync, no
+    host-to-device copy (index tensors come from a per-shape cache), so a proposer can
+    capture it in a CUDA graph once the cache is warm.
     """
     if roots.dim() != 1 or roots.shape[0] < 1:
         raise ValueError(f"roots has shape {tuple(roots.shape)}; expected [batch >= 1]")
@@ -358,7 +410,9 @@ def build_trees(
             f"sample=True needs contiguous sibling ranks, but {static.choices} skips one; "
             "add the missing ranks or use sample=False"
         )
-    return _build_static(static, roots, step_logprobs_fn, sample, generator)
+    batch = _build_static(static, roots, step_logprobs_fn, sample, generator)
+    batch.is_chain = isinstance(shape, ChainShape)
+    return batch
 
 
 def _level_logprobs(
@@ -375,71 +429,110 @@ def _level_logprobs(
     return logprobs.float().log_softmax(dim=-1)
 
 
+@dataclass(frozen=True)
+class _StaticLevel:
+    """Index tensors of one level of a static shape (device constants)."""
+
+    expanded: torch.Tensor  # [n] nodes queried at this level (all have children)
+    parent_rows: torch.Tensor  # [n] each queried node's row in the previous call
+    children: torch.Tensor  # [m] nodes one level down
+    child_rows: torch.Tensor  # [m] their parent's row in this call
+    ranks: torch.Tensor  # [m] each child's rank among its siblings
+    width: int  # ranks needed per queried node
+
+
+@dataclass(frozen=True)
+class _StaticPlan:
+    parents: torch.Tensor  # [num_nodes] int64
+    depths: torch.Tensor  # [num_nodes] int64
+    levels: tuple[_StaticLevel, ...]
+
+
+_PLANS: dict[tuple[StaticTreeShape, torch.device], _StaticPlan] = {}
+
+
+def _static_plan(shape: StaticTreeShape, device: torch.device) -> _StaticPlan:
+    """The shape's node layout and per-level indices, made once per device (so growing a
+    static tree copies nothing from the host)."""
+    key = (shape, device)
+    if key in _PLANS:
+        return _PLANS[key]
+    paths = [(), *shape.choices]  # node index -> path; the root is ()
+    index = {p: i for i, p in enumerate(paths)}
+    parents = [0] + [index[p[:-1]] for p in paths[1:]]
+    depths = [len(p) for p in paths]
+    has_children = set(parents[1:])
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    levels = []
+    expanded = [0]
+    prev_row = {0: 0}  # node -> its row in the previous call
+    for depth in range(shape.depth):
+        row_of = {v: r for r, v in enumerate(expanded)}
+        children = [i for i in range(1, len(paths)) if depths[i] == depth + 1]
+        levels.append(
+            _StaticLevel(
+                expanded=tensor(expanded),
+                parent_rows=tensor([prev_row[parents[v]] for v in expanded]),
+                children=tensor(children),
+                child_rows=tensor([row_of[parents[i]] for i in children]),
+                ranks=tensor([paths[i][-1] for i in children]),
+                width=max(paths[i][-1] for i in children) + 1,
+            )
+        )
+        prev_row = row_of
+        expanded = [i for i in children if i in has_children]
+        if not expanded:
+            break
+    plan = _StaticPlan(tensor(parents), tensor(depths), tuple(levels))
+    _PLANS[key] = plan
+    return plan
+
+
 def _build_static(
     shape: StaticTreeShape,
     roots: torch.Tensor,  # [batch] int64
     fn: BatchStepLogprobsFn,
     sample: bool,
     generator: torch.Generator | None,
-) -> list[DraftTree]:
+) -> TreeBatch:
     device = roots.device
     batch = roots.shape[0]
-    paths = [(), *shape.choices]  # node index -> path; the root is ()
-    index = {p: i for i, p in enumerate(paths)}
-    parents = [0] + [index[p[:-1]] for p in paths[1:]]
-    depths = [len(p) for p in paths]
-    num_nodes = len(paths)
+    plan = _static_plan(shape, device)
+    num_nodes = plan.parents.shape[0]
     token_ids = torch.empty(batch, num_nodes, dtype=torch.int64, device=device)
     token_ids[:, 0] = roots
     draft_probs: torch.Tensor | None = None
-
-    has_children = set(parents[1:])
-    expanded = [0]  # nodes queried at the current depth; all have children
-    prev_row = {0: 0}  # node -> its row in the previous call
-    for depth in range(shape.depth):
-        rows = torch.tensor([prev_row[parents[v]] for v in expanded], device=device)
+    for depth, level in enumerate(plan.levels):
+        n = level.expanded.shape[0]
         logprobs = _level_logprobs(
-            fn, token_ids[:, expanded], rows.expand(batch, -1), depth
+            fn, token_ids[:, level.expanded], level.parent_rows.expand(batch, n), depth
         )  # [batch, n, vocab]
-        if sample and draft_probs is None:
-            draft_probs = torch.zeros(batch, num_nodes, logprobs.shape[2], device=device)
-        row_of = {v: r for r, v in enumerate(expanded)}
-        children = [i for i in range(1, num_nodes) if depths[i] == depth + 1]
-        child_rows = [row_of[parents[i]] for i in children]
-        ranks = torch.tensor([paths[i][-1] for i in children], device=device)
-        width = max(paths[i][-1] for i in children) + 1
         if sample:
             probs = logprobs.exp()  # [batch, n, vocab]
             # Exponential race: sorting p / Exp(1) gives successive draws without replacement.
             race = torch.empty_like(probs).exponential_(generator=generator)
-            ranked = (probs / race).topk(width, dim=-1).indices  # [batch, n, width]
-            assert draft_probs is not None
-            draft_probs[:, children] = probs[:, child_rows]
+            ranked = (probs / race).topk(level.width, dim=-1).indices  # [batch, n, width]
+            if draft_probs is None:
+                draft_probs = torch.zeros(batch, num_nodes, probs.shape[2], device=device)
+            draft_probs[:, level.children] = probs[:, level.child_rows]
         else:
-            ranked = logprobs.topk(width, dim=-1).indices  # [batch, n, width]
-        token_ids[:, children] = ranked[:, child_rows, ranks]
-        prev_row = row_of
-        expanded = [i for i in children if i in has_children]
-        if not expanded:
-            break
-
-    parent_ids = torch.tensor(parents, dtype=torch.int64, device=device)
-    depth_ids = torch.tensor(depths, dtype=torch.int64, device=device)
-    return [
-        DraftTree(
-            token_ids=token_ids[b],
-            parents=parent_ids,
-            depths=depth_ids,
-            draft_probs=draft_probs[b] if draft_probs is not None else None,
-            sampled=sample,
-        )
-        for b in range(batch)
-    ]
+            ranked = logprobs.topk(level.width, dim=-1).indices  # [batch, n, width]
+        token_ids[:, level.children] = ranked[:, level.child_rows, level.ranks]
+    return TreeBatch(
+        token_ids=token_ids,
+        parents=plan.parents.expand(batch, num_nodes),
+        depths=plan.depths.expand(batch, num_nodes),
+        draft_probs=draft_probs,
+        sampled=sample,
+    )
 
 
 def _build_dynamic(
     shape: DynamicTreeShape, roots: torch.Tensor, fn: BatchStepLogprobsFn
-) -> list[DraftTree]:
+) -> TreeBatch:
     """EAGLE-2. A node's score is its cumulative draft log-probability (sum over its path).
 
     Grow: the root gets its top_k tokens as children (the depth-1 frontier); at each
@@ -473,7 +566,7 @@ def _build_dynamic(
     parent_ids.append(zeros.expand(batch, k))
     next_id = k + 1
     frontier_rows = zeros.expand(batch, k)  # [batch, k]: rows in the last call
-    cand_parent_row = torch.arange(k, device=device).repeat_interleave(k)  # [k*k]
+    cand_parent_row = torch.arange(k * k, device=device) // k  # [k*k]: row of each parent
 
     for depth in range(1, shape.depth):
         logprobs = _level_logprobs(fn, frontier_tokens, frontier_rows, depth)  # [batch, k, V]
@@ -505,7 +598,4 @@ def _build_dynamic(
     )  # [num_candidates]
     depths = torch.cat([zeros, depth_of_candidate[kept - 1]], dim=1)  # [batch, total + 1]
     token_ids = torch.cat([roots[:, None], all_tokens.gather(1, kept - 1)], dim=1)
-    return [
-        DraftTree(token_ids=token_ids[b], parents=parents[b], depths=depths[b], sampled=False)
-        for b in range(batch)
-    ]
+    return TreeBatch(token_ids=token_ids, parents=parents, depths=depths)

@@ -1,8 +1,8 @@
 """Draft steps over a tree: one proposer forward per tree level, on the proposer's paged
-cache.
+cache, and CUDA graphs of the whole growth.
 
 A model proposer (EAGLE head, draft model) grows its trees level by level
-(``build_trees``). Each call feeds one level's nodes; a node attends to the request's
+(``grow_trees``). Each call feeds one level's nodes; a node attends to the request's
 cached context and to its own ancestors among the nodes fed before it. ``TreeDraftLayout``
 lays the fed nodes of a batch of trees out in each request's lookahead slots, level after
 level from cache index ``start``, and builds each level's varlen inputs: slots, RoPE
@@ -10,54 +10,84 @@ positions (every node of level ``d`` sits at position ``start + d - 1``) and the
 of the forest the fed nodes form. The forest's roots are the level-1 nodes: the tree's
 own root is part of the cached context, below ``start``.
 
-Fed entries are scratch. They occupy slots the target's verification overwrites, and a
-proposer counts as cached only what it re-validates afterwards (``chain_prefix``).
-Everything is built on device from sizes the host knows; nothing is read back.
+Fed entries are scratch: they occupy slots that verification overwrites, and a proposer
+never counts them as cached unless it re-validates them. Everything is built on device from
+sizes the host knows, so a whole growth (every level, the reranking, the tree tensors) is
+capturable: ``GrowGraphs`` replays it for the configured shape at bucketed batch sizes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from specdec.attention.metadata import AttentionMetadata
+from specdec.engine.cuda_graph import tree_graph_batch_sizes
 from specdec.engine.request import Request
 from specdec.spec.chunk_inputs import ChunkInputs
+from specdec.spec.tree import TreeBatch, TreeShape
 
 
-class TreeDraftLayout:
-    """Where the fed nodes of ``len(requests)`` trees (one per request, same shape) live.
+@dataclass
+class GrowInputs:
+    """What growing a batch of trees needs, all with the batch in front."""
 
-    ``start[b]`` is request ``b``'s cache index (and RoPE position) for its level-1 nodes;
-    the request's blocks must hold ``start[b] + num_fed`` slots once every level is fed
-    (a shape's ``num_expanded`` nodes).
-    """
+    roots: torch.Tensor  # [batch] int64: each tree's root token
+    start: torch.Tensor  # [batch] int64: cache index (= RoPE position) of level-1 nodes
+    block_tables: torch.Tensor  # [batch, width] int32
+    root_state: tuple[torch.Tensor, ...]  # proposer-specific, e.g. the root's logits
+    start_cpu: list[int] | None = None  # host copy (eager runs; the reference backend)
 
-    def __init__(
-        self,
+    @property
+    def batch(self) -> int:
+        return self.roots.shape[0]
+
+    @classmethod
+    def build(
+        cls,
         requests: Sequence[Request],
         start: Sequence[int],
-        block_size: int,
+        root_state: tuple[torch.Tensor, ...],
         device: torch.device,
-    ) -> None:
-        self.block_size = block_size
-        self.device = device
-        self.start_cpu = list(start)
+    ) -> GrowInputs:
         width = max(len(r.block_ids) for r in requests)
         tables = torch.zeros(len(requests), width, dtype=torch.int32)
         for row, request in enumerate(requests):
             tables[row, : len(request.block_ids)] = torch.tensor(request.block_ids)
-        self.block_tables = tables.to(device)  # [batch, width]
-        self.start = torch.tensor(self.start_cpu, dtype=torch.int64).to(device)  # [batch]
-        self.num_fed = 0  # nodes fed so far per tree (levels are equally wide across trees)
-        self.mask: torch.Tensor | None = None  # [batch, num_fed, num_fed] bool
-        self.levels: list[torch.Tensor] = []  # per fed level: [batch, n] token ids
-        self._level_offset = 0  # first fed index of the last level
+        roots = [r.token_id(r.num_tokens - 1) for r in requests]
+        # One packed copy; non_blocking: no stream sync (the source is a fresh host tensor).
+        packed = torch.tensor([*roots, *start], dtype=torch.int64).to(device, non_blocking=True)
+        b = len(requests)
+        return cls(
+            roots=packed[:b],
+            start=packed[b:],
+            block_tables=tables.to(device, non_blocking=True),
+            root_state=root_state,
+            start_cpu=list(start),
+        )
 
-    @property
-    def batch(self) -> int:
-        return self.block_tables.shape[0]
+
+class TreeDraftLayout:
+    """Where the fed nodes of a batch of trees (one shape) live in the proposer's cache.
+
+    Request ``b``'s blocks must hold ``start[b] + num_fed`` slots once every level is fed
+    (a shape's ``num_expanded`` nodes). ``max_seq_len`` bounds every context length
+    (captured graphs pass the model's limit); None derives it from ``start_cpu``.
+    """
+
+    def __init__(self, inputs: GrowInputs, block_size: int, max_seq_len: int | None) -> None:
+        if max_seq_len is None and inputs.start_cpu is None:
+            raise ValueError("pass max_seq_len, or GrowInputs with start_cpu")
+        self.inputs = inputs
+        self.block_size = block_size
+        self.max_seq_len = max_seq_len
+        self.device = inputs.roots.device
+        self.num_fed = 0  # nodes fed so far per tree (levels are equally wide across trees)
+        self.num_levels = 0
+        self.mask: torch.Tensor | None = None  # [batch, num_fed, num_fed] bool
+        self._level_offset = 0  # first fed index of the last level
 
     def level(
         self,
@@ -65,11 +95,11 @@ class TreeDraftLayout:
         parent_rows: torch.Tensor,  # [batch, n] int64: rows of the previous level
         depth: int,  # the nodes' depth in the tree (>= 1)
     ) -> ChunkInputs:
-        """Inputs that feed ``tokens`` (``build_trees``' arguments for depth >= 1)."""
+        """Inputs that feed ``tokens`` (``grow_trees``' arguments for depth >= 1)."""
         batch, n = tokens.shape
-        if depth != len(self.levels) + 1:
+        if depth != self.num_levels + 1:
             raise ValueError(
-                f"levels are fed in order: got depth {depth}, expected {len(self.levels) + 1}"
+                f"levels are fed in order: got depth {depth}, expected {self.num_levels + 1}"
             )
         device = self.device
         prev, total = self.num_fed, self.num_fed + n
@@ -79,24 +109,26 @@ class TreeDraftLayout:
             assert self.mask is not None
             mask[:, :prev, :prev] = self.mask
             if depth > 1:
-                rows = self._level_offset + parent_rows.to(device)  # [batch, n]
+                rows = self._level_offset + parent_rows  # [batch, n]
                 mask[:, prev:, :prev] = self.mask.gather(1, rows[:, :, None].expand(batch, n, prev))
         mask[:, prev:, prev:] |= torch.eye(n, dtype=torch.bool, device=device)
 
         bs = self.block_size
-        index = self.start[:, None] + prev + torch.arange(n, device=device)  # [batch, n]
-        blocks = self.block_tables.gather(1, index // bs).long()  # [batch, n]
+        start = self.inputs.start
+        index = start[:, None] + prev + torch.arange(n, device=device)  # [batch, n]
+        blocks = self.inputs.block_tables.gather(1, index // bs).long()  # [batch, n]
         slots = (blocks * bs + index % bs).flatten()  # [batch * n]
-        positions = (self.start + depth - 1)[:, None].expand(batch, n).flatten()
-        seq_lens_cpu = [s + total for s in self.start_cpu]
+        positions = (start + depth - 1)[:, None].expand(batch, n).flatten()
+        host = self.inputs.start_cpu
+        seq_lens_cpu = [s + total for s in host] if host is not None else None
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device),
-            seq_lens=(self.start + total).to(torch.int32),
-            block_tables=self.block_tables,
+            seq_lens=(start + total).to(torch.int32),
+            block_tables=self.inputs.block_tables,
             max_query_len=n,
-            max_seq_len=max(seq_lens_cpu),
-            query_lens_cpu=[n] * batch,
+            max_seq_len=self.max_seq_len if seq_lens_cpu is None else max(seq_lens_cpu),
+            query_lens_cpu=[n] * batch if host is not None else None,
             seq_lens_cpu=seq_lens_cpu,
             tree_lens=torch.full((batch,), total, dtype=torch.int32, device=device),
             tree_mask_offsets=torch.arange(batch, device=device) * (total * total),
@@ -104,7 +136,7 @@ class TreeDraftLayout:
             max_tree_len=total,
         )
         self.mask, self._level_offset, self.num_fed = mask, prev, total
-        self.levels.append(tokens)
+        self.num_levels += 1
         return ChunkInputs(
             input_ids=tokens.flatten(),
             positions=positions,
@@ -112,16 +144,117 @@ class TreeDraftLayout:
             last_rows=torch.arange(batch * n, device=device),
         )
 
-    def chain_prefix(self) -> list[list[int]]:
-        """Per request, the fed tokens at cache indices ``start, start + 1, ...`` that form
-        one path from the root: row 0 of each level while levels are one node wide, then
-        row 0 of the first wider level. A draft model's cache is valid there exactly where
-        these tokens equal what the request ends up holding (one host sync)."""
-        taken: list[torch.Tensor] = []
-        for tokens in self.levels:
-            taken.append(tokens[:, 0])
-            if tokens.shape[1] > 1:
-                break
-        if not taken:
-            return [[] for _ in range(self.batch)]
-        return torch.stack(taken, dim=1).tolist()
+
+GrowFn = Callable[[TreeShape, GrowInputs, int | None], TreeBatch]
+"""``grow(shape, inputs, max_seq_len) -> TreeBatch``: a proposer's tree growth, device ops
+only (``max_seq_len`` as for ``TreeDraftLayout``)."""
+
+
+class GrowGraphs:
+    """CUDA graphs of ``grow`` for one shape, one per bucketed batch size.
+
+    Padding rows grow trees below token 0 from cache index 0 through all-null block
+    tables: they write the null block only, and their trees are dropped.
+    """
+
+    def __init__(
+        self,
+        grow: GrowFn,
+        shape: TreeShape,
+        max_batch_size: int,
+        example: GrowInputs,  # one row is enough: dtypes and trailing sizes of the state
+        block_table_width: int,
+        max_seq_len: int,
+    ) -> None:
+        self.shape = shape
+        self.batch_sizes = tree_graph_batch_sizes(max_batch_size)
+        device = example.roots.device
+        m = self.batch_sizes[-1]
+        self.static = GrowInputs(
+            roots=torch.zeros(m, dtype=torch.int64, device=device),
+            start=torch.zeros(m, dtype=torch.int64, device=device),
+            block_tables=torch.zeros(m, block_table_width, dtype=torch.int32, device=device),
+            root_state=tuple(
+                torch.zeros(m, *t.shape[1:], dtype=t.dtype, device=device)
+                for t in example.root_state
+            ),
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, TreeBatch] = {}
+        self.num_replays = 0
+        pool = None
+        for bs in reversed(self.batch_sizes):
+            inputs = self._prefix(bs)
+            for _ in range(2):  # warm up: lazy allocations, autotuning, the shape's indices
+                grow(shape, inputs, max_seq_len)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = grow(shape, inputs, max_seq_len)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _prefix(self, bs: int) -> GrowInputs:
+        s = self.static
+        return GrowInputs(
+            s.roots[:bs], s.start[:bs], s.block_tables[:bs], tuple(t[:bs] for t in s.root_state)
+        )
+
+    def bucket(self, batch: int) -> int | None:
+        return next((bs for bs in self.batch_sizes if bs >= batch), None)
+
+    def run(self, inputs: GrowInputs) -> TreeBatch:
+        b = inputs.batch
+        bs = self.bucket(b)
+        assert bs is not None, f"batch {b} exceeds the largest graph ({self.batch_sizes[-1]})"
+        s = self.static
+        width = inputs.block_tables.shape[1]
+        s.roots[:b].copy_(inputs.roots)
+        s.start[:b].copy_(inputs.start)
+        s.block_tables[:b, :width].copy_(inputs.block_tables)
+        s.block_tables[:b, width:].zero_()
+        for dst, src in zip(s.root_state, inputs.root_state, strict=True):
+            dst[:b].copy_(src)
+        if b < bs:
+            s.roots[b:bs].zero_()
+            s.start[b:bs].zero_()
+            s.block_tables[b:bs].zero_()
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        out = self.outputs[bs]
+        # Copies: the next replay overwrites the graph's outputs.
+        return TreeBatch(
+            token_ids=out.token_ids[:b].clone(),
+            parents=out.parents[:b].clone(),
+            depths=out.depths[:b].clone(),
+            is_chain=out.is_chain,
+        )
+
+
+class TreeGrower:
+    """Grows trees for a proposer: replays ``GrowGraphs`` for the configured shape when
+    they exist and the batch fits, else runs ``grow`` eagerly."""
+
+    def __init__(self, grow: GrowFn, block_size: int) -> None:
+        self._grow = grow
+        self.block_size = block_size
+        self.graphs: GrowGraphs | None = None
+
+    def capture(
+        self,
+        shape: TreeShape,
+        max_batch_size: int,
+        example: GrowInputs,
+        block_table_width: int,
+        max_seq_len: int,
+    ) -> None:
+        self.graphs = GrowGraphs(
+            self._grow, shape, max_batch_size, example, block_table_width, max_seq_len
+        )
+
+    def grow(self, shape: TreeShape, inputs: GrowInputs) -> TreeBatch:
+        graphs = self.graphs
+        if graphs is not None and shape == graphs.shape and graphs.bucket(inputs.batch):
+            return graphs.run(inputs)
+        return self._grow(shape, inputs, None)
