@@ -218,6 +218,40 @@ def test_speculation_alone_equals_plain(smollm2_dir, random_head_dir, chats, ref
     assert llm.engine.spec_stats.steps > 0
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "eagle3-dynamic"])
+def test_verify_steps_padded_to_a_graph_shape_are_lossless(
+    smollm2_dir, random_head_dir, chats, reference, proposer
+):
+    """What the GPU path does to replay a graph: every tree padded to one size with filler
+    nodes (uneven ngram chains; dynamic trees below a chain fallback). Same tokens."""
+    from specdec.engine.input_batch import build_step_inputs
+
+    if proposer == "ngram":
+        spec, pad = SpeculativeConfig(num_speculative_tokens=4), 5
+    else:
+        spec, pad = SpeculativeConfig(method="eagle3", model=str(random_head_dir), **DYNAMIC), 13
+    llm = make_llm(smollm2_dir, speculative=spec)
+    runner = llm.engine.runner
+    padded = []
+
+    def prepare(scheduled, trees=None):
+        inputs = build_step_inputs(
+            scheduled, runner.block_size, runner.device, trees=trees, pad_trees_to=pad
+        )
+        if inputs.uniform_q == pad and any(t.num_nodes < pad for t in trees.values()):
+            padded.append(inputs)
+        return inputs
+
+    runner.prepare = prepare
+    llm.engine.uniform_verify = True  # as on the GPU: rows without a draft get root-only trees
+    picked = [0, 3, 5, 9]
+    outs = llm.generate([chats[i] for i in picked], greedy(), use_tqdm=False)
+    assert token_ids(outs) == [reference[i] for i in picked]
+    assert padded, "no step had trees shorter than the padded size"
+    stats = llm.engine.spec_stats
+    assert stats.steps > 0 and stats.drafted_tokens >= stats.steps  # root-only: no steps
+
+
 def test_oracle_draft_model_accepts_everything(smollm2_dir, llm, chats):
     """The target as its own draft model: every draft is accepted, τ = K + 1, and the
     output equals plain greedy decoding."""

@@ -28,8 +28,9 @@ class StepInputs:
     sampled_rows: list[int]  # index into `scheduled` of each request that gets tokens
     logits_counts: list[int]  # logits rows of each sampled row: 1, or its tree's node count
     is_decode_only: bool
-    # q when every sequence computes q tokens and every token's logits are returned in
-    # order (all decodes with q == 1, or all equally sized trees): what CUDA graphs replay.
+    # q when every sequence computes q tokens (all one-token decodes, or all trees padded
+    # to q nodes): the shape CUDA graphs replay. Their outputs cover every token, so the
+    # logits rows are then ``logits_indices`` of the graph's output.
     uniform_q: int | None = None
 
 
@@ -44,6 +45,7 @@ def build_step_inputs(
     device: torch.device,
     block_table_width: int | None = None,
     trees: dict[int, DraftTree] | None = None,
+    pad_trees_to: int | None = None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one varlen batch.
 
@@ -53,10 +55,25 @@ def build_step_inputs(
     is that token, nodes sit at consecutive cache slots in node order with RoPE positions
     ``start + depth``, and every node's logits are returned (the verify step). Its
     ``num_new_tokens`` must equal the tree's node count.
+
+    ``pad_trees_to=q``: when every row verifies a tree of at most ``q`` nodes and has cache
+    slots for ``q``, each tree is padded to ``q`` tokens so the step has a CUDA graph's
+    uniform shape. Fillers (token 0 at the root's position, children of the root) come
+    after the tree's nodes; their K/V lands in lookahead slots the step trims, and their
+    logits are never returned.
     """
     trees = trees or {}
-    q_lens = [s.num_new_tokens for s in scheduled]
     starts = [s.request.num_computed_tokens for s in scheduled]
+    if pad_trees_to is not None and not (
+        len(trees) == len(scheduled)
+        and all(t.num_nodes <= pad_trees_to for t in trees.values())
+        and all(
+            len(s.request.block_ids) * block_size >= start + pad_trees_to
+            for s, start in zip(scheduled, starts, strict=True)
+        )
+    ):
+        pad_trees_to = None
+    q_lens = [pad_trees_to or s.num_new_tokens for s in scheduled]
     seq_lens = [st + q for st, q in zip(starts, q_lens, strict=True)]
     num_tokens = sum(q_lens)
     width = block_table_width or max(len(s.request.block_ids) for s in scheduled)
@@ -80,21 +97,27 @@ def build_step_inputs(
         end = start + q_len
         tree = trees.get(row)
         if tree is not None:
-            if tree.num_nodes != q_len:
-                raise ValueError(f"row {row}: tree of {tree.num_nodes} nodes, {q_len} tokens")
+            m = tree.num_nodes
+            if m != sched.num_new_tokens:
+                raise ValueError(
+                    f"row {row}: tree of {m} nodes, {sched.num_new_tokens} tokens scheduled"
+                )
             # Token ids and depths stay on the proposer's device: placeholders here (the
             # start, so positions = start + depth once the depths are added on device).
             first = len(positions)
-            tree_token_rows += range(first, first + q_len)
+            tree_token_rows += range(first, first + m)
             input_ids += [0] * q_len
             positions += [start] * q_len
             slot_mapping += [
                 blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
             ]
-            logits_indices += range(first, first + q_len)
+            logits_indices += range(first, first + m)
             sampled_rows.append(row)
-            logits_counts.append(q_len)
-            tree_parents.append(tree.parents)
+            logits_counts.append(m)
+            parents = tree.parents
+            if q_len > m:  # fillers hang below the root
+                parents = torch.cat([parents, parents.new_zeros(q_len - m)])
+            tree_parents.append(parents)
             tree_list.append(tree)
             continue
         tree_parents.append(_NO_TREE)
@@ -128,8 +151,11 @@ def build_step_inputs(
     num_logits = len(logits_indices)
     if tree_list:
         rows = packed64[3 * n + num_logits :]
-        packed64[:n].index_copy_(0, rows, torch.cat([t.token_ids for t in tree_list]).to(device))
-        packed64[n : 2 * n].index_add_(0, rows, torch.cat([t.depths for t in tree_list]).to(device))
+        # Trees may live on the host (ngram, root-only) or the device (model proposers).
+        tokens = torch.cat([t.token_ids.to(device, non_blocking=True) for t in tree_list])
+        depths = torch.cat([t.depths.to(device, non_blocking=True) for t in tree_list])
+        packed64[:n].index_copy_(0, rows, tokens)
+        packed64[n : 2 * n].index_add_(0, rows, depths)
     packed32 = _to_device(
         np.concatenate([query_start_loc, np.asarray(seq_lens, np.int32), block_tables.ravel()]),
         device,
@@ -148,10 +174,8 @@ def build_step_inputs(
         # A chain is plain causal attention; only branching trees need the mask.
         meta = build_tree_mask([p.to(device) for p in tree_parents]).attach(meta)
     q = q_lens[0]
-    uniform = (
-        num_logits == n  # every token's logits (a 1-token prefill chunk may not be sampled)
-        and all(x == q for x in q_lens)
-        and ((q == 1 and not tree_list) or len(tree_list) == len(scheduled))
+    uniform = all(x == q for x in q_lens) and (
+        (q == 1 and not tree_list) or len(tree_list) == len(scheduled)
     )
     return StepInputs(
         input_ids=packed64[:n],

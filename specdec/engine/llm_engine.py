@@ -24,7 +24,7 @@ from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.spec.acceptance import accept_batch, greedy_accept_batch
 from specdec.spec.metrics import SpecStats
 from specdec.spec.proposer import make_proposer
-from specdec.spec.tree import DraftTree
+from specdec.spec.tree import DraftTree, root_only_tree
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class LLMEngine:
             self.runner.aux_layer_ids = self.proposer.aux_layer_ids
         self._capture_graphs()
         self.spec_stats = SpecStats()
+        # Give decoding rows without a draft a root-only tree when some row has one, so
+        # verify steps keep the uniform shape CUDA graphs replay (the GPU path).
+        self.uniform_verify = self.runner.graphs is not None
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -188,6 +191,8 @@ class LLMEngine:
         if sched.is_empty:
             return []
         trees = self._propose(sched.scheduled)
+        if trees and self.uniform_verify:
+            self._add_root_only_trees(sched.scheduled, trees)
         for row, tree in trees.items():
             sched.scheduled[row].num_new_tokens = tree.num_nodes
         starts = [s.request.num_computed_tokens for s in sched.scheduled]
@@ -292,18 +297,46 @@ class LLMEngine:
         drafts = self.proposer.propose([scheduled[r].request for r in rows], limits)
         return {r: t for r, t in zip(rows, drafts, strict=True) if t is not None}
 
+    def _add_root_only_trees(self, scheduled, trees: dict[int, DraftTree]) -> None:
+        """A root-only tree for every other row that plainly decodes one token and could
+        have been drafted for; verifying it samples the root's next token exactly as plain
+        decoding does. Rows that need per-token logprobs or min_tokens stay plain."""
+        extra: dict[int, DraftTree] = {}
+        for row, s in enumerate(scheduled):
+            if row in trees:
+                continue
+            request = s.request
+            params = request.sampling_params
+            if (
+                s.num_new_tokens != 1
+                or request.num_computed_tokens + 1 != request.num_tokens
+                or params.logprobs is not None
+                or request.num_output_tokens < params.min_tokens
+            ):
+                return  # a prefill chunk or a plain-only row: the step cannot be uniform
+            extra[row] = root_only_tree(request.token_id(request.num_tokens - 1))
+        trees.update(extra)
+
     def _observe(self, sched, inputs, starts, accepted, aux: torch.Tensor) -> None:
         """Hand the proposer the aux states of every token the target computed this step:
         all new tokens of plain rows, the root and accepted nodes of tree rows."""
         q_lens = inputs.meta.query_lens_cpu
+        # One gather for every row: each row's computed tokens, back to back.
+        picked: list[int] = []
+        counts: list[int] = []
         offset = 0
-        for row, (s, start) in enumerate(zip(sched.scheduled, starts, strict=True)):
+        for row, q_len in enumerate(q_lens):
             if row in accepted:
-                rows = torch.tensor([0, *accepted[row]], device=aux.device) + offset
-                self.proposer.observe(s.request, start, aux[rows])
+                picked += [offset, *(offset + node for node in accepted[row])]
+                counts.append(1 + len(accepted[row]))
             else:
-                self.proposer.observe(s.request, start, aux[offset : offset + q_lens[row]])
-            offset += q_lens[row]
+                picked += range(offset, offset + q_len)
+                counts.append(q_len)
+            offset += q_len
+        index = torch.tensor(picked, dtype=torch.int64).to(aux.device, non_blocking=True)
+        parts = aux.index_select(0, index).split(counts)
+        for s, start, part in zip(sched.scheduled, starts, parts, strict=True):
+            self.proposer.observe(s.request, start, part)
 
     def _verify(self, sched, inputs, trees, spec, logits, offsets, emitted) -> dict[int, list[int]]:
         """Acceptance for the tree rows, then move the accepted path's K/V into place.
@@ -333,8 +366,9 @@ class LLMEngine:
                     dst.append(blocks[b // bs] * bs + b % bs)
             request.num_computed_tokens = start + 1 + result.num_accepted
             emitted[i] = result.token_ids
-            self.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
-            state.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
+            if tree.num_draft_tokens:  # root-only trees are plain decodes, not steps
+                self.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
+                state.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
         self.runner.move_kv(src, dst)
         return {
             inputs.sampled_rows[i]: r.accepted_nodes for i, r in zip(spec, results, strict=True)

@@ -220,7 +220,23 @@ class ModelRunner:
             self.graphs.capture(q, sizes)
 
     def prepare(self, scheduled: list[ScheduledRequest], trees=None) -> StepInputs:
-        return build_step_inputs(scheduled, self.block_size, self.device, trees=trees)
+        """Step inputs; a verify step is padded to the smallest captured tree size that
+        holds every tree (shorter chains near a request's end, ngram chains of uneven
+        length), so that it replays a graph instead of running eagerly."""
+        pad = None
+        if self.graphs is not None and trees and len(trees) == len(scheduled):
+            largest = max(t.num_nodes for t in trees.values())
+            pad = next(
+                (
+                    q
+                    for q in sorted(self.graphs.batch_sizes)
+                    if q >= largest and self.graphs.bucket(q, len(scheduled)) is not None
+                ),
+                None,
+            )
+        return build_step_inputs(
+            scheduled, self.block_size, self.device, trees=trees, pad_trees_to=pad
+        )
 
     @torch.inference_mode()
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
@@ -250,8 +266,10 @@ class ModelRunner:
             and self.graphs is not None
             and self.graphs.bucket(q, inputs.meta.num_seqs) is not None
         ):
-            # Uniform steps return every token's logits, in order.
-            return self.graphs.run(q, inputs.input_ids, inputs.positions, inputs.meta)
+            logits, aux = self.graphs.run(q, inputs.input_ids, inputs.positions, inputs.meta)
+            if logits.shape[0] != inputs.logits_indices.shape[0]:  # padding, unsampled rows
+                logits = logits.index_select(0, inputs.logits_indices)
+            return logits, aux
         hidden, aux = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.aux_layer_ids
         )

@@ -188,6 +188,12 @@ class DraftTree:
         return self.depths + prefix_len
 
 
+def root_only_tree(root: int) -> DraftTree:
+    """A tree without drafts: verifying it is a plain decode of the root's next token."""
+    zero = torch.zeros(1, dtype=torch.int64)
+    return DraftTree(torch.tensor([root], dtype=torch.int64), zero, zero, is_chain=True)
+
+
 # ---------------------------------------------------------------- shapes
 
 
