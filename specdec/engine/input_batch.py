@@ -12,11 +12,34 @@ import numpy as np
 import torch
 
 from specdec.attention.metadata import AttentionMetadata
-from specdec.attention.tree_mask import build_tree_mask
+from specdec.attention.tree_mask import TreeMask, build_tree_mask
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.spec.tree import DraftTree
 
 _NO_TREE = torch.empty(0, dtype=torch.int64)
+
+
+def _tree_mask(
+    scheduled: list[ScheduledRequest],
+    trees: dict[int, DraftTree],
+    tree_parents: list[torch.Tensor],
+    q_lens: list[int],
+    device: torch.device,
+) -> TreeMask:
+    """The batch's tree-mask fields. When every row is an unpadded tree that carries its
+    ancestor mask (growth computed it on device) the masks are concatenated (one copy);
+    otherwise they are rebuilt from the parent arrays."""
+    masks = [trees[row].ancestor_mask if row in trees else None for row in range(len(scheduled))]
+    if any(m is None or m.shape[0] != q for m, q in zip(masks, q_lens, strict=True)):
+        return build_tree_mask([p.to(device) for p in tree_parents])
+    sizes = np.asarray(q_lens, dtype=np.int64) ** 2
+    offsets = _to_device(np.cumsum(sizes) - sizes, device)
+    return TreeMask(
+        tree_lens=_to_device(np.asarray(q_lens, dtype=np.int32), device),
+        tree_mask_offsets=offsets,
+        tree_mask=torch.cat([m.flatten() for m in masks]).to(device, non_blocking=True),
+        max_tree_len=max(q_lens),
+    )
 
 
 @dataclass
@@ -172,7 +195,7 @@ def build_step_inputs(
     )
     if any(not t.is_chain for t in tree_list):
         # A chain is plain causal attention; only branching trees need the mask.
-        meta = build_tree_mask([p.to(device) for p in tree_parents]).attach(meta)
+        meta = _tree_mask(scheduled, trees, tree_parents, q_lens, device).attach(meta)
     q = q_lens[0]
     uniform = all(x == q for x in q_lens) and (
         (q == 1 and not tree_list) or len(tree_list) == len(scheduled)

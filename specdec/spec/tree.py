@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.attention.tree_mask import ancestor_closure
+
 StepLogprobsFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``fn(node_token_ids [n] int64, parent_rows [n] int64, depth) -> logprobs [n, vocab]``.
 
@@ -74,6 +76,9 @@ class DraftTree:
     sampled: bool = False
     # Host-side hint: node i's parent is node i-1 (verification then needs no tree mask).
     is_chain: bool = False
+    # [num_nodes, num_nodes] bool, optional: row i marks node i and its ancestors (what
+    # verification's tree mask holds; growth computes it on device so steps need not).
+    ancestor_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.token_ids.shape[0] if self.token_ids.dim() == 1 else -1
@@ -349,6 +354,7 @@ class TreeBatch:
     draft_probs: torch.Tensor | None = None
     sampled: bool = False
     is_chain: bool = False
+    ancestor_mask: torch.Tensor | None = None  # [batch, num_nodes, num_nodes] bool
 
     def unbind(self) -> list[DraftTree]:
         """One ``DraftTree`` per row (views; no copies, no sync)."""
@@ -360,6 +366,7 @@ class TreeBatch:
                 draft_probs=self.draft_probs[b] if self.draft_probs is not None else None,
                 sampled=self.sampled,
                 is_chain=self.is_chain,
+                ancestor_mask=self.ancestor_mask[b] if self.ancestor_mask is not None else None,
             )
             for b in range(self.token_ids.shape[0])
         ]
@@ -409,7 +416,7 @@ def grow_trees(
                 "sampled child depending on its value; use deterministic candidates "
                 "(sample=False) or a chain/static shape"
             )
-        return _build_dynamic(shape, roots, step_logprobs_fn)
+        return _with_mask(_build_dynamic(shape, roots, step_logprobs_fn))
     static = shape.as_static() if isinstance(shape, ChainShape) else shape
     if sample and not static.ranks_contiguous():
         raise ValueError(
@@ -417,7 +424,14 @@ def grow_trees(
             "add the missing ranks or use sample=False"
         )
     batch = _build_static(static, roots, step_logprobs_fn, sample, generator)
-    batch.is_chain = isinstance(shape, ChainShape)
+    if isinstance(shape, ChainShape):
+        batch.is_chain = True  # causal: verification needs no mask
+        return batch
+    return _with_mask(batch)
+
+
+def _with_mask(batch: TreeBatch) -> TreeBatch:
+    batch.ancestor_mask = ancestor_closure(batch.parents)
     return batch
 
 

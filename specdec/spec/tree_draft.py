@@ -229,6 +229,7 @@ class GrowGraphs:
             parents=out.parents[:b].clone(),
             depths=out.depths[:b].clone(),
             is_chain=out.is_chain,
+            ancestor_mask=out.ancestor_mask[:b].clone() if out.ancestor_mask is not None else None,
         )
 
 
