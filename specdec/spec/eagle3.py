@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.attention.metadata import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.models.eagle3_formats import load_eagle3
@@ -72,6 +73,7 @@ class Eagle3Proposer(Proposer):
         )
         self._states: dict[str, _HeadState] = {}
         self.grower = TreeGrower(self._grow, self.block_size)
+        self.max_positions = runner.max_model_len
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -94,58 +96,144 @@ class Eagle3Proposer(Proposer):
     def propose(self, requests: Sequence[Request], max_draft_tokens: Sequence[int]):
         rows = [i for i, r in enumerate(requests) if self._catch_up_len(r) > 0]
         trees: list[DraftTree | None] = [None] * len(requests)
-        if not rows:
-            return trees
-        # 1. Catch-up over every observed position; the last row of each predicts depth 1.
-        chunks, hidden = [], []
+        # One batch per shape: the configured one; chains near a request's end.
+        groups: dict[TreeShape, list[int]] = {}
         for i in rows:
             request = requests[i]
-            state = self._states[request.request_id]
-            start, end = state.head_computed, request.num_computed_tokens
-            chunks.append(Chunk(request, start, request.token_ids(start + 1, end + 1)))
-            hidden.append(torch.cat(state.pending))  # exactly end - start rows (observe)
-            state.head_computed, state.pending = end, []
-        out, logits = self._forward(chunks, self.head.fuse(torch.cat(hidden)))
-        # 2. Grow the trees, one batch per shape (the configured one; chains near the end).
-        groups: dict[TreeShape, list[int]] = {}  # shape -> positions in `rows`
-        for j, i in enumerate(rows):
-            request = requests[i]
             room = len(request.block_ids) * self.block_size - request.num_computed_tokens
-            groups.setdefault(self.shape_for(max_draft_tokens[i], room), []).append(j)
+            groups.setdefault(self.shape_for(max_draft_tokens[i], room), []).append(i)
         for shape, members in groups.items():
-            picked = torch.tensor(members).to(self.device, non_blocking=True)
-            group = [requests[rows[j]] for j in members]
-            inputs = GrowInputs.build(
-                group,
-                [r.num_computed_tokens for r in group],  # the root's cache index
-                (out[picked], logits[picked]),
-                self.device,
-            )
-            for j, tree in zip(members, self.grower.grow(shape, inputs).unbind(), strict=True):
-                trees[rows[j]] = tree
+            grown = self._propose_group(shape, [requests[i] for i in members])
+            for i, tree in zip(members, grown.unbind(), strict=True):
+                trees[i] = tree
         return trees
+
+    def _propose_group(self, shape: TreeShape, group: list[Request]) -> TreeBatch:
+        """Catch up on every observed position, then grow. After a verify step each
+        request catches up on at most depth + 1 positions (its accepted drafts and the
+        bonus token); such batches run catch-up and growth as one capturable function
+        (``_grow``: catch-ups right-padded to that length). Longer catch-ups (the first
+        draft after a prefill) run a varlen forward first."""
+        bs = self.block_size
+        states = [self._states[r.request_id] for r in group]
+        spans = [
+            (st.head_computed, r.num_computed_tokens) for st, r in zip(states, group, strict=True)
+        ]
+        aux = [torch.cat(st.pending) for st in states]  # exactly end - start rows (observe)
+        for st, (_, end) in zip(states, spans, strict=True):
+            st.head_computed, st.pending = end, []
+        width = self.catch_up_width
+        if all(
+            end - start <= width and len(r.block_ids) * bs >= start + width
+            for r, (start, end) in zip(group, spans, strict=True)
+        ):
+            return self.grower.grow(shape, self._padded_inputs(group, spans, aux))
+        chunks = [
+            Chunk(r, start, r.token_ids(start + 1, end + 1))
+            for r, (start, end) in zip(group, spans, strict=True)
+        ]
+        out, logits = self._forward(chunks, self.head.fuse(torch.cat(aux)))
+        inputs = GrowInputs.build(group, [end for _, end in spans], (), self.device)
+        return self._grow_tree(shape, inputs, out, logits, None)
+
+    @property
+    def catch_up_width(self) -> int:
+        """Positions a request catches up on after a full verify step: depth + 1."""
+        return self.shape.depth + 1
+
+    def _padded_inputs(
+        self, group: list[Request], spans: list[tuple[int, int]], aux: list[torch.Tensor]
+    ) -> GrowInputs:
+        """``_grow``'s inputs: catch-up token ids [batch, width], aux states [batch,
+        width, 3 * hidden], each request's last real row [batch] and catch-up start
+        [batch], right-padded with token 0 and zero aux rows."""
+        width = self.catch_up_width
+        tokens: list[int] = []
+        rows: list[int] = []
+        for b, (request, (start, end)) in enumerate(zip(group, spans, strict=True)):
+            tokens += request.token_ids(start + 1, end + 1) + [0] * (width - (end - start))
+            rows += range(b * width, b * width + end - start)
+        b = len(group)
+        packed = torch.tensor(
+            [*tokens, *rows, *(end - start - 1 for start, end in spans), *(s for s, _ in spans)],
+            dtype=torch.int64,
+        ).to(self.device, non_blocking=True)
+        flat = torch.cat(aux)  # [sum of catch-up lengths, 3 * hidden]
+        padded = flat.new_zeros(b * width, flat.shape[1]).index_copy_(
+            0, packed[b * width : b * width + len(rows)], flat
+        )
+        n = b * width + len(rows)
+        inputs = GrowInputs.build(group, [end for _, end in spans], (), self.device)
+        inputs.root_state = (
+            packed[: b * width].view(b, width),
+            padded.view(b, width, -1),
+            packed[n : n + b],
+            packed[n + b : n + 2 * b],
+        )
+        return inputs
 
     def capture_graphs(self, max_batch_size: int, block_table_width: int, max_seq_len: int):
         c = self.head.config
         dtype = self.kv_cache[0].dtype
+        width = self.catch_up_width
+        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
         example = GrowInputs(
-            roots=torch.zeros(1, dtype=torch.int64, device=self.device),
-            start=torch.zeros(1, dtype=torch.int64, device=self.device),
+            roots=zeros,
+            start=zeros,
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
             root_state=(
-                torch.zeros(1, c.hidden_size, dtype=dtype, device=self.device),
-                torch.zeros(1, c.draft_vocab_size, dtype=torch.float32, device=self.device),
+                torch.zeros(1, width, dtype=torch.int64, device=self.device),
+                torch.zeros(1, width, 3 * c.hidden_size, dtype=dtype, device=self.device),
+                zeros,
+                zeros,
             ),
         )
         self.grower.capture(self.shape, max_batch_size, example, block_table_width, max_seq_len)
 
     def _grow(self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None) -> TreeBatch:
+        """Catch-up and growth in one go, device ops only (``_padded_inputs`` made the
+        root state). Padding rows sit after each request's real rows: causal attention
+        keeps them out of the real rows, and the K/V they write lands in fed-node slots
+        the levels overwrite or never read."""
+        tokens, aux, last, start = inputs.root_state
+        batch, width = tokens.shape
+        bs = self.block_size
+        index = start[:, None] + torch.arange(width, device=tokens.device)  # [batch, width]
+        blocks = inputs.block_tables.gather(1, index // bs).long()
+        bound = max_seq_len
+        if bound is None:
+            assert inputs.start_cpu is not None
+            bound = max(inputs.start_cpu) + width  # start < the root's index
+        meta = AttentionMetadata(
+            slot_mapping=(blocks * bs + index % bs).flatten(),
+            query_start_loc=torch.arange(
+                0, (batch + 1) * width, width, dtype=torch.int32, device=tokens.device
+            ),
+            seq_lens=(start + width).to(torch.int32),
+            block_tables=inputs.block_tables,
+            max_query_len=width,
+            max_seq_len=bound,
+        )
+        positions = index.clamp(max=self.max_positions - 1).flatten()  # padding may pass it
+        rows = torch.arange(batch, device=tokens.device) * width + last  # [batch]
+        hidden = self.head.fuse(aux.flatten(0, 1))  # [batch * width, hidden]
+        out, logits = self.head(
+            tokens.flatten(), hidden, positions, self.kv_cache, meta, logits_indices=rows
+        )
+        return self._grow_tree(shape, inputs, out.index_select(0, rows), logits, max_seq_len)
+
+    def _grow_tree(
+        self,
+        shape: TreeShape,
+        inputs: GrowInputs,
+        root_out: torch.Tensor,  # [batch, hidden]: the catch-up's last pre-norm rows
+        root_logits: torch.Tensor,  # [batch, draft_vocab]: their depth-1 predictions
+        max_seq_len: int | None,
+    ) -> TreeBatch:
         """Draft steps: level ``d`` feeds its nodes at position ``root + d - 1``, each with
         its parent's pre-norm output, laid out from the root's cache index (the target's
-        lookahead slots; the next catch-up rewrites them). Root state: the catch-up's last
-        pre-norm rows [batch, hidden] and their draft logits [batch, draft_vocab]."""
+        lookahead slots; the next catch-up rewrites them)."""
         layout = TreeDraftLayout(inputs, self.block_size, max_seq_len)
-        root_out, root_logits = inputs.root_state
         prev_out = root_out[:, None]  # [batch, 1, hidden]: rows of the previous call
 
         def step(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:

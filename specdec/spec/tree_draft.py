@@ -220,6 +220,8 @@ class GrowGraphs:
             s.roots[b:bs].zero_()
             s.start[b:bs].zero_()
             s.block_tables[b:bs].zero_()
+            for t in s.root_state:
+                t[b:bs].zero_()
         self.graphs[bs].replay()
         self.num_replays += 1
         out = self.outputs[bs]
