@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.attention.metadata import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.models import load_config, load_model, resolve_model
@@ -75,6 +76,7 @@ class DraftModelProposer(Proposer):
         ]
         self._states: dict[str, _DraftState] = {}
         self.grower = TreeGrower(self._grow, self.block_size)
+        self.max_positions = runner.max_model_len
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -94,13 +96,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], max_draft_tokens: Sequence[int]):
-        # 1. Catch up: every token from the cache's end to the root (the last token).
-        chunks = []
-        for request in requests:
-            start = self._start(request)
-            chunks.append(Chunk(request, start, request.token_ids(start, request.num_tokens)))
-        root_logits = self._forward(chunks)  # [num_requests, vocab]: logits at each root
-        # 2. Grow the trees, one batch per shape (the configured one; chains near the end).
+        # One batch per shape: the configured one; chains near a request's end.
         groups: dict[TreeShape, list[int]] = {}
         for i, request in enumerate(requests):
             room = len(request.block_ids) * self.block_size - request.num_tokens
@@ -108,14 +104,7 @@ class DraftModelProposer(Proposer):
         trees: list[DraftTree | None] = [None] * len(requests)
         for shape, members in groups.items():
             group = [requests[i] for i in members]
-            picked = torch.tensor(members).to(self.device, non_blocking=True)
-            inputs = GrowInputs.build(
-                group,
-                [r.num_tokens for r in group],  # right after the root
-                (root_logits[picked],),
-                self.device,
-            )
-            grown = self.grower.grow(shape, inputs)
+            grown = self._propose_group(shape, group)
             # Fed drafts the cache may keep: a chain's nodes 1 .. k-1 sit at consecutive
             # indices after the root. A branching tree's level-1 entry is one of several
             # siblings; only the root counts.
@@ -127,21 +116,100 @@ class DraftModelProposer(Proposer):
                 trees[i] = tree
         return trees
 
+    @property
+    def catch_up_width(self) -> int:
+        """Tokens a request catches up on after a full verify step: depth + 1 (the
+        accepted drafts the cache lacks and the bonus token, the new root)."""
+        return self.shape.depth + 1
+
+    def _propose_group(self, shape: TreeShape, group: list[Request]) -> TreeBatch:
+        """Catch up on every token from the cache's end to the root, then grow. Short
+        catch-ups (after a verify step) run with the growth as one capturable function
+        (``_grow``, right-padded); long ones (the prompt) run a varlen forward first."""
+        width = self.catch_up_width
+        spans = [(self._start(r), r.num_tokens) for r in group]
+        roots_at = [end for _, end in spans]  # fed nodes start right after the root
+        if all(
+            end - start <= width and len(r.block_ids) * self.block_size >= start + width
+            for r, (start, end) in zip(group, spans, strict=True)
+        ):
+            tokens: list[int] = []
+            for r, (start, end) in zip(group, spans, strict=True):
+                tokens += r.token_ids(start, end) + [0] * (width - (end - start))
+            b = len(group)
+            packed = torch.tensor(
+                [*tokens, *(end - start - 1 for start, end in spans), *(s for s, _ in spans)],
+                dtype=torch.int64,
+            ).to(self.device, non_blocking=True)
+            inputs = GrowInputs.build(group, roots_at, (), self.device)
+            inputs.root_state = (
+                packed[: b * width].view(b, width),
+                packed[b * width : b * width + b],
+                packed[b * width + b :],
+            )
+            return self.grower.grow(shape, inputs)
+        chunks = [
+            Chunk(r, start, r.token_ids(start, end))
+            for r, (start, end) in zip(group, spans, strict=True)
+        ]
+        inputs = GrowInputs.build(group, roots_at, (), self.device)
+        return self._grow_tree(shape, inputs, self._forward(chunks), None)
+
     def capture_graphs(self, max_batch_size: int, block_table_width: int, max_seq_len: int):
+        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
         example = GrowInputs(
-            roots=torch.zeros(1, dtype=torch.int64, device=self.device),
-            start=torch.zeros(1, dtype=torch.int64, device=self.device),
+            roots=zeros,
+            start=zeros,
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            root_state=(torch.zeros(1, self.model.config.vocab_size, device=self.device),),
+            root_state=(
+                torch.zeros(1, self.catch_up_width, dtype=torch.int64, device=self.device),
+                zeros,
+                zeros,
+            ),
         )
         self.grower.capture(self.shape, max_batch_size, example, block_table_width, max_seq_len)
 
     def _grow(self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None) -> TreeBatch:
+        """Catch-up and growth, device ops only. Root state: catch-up token ids [batch,
+        width] right-padded with 0, each request's last real row [batch] and catch-up
+        start [batch]. Padding rows follow the root: causal attention keeps them out of
+        real rows, and their K/V lands in fed-node slots the levels overwrite or never
+        read."""
+        tokens, last, start = inputs.root_state
+        batch, width = tokens.shape
+        bs = self.block_size
+        index = start[:, None] + torch.arange(width, device=tokens.device)  # [batch, width]
+        blocks = inputs.block_tables.gather(1, index // bs).long()
+        bound = max_seq_len
+        if bound is None:
+            assert inputs.start_cpu is not None
+            bound = max(inputs.start_cpu) + width  # catch-up starts at or before the root
+        meta = AttentionMetadata(
+            slot_mapping=(blocks * bs + index % bs).flatten(),
+            query_start_loc=torch.arange(
+                0, (batch + 1) * width, width, dtype=torch.int32, device=tokens.device
+            ),
+            seq_lens=(start + width).to(torch.int32),
+            block_tables=inputs.block_tables,
+            max_query_len=width,
+            max_seq_len=bound,
+        )
+        positions = index.clamp(max=self.max_positions - 1).flatten()  # padding may pass it
+        hidden, _ = self.model(tokens.flatten(), positions, self.kv_caches, meta)
+        rows = torch.arange(batch, device=tokens.device) * width + last  # [batch]
+        root_logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return self._grow_tree(shape, inputs, root_logits, max_seq_len)
+
+    def _grow_tree(
+        self,
+        shape: TreeShape,
+        inputs: GrowInputs,
+        root_logits: torch.Tensor,  # [batch, vocab]: the logits at each root
+        max_seq_len: int | None,
+    ) -> TreeBatch:
         """Draft steps: level ``d`` feeds its nodes at position ``root + d``, laid out right
-        after the root (the target's lookahead slots). Root state: the logits at each root
-        [batch, vocab]."""
+        after the root (the target's lookahead slots)."""
         layout = TreeDraftLayout(inputs, self.block_size, max_seq_len)
-        (root_logits,) = inputs.root_state
 
         def step(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:
             if depth == 0:
