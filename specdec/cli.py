@@ -57,7 +57,28 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft-model", default=None, help="EAGLE-3 head dir (eagle3) or draft LM (draft_model)"
     )
-    g.add_argument("--num-speculative-tokens", type=int, default=3, help="chain length K")
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=3,
+        help="chain length K, or the depth of a dynamic tree",
+    )
+    g.add_argument(
+        "--spec-tree",
+        default="chain",
+        choices=["chain", "dynamic", "static"],
+        help="draft shape: a chain, EAGLE-2's dynamic tree, or --spec-choices",
+    )
+    g.add_argument("--spec-top-k", type=int, default=8, help="dynamic tree: children per node")
+    g.add_argument(
+        "--spec-total-tokens", type=int, default=48, help="dynamic tree: draft nodes kept"
+    )
+    g.add_argument(
+        "--spec-choices",
+        type=json.loads,
+        default=None,
+        help='static tree as JSON choice paths, e.g. "[[0], [1], [0, 0]]"',
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -81,6 +102,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 method=args.draft,
                 model=args.draft_model,
                 num_speculative_tokens=args.num_speculative_tokens,
+                tree=args.spec_tree,
+                top_k=args.spec_top_k,
+                total_tokens=args.spec_total_tokens,
+                choices=args.spec_choices,
             )
             if args.draft
             else None
