@@ -149,6 +149,12 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--json", dest="json_out", help="write outputs and timing to this file")
+    p.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="with --draft: rerun the prompts without speculation on the same engine "
+        "settings and print the speedup and whether outputs match",
+    )
     _add_engine_args(p)
 
 
@@ -169,15 +175,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sample_seed,
         stop=args.stop,
     )
+    if args.compare_plain and not args.draft:
+        raise ValueError("--compare-plain compares speculation with plain decoding; add --draft")
     t0 = time.perf_counter()
     llm = LLM(args.model, **_engine_kwargs(args))
     load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if args.raw:
-        outputs = llm.generate(prompts, params)
-    else:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    gen_s = time.perf_counter() - t0
+    outputs, gen_s = _run(llm, prompts, params, args.raw)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     for prompt, out in zip(prompts, outputs, strict=True):
         print(f"\n### {prompt}\n{out.outputs[0].text}")
@@ -188,8 +191,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"on {runtime.device} {str(runtime.dtype).removeprefix('torch.')}, "
         f"attention={runtime.attention_backend}"
     )
+    report: dict = {"seconds": gen_s, "tokens_per_s": num_out / gen_s}
     if llm.engine.proposer is not None:
-        print(f"speculation ({args.draft}): {llm.engine.spec_stats.summary()}")
+        stats = llm.engine.spec_stats
+        print(f"speculation ({args.draft}): {stats.summary()}")
+        report["speculation"] = {
+            "steps": stats.steps,
+            "drafted_tokens": stats.drafted_tokens,
+            "accepted_tokens": stats.accepted_tokens,
+            "tau": stats.tau,
+            "acceptance_rates": stats.acceptance_rates,
+        }
+    if args.compare_plain:
+        del llm
+        plain = LLM(args.model, **{**_engine_kwargs(args), "speculative": None})
+        plain_outputs, plain_s = _run(plain, prompts, params, args.raw)
+        plain_out = sum(len(o.outputs[0].token_ids) for o in plain_outputs)
+        same = sum(
+            a.outputs[0].token_ids == b.outputs[0].token_ids
+            for a, b in zip(outputs, plain_outputs, strict=True)
+        )
+        speedup = (num_out / gen_s) / (plain_out / plain_s)
+        print(
+            f"plain decoding: {plain_out / plain_s:.1f} tokens/s; speedup {speedup:.2f}x; "
+            f"identical outputs {same}/{len(outputs)}"
+        )
+        report["plain_tokens_per_s"] = plain_out / plain_s
+        report["speedup"] = speedup
+        report["identical_outputs"] = same
     if args.json_out:
         Path(args.json_out).write_text(
             json.dumps(
@@ -203,13 +232,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         }
                         for p, o in zip(prompts, outputs, strict=True)
                     ],
-                    "seconds": gen_s,
-                    "tokens_per_s": num_out / gen_s,
+                    **report,
                 },
                 indent=1,
             )
         )
     return 0
+
+
+def _run(llm, prompts: list[str], params, raw: bool):
+    """Outputs and seconds for one pass over the prompts (chat template unless raw)."""
+    t0 = time.perf_counter()
+    if raw:
+        outputs = llm.generate(prompts, params)
+    else:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    return outputs, time.perf_counter() - t0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.config import EngineConfig
@@ -343,10 +344,12 @@ class LLMEngine:
         Returns each tree row's accepted node indices."""
         states = [self._state_of(sched, inputs, i) for i in spec]
         tree_list = [trees[inputs.sampled_rows[i]] for i in spec]
-        rows = torch.cat(
-            [torch.arange(offsets[i], offsets[i + 1], device=logits.device) for i in spec]
-        )
-        tree_logits = logits[rows]  # [sum nodes, vocab]
+        if len(spec) == len(inputs.sampled_rows):  # every sampled row verifies a tree
+            tree_logits = logits  # [sum nodes, vocab]
+        else:
+            rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec])
+            index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
+            tree_logits = logits.index_select(0, index)  # [sum nodes, vocab]
         params = [st.request.sampling_params for st in states]
         if all(p.is_greedy for p in params):
             results = greedy_accept_batch(tree_list, tree_logits)  # one host sync

@@ -46,6 +46,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.engine.sampler import SamplingMetadata, probs_from_logits
@@ -115,11 +116,10 @@ def _layout(trees: list[DraftTree], rows: torch.Tensor, name: str) -> _Layout:
             "per tree node, trees back to back, each root first in node order)"
         )
     device = rows.device
-    counts = torch.tensor([t.num_nodes for t in trees], device=device)
-    starts = torch.tensor(offsets[:-1], device=device)
-    # Trees may live on the proposer's device (the n-gram proposer builds them on the host).
-    local = torch.cat([t.parents for t in trees]).to(device)  # [total_nodes]
-    parents = local + starts.repeat_interleave(counts, output_size=offsets[-1])
+    shift = np.repeat(offsets[:-1], [t.num_nodes for t in trees])  # each node's tree start
+    # Trees may live on the host (ngram, root-only) or on the proposer's device.
+    local = torch.cat([t.parents.to(device, non_blocking=True) for t in trees])  # [total]
+    parents = local + torch.from_numpy(shift).to(device, non_blocking=True)
     parent_list = parents.tolist()  # sync: structure
     children: list[list[int]] = [[] for _ in parent_list]
     for i, p in enumerate(parent_list):
@@ -129,7 +129,7 @@ def _layout(trees: list[DraftTree], rows: torch.Tensor, name: str) -> _Layout:
         offsets=offsets,
         parents=parents,
         parent_list=parent_list,
-        token_ids=torch.cat([t.token_ids for t in trees]).to(device),
+        token_ids=torch.cat([t.token_ids.to(device, non_blocking=True) for t in trees]),
         children=children,
     )
 
@@ -149,16 +149,48 @@ def greedy_accept_batch(
     """From each root, repeatedly accept the child whose token is the target's argmax at
     the current node (siblings carry distinct tokens, so there is at most one); stop where
     none is, and emit the argmax there as the bonus token. This is the longest accepted
-    path. Syncs: the structure, then the argmaxes."""
-    layout = _layout(trees, target_logits, "target_logits")
-    best = target_logits.argmax(dim=-1)  # [total_nodes]
-    best_h, tokens_h = torch.stack([best, layout.token_ids]).tolist()  # sync
-    accepts = [p != i and tokens_h[i] == best_h[p] for i, p in enumerate(layout.parent_list)]
+    path.
+
+    Computed on device: a node passes when its token is its parent's argmax, and is on the
+    accepted path when it and all its ancestors pass (pointer jumping over the parents,
+    ``ceil(log2(nodes))`` rounds). Since at most one child per node passes, the nodes on
+    the path are exactly the passing-with-ancestors ones, in index order. One sync.
+    """
+    if not trees:
+        raise ValueError("no trees; pass at least one DraftTree")
+    counts = [t.num_nodes for t in trees]
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    total = int(offsets[-1])
+    if target_logits.dim() != 2 or target_logits.shape[0] != total:
+        raise ValueError(
+            f"target_logits has shape {tuple(target_logits.shape)}; expected [{total}, vocab] "
+            "(one row per tree node, trees back to back, each root first in node order)"
+        )
+    device = target_logits.device
+    shift = torch.from_numpy(np.repeat(offsets[:-1], counts)).to(device, non_blocking=True)
+    # Trees may live on the host (ngram, root-only) or on the proposer's device.
+    parents = torch.cat([t.parents.to(device, non_blocking=True) for t in trees]) + shift
+    tokens = torch.cat([t.token_ids.to(device, non_blocking=True) for t in trees])
+    best = target_logits.argmax(dim=-1)  # [total]
+    is_root = parents == torch.arange(total, device=device)
+    on_path = (tokens == best[parents]) | is_root  # roots pass: their own parent
+    jump = parents
+    for _ in range(max(max(counts) - 1, 0).bit_length()):
+        on_path = on_path & on_path[jump]
+        jump = jump[jump]
+    on_path = on_path & ~is_root
+    path_h, best_h, tokens_h = torch.stack([on_path.long(), best, tokens]).tolist()  # sync
     results = []
     for b in range(len(trees)):
-        path = layout.walk(b, accepts)
-        last = path[-1] if path else layout.offsets[b]
-        results.append(_result(layout, b, path, [tokens_h[c] for c in path] + [best_h[last]]))
+        lo, hi = int(offsets[b]), int(offsets[b + 1])
+        path = [i for i in range(lo + 1, hi) if path_h[i]]
+        last = path[-1] if path else lo
+        results.append(
+            AcceptResult(
+                accepted_nodes=[i - lo for i in path],
+                token_ids=[tokens_h[i] for i in path] + [best_h[last]],
+            )
+        )
     return results
 
 
