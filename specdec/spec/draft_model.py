@@ -20,14 +20,19 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.models import load_config, load_model, resolve_model
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
 from specdec.spec.tree import DraftTree, TreeBatch, TreeShape, grow_trees
-from specdec.spec.tree_draft import GrowInputs, TreeDraftLayout, TreeGrower
+from specdec.spec.tree_draft import (
+    GrowInputs,
+    TreeDraftLayout,
+    TreeGrower,
+    catch_up_inputs,
+    pack_catch_ups,
+)
 
 
 @dataclass
@@ -133,20 +138,9 @@ class DraftModelProposer(Proposer):
             end - start <= width and len(r.block_ids) * self.block_size >= start + width
             for r, (start, end) in zip(group, spans, strict=True)
         ):
-            tokens: list[int] = []
-            for r, (start, end) in zip(group, spans, strict=True):
-                tokens += r.token_ids(start, end) + [0] * (width - (end - start))
-            b = len(group)
-            packed = torch.tensor(
-                [*tokens, *(end - start - 1 for start, end in spans), *(s for s, _ in spans)],
-                dtype=torch.int64,
-            ).to(self.device, non_blocking=True)
+            ids = [r.token_ids(start, end) for r, (start, end) in zip(group, spans, strict=True)]
             inputs = GrowInputs.build(group, roots_at, (), self.device)
-            inputs.root_state = (
-                packed[: b * width].view(b, width),
-                packed[b * width : b * width + b],
-                packed[b * width + b :],
-            )
+            inputs.root_state = pack_catch_ups(spans, ids, width, self.device)
             return self.grower.grow(shape, inputs)
         chunks = [
             Chunk(r, start, r.token_ids(start, end))
@@ -156,48 +150,19 @@ class DraftModelProposer(Proposer):
         return self._grow_tree(shape, inputs, self._forward(chunks), None)
 
     def capture_graphs(self, max_batch_size: int, block_table_width: int, max_seq_len: int):
-        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
-        example = GrowInputs(
-            roots=zeros,
-            start=zeros,
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            root_state=(
-                torch.zeros(1, self.catch_up_width, dtype=torch.int64, device=self.device),
-                zeros,
-                zeros,
-            ),
+        tokens, last, start = pack_catch_ups([(0, 1)], [[0]], self.catch_up_width, self.device)
+        self.grower.capture(
+            self.shape, max_batch_size, (tokens, last, start), block_table_width, max_seq_len
         )
-        self.grower.capture(self.shape, max_batch_size, example, block_table_width, max_seq_len)
 
     def _grow(self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None) -> TreeBatch:
-        """Catch-up and growth, device ops only. Root state: catch-up token ids [batch,
-        width] right-padded with 0, each request's last real row [batch] and catch-up
-        start [batch]. Padding rows follow the root: causal attention keeps them out of
-        real rows, and their K/V lands in fed-node slots the levels overwrite or never
-        read."""
-        tokens, last, start = inputs.root_state
-        batch, width = tokens.shape
-        bs = self.block_size
-        index = start[:, None] + torch.arange(width, device=tokens.device)  # [batch, width]
-        blocks = inputs.block_tables.gather(1, index // bs).long()
-        bound = max_seq_len
-        if bound is None:
-            assert inputs.start_cpu is not None
-            bound = max(inputs.start_cpu) + width  # catch-up starts at or before the root
-        meta = AttentionMetadata(
-            slot_mapping=(blocks * bs + index % bs).flatten(),
-            query_start_loc=torch.arange(
-                0, (batch + 1) * width, width, dtype=torch.int32, device=tokens.device
-            ),
-            seq_lens=(start + width).to(torch.int32),
-            block_tables=inputs.block_tables,
-            max_query_len=width,
-            max_seq_len=bound,
+        """Catch-up and growth, device ops only. Root state: ``pack_catch_ups``' tensors
+        (``catch_up_inputs`` says why the padding is harmless)."""
+        x = catch_up_inputs(
+            inputs, *inputs.root_state, self.block_size, max_seq_len, self.max_positions
         )
-        positions = index.clamp(max=self.max_positions - 1).flatten()  # padding may pass it
-        hidden, _ = self.model(tokens.flatten(), positions, self.kv_caches, meta)
-        rows = torch.arange(batch, device=tokens.device) * width + last  # [batch]
-        root_logits = self.model.compute_logits(hidden.index_select(0, rows))
+        hidden, _ = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
+        root_logits = self.model.compute_logits(hidden.index_select(0, x.last_rows))
         return self._grow_tree(shape, inputs, root_logits, max_seq_len)
 
     def _grow_tree(

@@ -25,14 +25,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
 from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.models.eagle3_formats import load_eagle3
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
 from specdec.spec.tree import DraftTree, TreeBatch, TreeShape, grow_trees
-from specdec.spec.tree_draft import GrowInputs, TreeDraftLayout, TreeGrower
+from specdec.spec.tree_draft import (
+    GrowInputs,
+    TreeDraftLayout,
+    TreeGrower,
+    catch_up_inputs,
+    pack_catch_ups,
+)
 
 
 @dataclass
@@ -148,79 +153,39 @@ class Eagle3Proposer(Proposer):
         width, 3 * hidden], each request's last real row [batch] and catch-up start
         [batch], right-padded with token 0 and zero aux rows."""
         width = self.catch_up_width
-        tokens: list[int] = []
-        rows: list[int] = []
-        for b, (request, (start, end)) in enumerate(zip(group, spans, strict=True)):
-            tokens += request.token_ids(start + 1, end + 1) + [0] * (width - (end - start))
-            rows += range(b * width, b * width + end - start)
-        b = len(group)
-        packed = torch.tensor(
-            [*tokens, *rows, *(end - start - 1 for start, end in spans), *(s for s, _ in spans)],
-            dtype=torch.int64,
-        ).to(self.device, non_blocking=True)
+        ids = [
+            r.token_ids(start + 1, end + 1) for r, (start, end) in zip(group, spans, strict=True)
+        ]
+        tokens, last, start = pack_catch_ups(spans, ids, width, self.device)
+        # Aux rows land at row b * width + j of a zero-padded [batch * width, 3H] block.
+        rows = [b * width + j for b, (s, e) in enumerate(spans) for j in range(e - s)]
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
         flat = torch.cat(aux)  # [sum of catch-up lengths, 3 * hidden]
-        padded = flat.new_zeros(b * width, flat.shape[1]).index_copy_(
-            0, packed[b * width : b * width + len(rows)], flat
-        )
-        n = b * width + len(rows)
+        padded = flat.new_zeros(len(group) * width, flat.shape[1]).index_copy_(0, index, flat)
         inputs = GrowInputs.build(group, [end for _, end in spans], (), self.device)
-        inputs.root_state = (
-            packed[: b * width].view(b, width),
-            padded.view(b, width, -1),
-            packed[n : n + b],
-            packed[n + b : n + 2 * b],
-        )
+        inputs.root_state = (tokens, padded.view(len(group), width, -1), last, start)
         return inputs
 
     def capture_graphs(self, max_batch_size: int, block_table_width: int, max_seq_len: int):
-        c = self.head.config
-        dtype = self.kv_cache[0].dtype
         width = self.catch_up_width
-        zeros = torch.zeros(1, dtype=torch.int64, device=self.device)
-        example = GrowInputs(
-            roots=zeros,
-            start=zeros,
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
-            root_state=(
-                torch.zeros(1, width, dtype=torch.int64, device=self.device),
-                torch.zeros(1, width, 3 * c.hidden_size, dtype=dtype, device=self.device),
-                zeros,
-                zeros,
-            ),
-        )
-        self.grower.capture(self.shape, max_batch_size, example, block_table_width, max_seq_len)
+        tokens, last, start = pack_catch_ups([(0, 1)], [[0]], width, self.device)
+        aux = torch.zeros(1, width, 3 * self.head.config.hidden_size, dtype=self.kv_cache[0].dtype)
+        state_like = (tokens, aux.to(self.device), last, start)
+        self.grower.capture(self.shape, max_batch_size, state_like, block_table_width, max_seq_len)
 
     def _grow(self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None) -> TreeBatch:
         """Catch-up and growth in one go, device ops only (``_padded_inputs`` made the
-        root state). Padding rows sit after each request's real rows: causal attention
-        keeps them out of the real rows, and the K/V they write lands in fed-node slots
-        the levels overwrite or never read."""
+        root state; ``catch_up_inputs`` says why the padding is harmless)."""
         tokens, aux, last, start = inputs.root_state
-        batch, width = tokens.shape
-        bs = self.block_size
-        index = start[:, None] + torch.arange(width, device=tokens.device)  # [batch, width]
-        blocks = inputs.block_tables.gather(1, index // bs).long()
-        bound = max_seq_len
-        if bound is None:
-            assert inputs.start_cpu is not None
-            bound = max(inputs.start_cpu) + width  # start < the root's index
-        meta = AttentionMetadata(
-            slot_mapping=(blocks * bs + index % bs).flatten(),
-            query_start_loc=torch.arange(
-                0, (batch + 1) * width, width, dtype=torch.int32, device=tokens.device
-            ),
-            seq_lens=(start + width).to(torch.int32),
-            block_tables=inputs.block_tables,
-            max_query_len=width,
-            max_seq_len=bound,
+        x = catch_up_inputs(
+            inputs, tokens, last, start, self.block_size, max_seq_len, self.max_positions
         )
-        positions = index.clamp(max=self.max_positions - 1).flatten()  # padding may pass it
-        rows = torch.arange(batch, device=tokens.device) * width + last  # [batch]
         hidden = self.head.fuse(aux.flatten(0, 1))  # [batch * width, hidden]
         out, logits = self.head(
-            tokens.flatten(), hidden, positions, self.kv_cache, meta, logits_indices=rows
+            x.input_ids, hidden, x.positions, self.kv_cache, x.meta, logits_indices=x.last_rows
         )
-        return self._grow_tree(shape, inputs, out.index_select(0, rows), logits, max_seq_len)
+        root_out = out.index_select(0, x.last_rows)  # [batch, hidden]
+        return self._grow_tree(shape, inputs, root_out, logits, max_seq_len)
 
     def _grow_tree(
         self,

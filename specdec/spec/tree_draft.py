@@ -145,6 +145,63 @@ class TreeDraftLayout:
         )
 
 
+def catch_up_inputs(
+    inputs: GrowInputs,
+    tokens: torch.Tensor,  # [batch, width] int64: each catch-up, right-padded
+    last: torch.Tensor,  # [batch] int64: each request's last real row
+    start: torch.Tensor,  # [batch] int64: cache index (= position) of the first row
+    block_size: int,
+    max_seq_len: int | None,  # graph bound; None: derived from ``inputs.start_cpu``
+    max_positions: int,  # the RoPE table's length
+) -> ChunkInputs:
+    """Uniform varlen inputs for catch-ups right-padded to ``width`` rows: causal, so the
+    padding after a request's real rows never reaches them; its K/V lands in the fed-node
+    slots that follow (levels overwrite them or never read them). ``last_rows`` are the
+    flat rows of each request's last real token."""
+    batch, width = tokens.shape
+    device = tokens.device
+    index = start[:, None] + torch.arange(width, device=device)  # [batch, width]
+    blocks = inputs.block_tables.gather(1, index // block_size).long()
+    if max_seq_len is None:
+        assert inputs.start_cpu is not None
+        max_seq_len = max(inputs.start_cpu) + width  # a catch-up starts by the root
+    meta = AttentionMetadata(
+        slot_mapping=(blocks * block_size + index % block_size).flatten(),
+        query_start_loc=torch.arange(
+            0, (batch + 1) * width, width, dtype=torch.int32, device=device
+        ),
+        seq_lens=(start + width).to(torch.int32),
+        block_tables=inputs.block_tables,
+        max_query_len=width,
+        max_seq_len=max_seq_len,
+    )
+    return ChunkInputs(
+        input_ids=tokens.flatten(),
+        positions=index.clamp(max=max_positions - 1).flatten(),  # padding may pass the end
+        meta=meta,
+        last_rows=torch.arange(batch, device=device) * width + last,
+    )
+
+
+def pack_catch_ups(
+    spans: Sequence[tuple[int, int]],  # per request: [start, end) catch-up token indices
+    token_ids: Sequence[list[int]],  # per request: its end - start catch-up tokens
+    width: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [batch, width] right-padded with 0, last real row [batch], start [batch])
+    in one host-to-device copy."""
+    flat: list[int] = []
+    for ids in token_ids:
+        flat += ids + [0] * (width - len(ids))
+    b = len(spans)
+    packed = torch.tensor(
+        [*flat, *(end - start - 1 for start, end in spans), *(s for s, _ in spans)],
+        dtype=torch.int64,
+    ).to(device, non_blocking=True)
+    return packed[: b * width].view(b, width), packed[b * width : -b], packed[-b:]
+
+
 GrowFn = Callable[[TreeShape, GrowInputs, int | None], TreeBatch]
 """``grow(shape, inputs, max_seq_len) -> TreeBatch``: a proposer's tree growth, device ops
 only (``max_seq_len`` as for ``TreeDraftLayout``)."""
@@ -162,21 +219,20 @@ class GrowGraphs:
         grow: GrowFn,
         shape: TreeShape,
         max_batch_size: int,
-        example: GrowInputs,  # one row is enough: dtypes and trailing sizes of the state
+        state_like: tuple[torch.Tensor, ...],  # root state rows: dtypes and trailing sizes
         block_table_width: int,
         max_seq_len: int,
     ) -> None:
         self.shape = shape
         self.batch_sizes = tree_graph_batch_sizes(max_batch_size)
-        device = example.roots.device
+        device = state_like[0].device
         m = self.batch_sizes[-1]
         self.static = GrowInputs(
             roots=torch.zeros(m, dtype=torch.int64, device=device),
             start=torch.zeros(m, dtype=torch.int64, device=device),
             block_tables=torch.zeros(m, block_table_width, dtype=torch.int32, device=device),
             root_state=tuple(
-                torch.zeros(m, *t.shape[1:], dtype=t.dtype, device=device)
-                for t in example.root_state
+                torch.zeros(m, *t.shape[1:], dtype=t.dtype, device=device) for t in state_like
             ),
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -248,12 +304,12 @@ class TreeGrower:
         self,
         shape: TreeShape,
         max_batch_size: int,
-        example: GrowInputs,
+        state_like: tuple[torch.Tensor, ...],
         block_table_width: int,
         max_seq_len: int,
     ) -> None:
         self.graphs = GrowGraphs(
-            self._grow, shape, max_batch_size, example, block_table_width, max_seq_len
+            self._grow, shape, max_batch_size, state_like, block_table_width, max_seq_len
         )
 
     def grow(self, shape: TreeShape, inputs: GrowInputs) -> TreeBatch:
