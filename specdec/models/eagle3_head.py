@@ -30,11 +30,10 @@ from torch import nn
 from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
 from specdec.models.config import ModelConfig
-from specdec.models.llama import MLP, KVCache, RMSNorm
+from specdec.models.llama import MLP, Attention, KVCache, RMSNorm
 from specdec.models.rope import (
     RopeParams,
     RotaryEmbedding,
-    apply_rotary,
     max_context_len,
     validate_rope_scaling,
 )
@@ -234,40 +233,6 @@ def validate_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         )
 
 
-class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v read the 2H-wide ``cat(embed, hidden)``."""
-
-    def __init__(self, config: Eagle3Config, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.backend = backend
-        self.qkv_proj = nn.Linear(
-            2 * config.hidden_size, self.q_size + 2 * self.kv_size, bias=False
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [num_tokens, 2 * hidden]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))  # out: [num_tokens, heads, head_dim]
-
-
 class Eagle3DecoderLayer(nn.Module):
     """The head's one decoder layer (``midlayer`` in the research checkpoints)."""
 
@@ -276,7 +241,15 @@ class Eagle3DecoderLayer(nn.Module):
         self.norm_before_residual = config.norm_before_residual
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Eagle3Attention(config, backend)
+        # Llama attention whose q/k/v read the 2H-wide cat(embed, hidden).
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            backend,
+            input_size=2 * config.hidden_size,
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 

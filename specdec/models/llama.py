@@ -42,21 +42,50 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    """Rotary GQA attention on the paged cache: fused qkv projection (optional bias),
+    optional per-head q/k RMSNorm (Qwen3), output projection back to ``hidden_size``.
+    ``input_size`` defaults to ``hidden_size``; the EAGLE-3 head reads a 2H-wide input."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        *,
+        input_size: int | None = None,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,  # None: no q/k norm
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
         self.backend = backend
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+            input_size or hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        norm = config.qk_norm
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if norm else nn.Identity()
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if norm else nn.Identity()
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        norm = qk_norm_eps is not None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if norm else nn.Identity()
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, backend: AttentionBackend) -> Attention:
+        return cls(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            backend,
+            qkv_bias=config.attention_bias,
+            o_bias=config.o_proj_bias,
+            qk_norm_eps=config.rms_norm_eps if config.qk_norm else None,
+        )
 
     def forward(
         self,
@@ -105,7 +134,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention.from_config(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
