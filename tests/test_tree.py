@@ -16,7 +16,7 @@ from specdec.spec.tree import (
     DynamicTreeShape,
     StaticTreeShape,
     build_tree,
-    build_trees,
+    grow_trees,
 )
 
 ROOT = 3
@@ -334,7 +334,7 @@ def test_batched_growth_equals_one_tree_at_a_time(shape, peaked: bool) -> None:
     """Trees grown together never interact: each equals the tree grown alone."""
     roots = [3, 7, 3, 11]
     batched = BatchedPathModels([PathModel(16, seed=s, peaked=peaked) for s in range(4)])
-    trees = build_trees(shape, torch.tensor(roots), batched)
+    trees = grow_trees(shape, torch.tensor(roots), batched).unbind()
     for seed, (root, tree) in enumerate(zip(roots, trees, strict=True)):
         alone = build_tree(shape, root, PathModel(16, seed=seed, peaked=peaked))
         tree.check()

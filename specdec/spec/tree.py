@@ -14,7 +14,7 @@ Shapes (how many children, where):
 - ``DynamicTreeShape(top_k, depth, total_tokens)``: EAGLE-2's tree grown from the draft's
   own confidence (see ``_build_dynamic``).
 
-``build_trees`` grows any shape below a batch of roots by querying a proposer level by
+``grow_trees`` grows any shape below a batch of roots by querying a proposer level by
 level through a ``BatchStepLogprobsFn`` (``build_tree``: one root), so tree construction
 knows nothing about the proposer. By default
 children are the proposer's top-ranked tokens: *deterministic candidates*
@@ -331,13 +331,13 @@ def build_tree(
     sample: bool = False,
     generator: torch.Generator | None = None,
 ) -> DraftTree:
-    """Grow ``shape`` below one root: ``build_trees`` for a batch of one."""
+    """Grow ``shape`` below one root: ``grow_trees`` for a batch of one."""
     root = torch.as_tensor(root_token, dtype=torch.int64).reshape(1)  # [1]
 
     def batched(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:
         return step_logprobs_fn(tokens[0], parent_rows[0], depth)[None]
 
-    return build_trees(shape, root, batched, sample=sample, generator=generator)[0]
+    return grow_trees(shape, root, batched, sample=sample, generator=generator).unbind()[0]
 
 
 @dataclass
@@ -370,18 +370,6 @@ class TreeBatch:
             )
             for b in range(self.token_ids.shape[0])
         ]
-
-
-def build_trees(
-    shape: TreeShape,
-    roots: torch.Tensor,  # [batch] int64 on the proposer's device
-    step_logprobs_fn: BatchStepLogprobsFn,
-    *,
-    sample: bool = False,
-    generator: torch.Generator | None = None,
-) -> list[DraftTree]:
-    """``grow_trees`` split into one ``DraftTree`` per root."""
-    return grow_trees(shape, roots, step_logprobs_fn, sample=sample, generator=generator).unbind()
 
 
 def grow_trees(
