@@ -4,6 +4,7 @@ request's tokens, and bad input fails clearly."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -13,6 +14,8 @@ from tiny_models import make_tiny_model_dir
 
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
+from specdec.engine.cuda_graph import StepGraphs
+from specdec.spec.tree_draft import GrowGraphs
 
 NEW_TOKENS = 64
 # Chunked prefill and a pool so small that requests are preempted mid-speculation.
@@ -398,3 +401,72 @@ def test_eagle3_incremental_catch_up_equals_full_recompute(smollm2_dir, random_h
                 _, logits2 = head(torch.tensor(expected), out[-1:], pos2[-1:], head_kv, meta2)
                 expected.append(int(head.draft_to_target(logits2[-1].argmax())))
         assert drafts == expected
+
+
+# ---- CUDA-graph plumbing, on CPU -----------------------------------------------------
+
+
+class EagerStepGraphs(StepGraphs):
+    """A stand-in for captured step graphs: "replay" reruns the forward on the static
+    buffers and writes the captured output tensors in place, as a real replay does."""
+
+    def _capture(self, key, args):
+        self.__dict__.setdefault("_args", {})[key] = args
+        return self._forward(*args)
+
+    def _replay(self, key) -> None:
+        logits, aux = self._forward(*self._args[key])
+        out_logits, out_aux = self.outputs[key]
+        out_logits.copy_(logits)
+        if aux is not None:
+            out_aux.copy_(aux)
+
+
+class EagerGrowGraphs(GrowGraphs):
+    """The same stand-in for a proposer's captured growth."""
+
+    def _capture(self, bs, inputs):
+        self.__dict__.setdefault("_inputs", {})[bs] = inputs
+        return self._grow(self.shape, inputs, self.max_seq_len)
+
+    def _replay(self, bs) -> None:
+        out = self._grow(self.shape, self._inputs[bs], self.max_seq_len)
+        captured = self.outputs[bs]
+        for name in ("token_ids", "parents", "depths", "ancestor_mask"):
+            dst = getattr(captured, name)
+            if dst is not None and dst.stride(0) != 0:  # stride 0: a per-shape constant
+                dst.copy_(getattr(out, name))
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "eagle3-dynamic", "draft-chain"])
+def test_graph_plumbing_keeps_outputs(
+    smollm2_dir, random_head_dir, random_draft_dir, chats, reference, proposer, monkeypatch
+):
+    """The GPU path's static buffers, batch-bucket padding, tree padding, root-only rows
+    and captured proposals, run on CPU with graph stand-ins: plain greedy tokens, and
+    every graph path taken."""
+    from specdec.engine import model_runner
+    from specdec.spec import tree_draft
+
+    spec = {
+        "ngram": SpeculativeConfig(num_speculative_tokens=4),
+        "eagle3-dynamic": SpeculativeConfig(method="eagle3", model=str(random_head_dir), **DYNAMIC),
+        "draft-chain": SpeculativeConfig(
+            method="draft_model", model=str(random_draft_dir), num_speculative_tokens=3
+        ),
+    }[proposer]
+    llm = make_llm(smollm2_dir, speculative=spec, max_num_seqs=8, cuda_graph_max_batch_size=8)
+    engine = llm.engine
+    monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
+    monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
+    engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
+    engine._capture_graphs()
+    engine.uniform_verify = True
+    picked = [1, 2, 4, 6, 8, 11]  # 6 requests: the 8-bucket pads two sequences
+    outs = llm.generate([chats[i] for i in picked], greedy(), use_tqdm=False)
+    assert token_ids(outs) == [reference[i] for i in picked]
+    q = engine.proposer.shape.max_draft_tokens + 1
+    assert engine.runner.graphs.num_replays.get(q, 0) > 0
+    grower = getattr(engine.proposer, "grower", None)
+    if grower is not None:
+        assert grower.graphs.num_replays > 0

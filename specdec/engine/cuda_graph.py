@@ -121,19 +121,29 @@ class StepGraphs:
                 buffers.positions[: bs * q],
                 buffers.meta(bs, self.max_seq_len),
             )
-            for _ in range(2):  # warm up: compilation, autotuning, lazy allocations
-                self._forward(*args)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[q, bs] = self._forward(*args)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[q, bs] = graph
+            self.outputs[q, bs] = self._capture((q, bs), args)
+
+    def _capture(
+        self, key: tuple[int, int], args: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Warm up, capture ``forward(*args)`` as graph ``key``; returns its outputs."""
+        for _ in range(2):  # warm up: compilation, autotuning, lazy allocations
+            self._forward(*args)
         torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self._forward(*args)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = graph
+        torch.cuda.synchronize()
+        return outputs
+
+    def _replay(self, key: tuple[int, int]) -> None:
+        self.graphs[key].replay()
 
     def bucket(self, q: int, num_seqs: int) -> int | None:
-        for bs in self.batch_sizes.get(q, ()):
+        for bs in self.batch_sizes.get(q, ()):  # captured sizes, ascending
             if bs >= num_seqs:
                 return bs
         return None
@@ -165,7 +175,7 @@ class StepGraphs:
             buf.slot_mapping[n : bs * q].zero_()
             buf.seq_lens[num_seqs:bs].fill_(q)
             buf.block_tables[num_seqs:bs].zero_()
-        self.graphs[q, bs].replay()
+        self._replay((q, bs))
         self.num_replays[q] = self.num_replays.get(q, 0) + 1
         logits, aux = self.outputs[q, bs]
         return logits[:n], aux[:n] if aux is not None else None

@@ -238,18 +238,27 @@ class GrowGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, TreeBatch] = {}
         self.num_replays = 0
-        pool = None
-        for bs in reversed(self.batch_sizes):
-            inputs = self._prefix(bs)
-            for _ in range(2):  # warm up: lazy allocations, autotuning, the shape's indices
-                grow(shape, inputs, max_seq_len)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = grow(shape, inputs, max_seq_len)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+        self.pool = None
+        self._grow = grow
+        self.max_seq_len = max_seq_len
+        for bs in reversed(self.batch_sizes):  # largest first: the others reuse its pool
+            self.outputs[bs] = self._capture(bs, self._prefix(bs))
+
+    def _capture(self, bs: int, inputs: GrowInputs) -> TreeBatch:
+        """Warm up, capture the growth of ``inputs`` as graph ``bs``; returns its outputs."""
+        for _ in range(2):  # warm up: lazy allocations, autotuning, the shape's indices
+            self._grow(self.shape, inputs, self.max_seq_len)
         torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self._grow(self.shape, inputs, self.max_seq_len)
+        self.pool = graph.pool()
+        self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        return outputs
+
+    def _replay(self, bs: int) -> None:
+        self.graphs[bs].replay()
 
     def _prefix(self, bs: int) -> GrowInputs:
         s = self.static
@@ -278,7 +287,7 @@ class GrowGraphs:
             s.block_tables[b:bs].zero_()
             for t in s.root_state:
                 t[b:bs].zero_()
-        self.graphs[bs].replay()
+        self._replay(bs)
         self.num_replays += 1
         out = self.outputs[bs]
         # Copies: the next replay overwrites the graph's outputs.
