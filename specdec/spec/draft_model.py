@@ -80,7 +80,7 @@ class DraftModelProposer(Proposer):
             for _ in range(draft_config.num_layers)
         ]
         self._states: dict[str, _DraftState] = {}
-        self.grower = TreeGrower(self._grow, self.block_size)
+        self.grower = TreeGrower(self._grow)
         self.max_positions = runner.max_model_len
 
     def release(self, request_id: str) -> None:

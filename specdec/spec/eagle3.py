@@ -77,7 +77,7 @@ class Eagle3Proposer(Proposer):
             torch.zeros(shape, dtype=runner.dtype, device=self.device),
         )
         self._states: dict[str, _HeadState] = {}
-        self.grower = TreeGrower(self._grow, self.block_size)
+        self.grower = TreeGrower(self._grow)
         self.max_positions = runner.max_model_len
 
     def release(self, request_id: str) -> None:

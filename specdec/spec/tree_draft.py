@@ -12,8 +12,9 @@ own root is part of the cached context, below ``start``.
 
 Fed entries are scratch: they occupy slots that verification overwrites, and a proposer
 never counts them as cached unless it re-validates them. Everything is built on device from
-sizes the host knows, so a whole growth (every level, the reranking, the tree tensors) is
-capturable: ``GrowGraphs`` replays it for the configured shape at bucketed batch sizes.
+sizes the host knows, so a whole proposal (the catch-up after a verify step, every level,
+the reranking, the tree tensors and their ancestor masks) is capturable: ``GrowGraphs``
+replays it for the configured shape at bucketed batch sizes.
 """
 
 from __future__ import annotations
@@ -304,9 +305,8 @@ class TreeGrower:
     """Grows trees for a proposer: replays ``GrowGraphs`` for the configured shape when
     they exist and the batch fits, else runs ``grow`` eagerly."""
 
-    def __init__(self, grow: GrowFn, block_size: int) -> None:
+    def __init__(self, grow: GrowFn) -> None:
         self._grow = grow
-        self.block_size = block_size
         self.graphs: GrowGraphs | None = None
 
     def capture(
