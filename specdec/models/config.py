@@ -8,6 +8,40 @@ from typing import Any
 from specdec.models.registry import get_architecture
 from specdec.models.rope import max_context_len, rope_from_hf, validate_rope_scaling
 
+_DECODER_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def validate_decoder_shape(config: Any, extra_sizes: tuple[str, ...] = ()) -> None:
+    """The checks every rotary GQA decoder config shares (targets and EAGLE-3 heads):
+    positive int sizes, whole query groups, an even head_dim, positive eps and theta, a
+    complete RoPE scaling variant. Errors name the config class and the field."""
+    owner = type(config).__name__
+    for name in (*_DECODER_SIZES, *extra_sizes):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive int; got {value!r}")
+    if config.num_heads % config.num_kv_heads:
+        raise ValueError(
+            f"num_heads={config.num_heads} is not a multiple of num_kv_heads="
+            f"{config.num_kv_heads}; grouped-query attention needs whole groups"
+        )
+    if config.head_dim % 2:
+        raise ValueError(f"head_dim={config.head_dim} must be even for rotary embeddings")
+    if not config.rms_norm_eps > 0 or not config.rope_theta > 0:
+        raise ValueError(
+            f"rms_norm_eps ({config.rms_norm_eps}) and rope_theta ({config.rope_theta}) "
+            "must be positive"
+        )
+    validate_rope_scaling(config.rope_scaling, config.head_dim)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -40,32 +74,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         get_architecture(self.architecture)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int; got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
-                f"{self.num_kv_heads}; grouped-query attention needs whole groups"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ValueError(
-                f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta ({self.rope_theta}) "
-                "must be positive"
-            )
-        validate_rope_scaling(self.rope_scaling, self.head_dim)
+        validate_decoder_shape(self, ("num_layers",))
         if not all(isinstance(t, int) for t in self.eos_token_ids):
             raise ValueError(f"eos_token_ids must be ints; got {self.eos_token_ids!r}")
 

@@ -29,13 +29,12 @@ from torch import nn
 
 from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
-from specdec.models.config import ModelConfig
+from specdec.models.config import ModelConfig, validate_decoder_shape
 from specdec.models.llama import MLP, Attention, KVCache, RMSNorm
 from specdec.models.rope import (
     RopeParams,
     RotaryEmbedding,
     max_context_len,
-    validate_rope_scaling,
 )
 
 Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids [n] -> embeddings [n, hidden]
@@ -109,32 +108,7 @@ class Eagle3Config:
     norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "vocab_size",
-            "draft_vocab_size",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Eagle3Config.{name} must be a positive int; got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
-                f"{self.num_kv_heads}; grouped-query attention needs whole groups"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ValueError(
-                f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta ({self.rope_theta}) "
-                "must be positive"
-            )
-        validate_rope_scaling(self.rope_scaling, self.head_dim)
+        validate_decoder_shape(self, ("draft_vocab_size",))
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size="
