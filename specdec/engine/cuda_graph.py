@@ -38,8 +38,8 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 def tree_graph_batch_sizes(max_batch_size: int) -> list[int]:
     """Coarser buckets for verify steps (each graph holds ``bucket * q`` logits rows)."""
-    sizes = [s for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)]
-    sizes = [s for s in sizes if s < max_batch_size] + [max_batch_size]
+    coarse = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    sizes = [s for s in coarse if s < max_batch_size] + [max_batch_size]
     return sorted(set(sizes))
 
 

@@ -83,8 +83,8 @@ class LLMEngine:
             runner.capture_graphs()
             return
         q = self.proposer.shape.max_draft_tokens + 1  # tree nodes, root included
-        runner.capture_graphs((q,))
         cfg = self.config
+        # Speculating batches: a verify step of b trees computes b * q tokens.
         max_batch = min(
             cfg.cuda_graph_max_batch_size,
             cfg.scheduler.max_num_seqs,
@@ -92,8 +92,11 @@ class LLMEngine:
         )
         if cfg.speculative.disable_by_batch_size is not None:
             max_batch = min(max_batch, cfg.speculative.disable_by_batch_size)
-        if max_batch >= 1:
-            self.proposer.capture_graphs(max_batch, runner.block_table_width, self.max_model_len)
+        if max_batch < 1:
+            runner.capture_graphs()
+            return
+        runner.capture_graphs(tree_size=q, max_tree_batch=max_batch)
+        self.proposer.capture_graphs(max_batch, runner.block_table_width, self.max_model_len)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
@@ -276,13 +279,7 @@ class LLMEngine:
         rows, limits = [], []
         for row, s in enumerate(scheduled):
             request = s.request
-            params = request.sampling_params
-            # min_tokens and logprobs are per emitted token: such requests decode plainly.
-            if (
-                s.num_lookahead_tokens == 0
-                or params.logprobs is not None
-                or request.num_output_tokens < params.min_tokens
-            ):
+            if s.num_lookahead_tokens == 0 or _decodes_plainly(request):
                 continue
             # Never draft deeper than max_tokens allows: a step emits at most depth + 1
             # tokens. With room for the whole shape the proposer grows it, else a chain.
@@ -307,12 +304,10 @@ class LLMEngine:
             if row in trees:
                 continue
             request = s.request
-            params = request.sampling_params
             if (
                 s.num_new_tokens != 1
                 or request.num_computed_tokens + 1 != request.num_tokens
-                or params.logprobs is not None
-                or request.num_output_tokens < params.min_tokens
+                or _decodes_plainly(request)
             ):
                 return  # a prefill chunk or a plain-only row: the step cannot be uniform
             extra[row] = root_only_tree(request.token_id(request.num_tokens - 1))
@@ -476,6 +471,12 @@ class LLMEngine:
             ),
             text_delta=text_delta,
         )
+
+
+def _decodes_plainly(request: Request) -> bool:
+    """logprobs and min_tokens act per emitted token: such requests never verify trees."""
+    params = request.sampling_params
+    return params.logprobs is not None or request.num_output_tokens < params.min_tokens
 
 
 def _logprobs_to_host(lp: LogprobsTensors | None, token_ids: list[int]) -> list[TokenLogprobs]:

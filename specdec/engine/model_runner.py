@@ -195,9 +195,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden), aux
 
     @torch.inference_mode()
-    def capture_graphs(self, tree_sizes: tuple[int, ...] = ()) -> None:
-        """CUDA graphs for decode steps and for verify steps of each tree size (nodes,
-        root included); no-op off the GPU path. Call once, after ``aux_layer_ids``."""
+    def capture_graphs(self, tree_size: int | None = None, max_tree_batch: int = 0) -> None:
+        """CUDA graphs for decode steps and, with ``tree_size`` (nodes, root included),
+        for verify steps of up to ``max_tree_batch`` trees; no-op off the GPU path. Call
+        once, after ``aux_layer_ids``."""
         if not self.runtime.use_cuda_graphs or self.graphs is not None:
             return
         max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
@@ -210,14 +211,10 @@ class ModelRunner:
         sizes = graph_batch_sizes(max_bs)
         logger.info("capturing CUDA graphs for decode batch sizes %s", sizes)
         self.graphs.capture(1, sizes)
-        budget = self.config.scheduler.max_num_batched_tokens
-        for q in sorted(set(tree_sizes)):
-            # A verify step of b trees computes b * q tokens: never more than the budget.
-            if q < 2 or budget < q:
-                continue
-            sizes = tree_graph_batch_sizes(min(max_bs, budget // q))
-            logger.info("capturing CUDA graphs for %d-node trees, batch sizes %s", q, sizes)
-            self.graphs.capture(q, sizes)
+        if tree_size is not None and tree_size > 1 and max_tree_batch >= 1:
+            sizes = tree_graph_batch_sizes(max_tree_batch)
+            logger.info("capturing CUDA graphs for %d-node trees, batch sizes %s", tree_size, sizes)
+            self.graphs.capture(tree_size, sizes)
 
     def prepare(self, scheduled: list[ScheduledRequest], trees=None) -> StepInputs:
         """Step inputs; a verify step is padded to the smallest captured tree size that

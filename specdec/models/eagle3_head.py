@@ -32,7 +32,6 @@ from specdec.attention.metadata import AttentionMetadata
 from specdec.models.config import ModelConfig, validate_decoder_shape
 from specdec.models.llama import MLP, Attention, KVCache, RMSNorm
 from specdec.models.rope import (
-    RopeParams,
     RotaryEmbedding,
     max_context_len,
 )
@@ -280,13 +279,7 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config, attention)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        rope = RopeParams(
-            head_dim=config.head_dim,
-            theta=config.rope_theta,
-            max_position_embeddings=config.max_position_embeddings,
-            scaling=config.rope_scaling or {},
-        )
-        self.rotary = RotaryEmbedding(rope, max_positions or config.max_context_len)
+        self.rotary = RotaryEmbedding.for_config(config, max_positions or config.max_context_len)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True

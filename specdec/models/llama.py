@@ -22,7 +22,7 @@ from torch import nn
 from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
 from specdec.models.config import ModelConfig
-from specdec.models.rope import RopeParams, RotaryEmbedding, apply_rotary
+from specdec.models.rope import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, kv_heads, head_dim]
 
@@ -184,13 +184,7 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        rope = RopeParams(
-            head_dim=config.head_dim,
-            theta=config.rope_theta,
-            max_position_embeddings=config.max_position_embeddings,
-            scaling=config.rope_scaling or {},
-        )
-        self.rotary = RotaryEmbedding(rope, max_positions or config.max_context_len)
+        self.rotary = RotaryEmbedding.for_config(config, max_positions or config.max_context_len)
         self.tie_weights()
 
     def tie_weights(self) -> None:

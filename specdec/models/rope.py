@@ -272,6 +272,18 @@ class RotaryEmbedding(nn.Module):
         self.num_positions = num_positions
         self.register_buffer("cos_sin_cache", rope_cos_sin(params, num_positions), persistent=False)
 
+    @classmethod
+    def for_config(cls, config: Any, num_positions: int) -> RotaryEmbedding:
+        """From a config with ``head_dim``, ``rope_theta``, ``max_position_embeddings`` and
+        ``rope_scaling`` (a target's ``ModelConfig`` or an ``Eagle3Config``)."""
+        params = RopeParams(
+            head_dim=config.head_dim,
+            theta=config.rope_theta,
+            max_position_embeddings=config.max_position_embeddings,
+            scaling=config.rope_scaling or {},
+        )
+        return cls(params, num_positions)
+
     def build_cache(self) -> None:
         """(Re)compute the table in float32 on the buffer's current device."""
         self.cos_sin_cache = rope_cos_sin(

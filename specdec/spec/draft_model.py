@@ -101,11 +101,9 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], max_draft_tokens: Sequence[int]):
-        # One batch per shape: the configured one; chains near a request's end.
-        groups: dict[TreeShape, list[int]] = {}
-        for i, request in enumerate(requests):
-            room = len(request.block_ids) * self.block_size - request.num_tokens
-            groups.setdefault(self.shape_for(max_draft_tokens[i], room), []).append(i)
+        # Fed nodes start right after the root.
+        rooms = [len(r.block_ids) * self.block_size - r.num_tokens for r in requests]
+        groups = self.group_by_shape(range(len(requests)), max_draft_tokens, rooms)
         trees: list[DraftTree | None] = [None] * len(requests)
         for shape, members in groups.items():
             group = [requests[i] for i in members]
@@ -120,12 +118,6 @@ class DraftModelProposer(Proposer):
                 )
                 trees[i] = tree
         return trees
-
-    @property
-    def catch_up_width(self) -> int:
-        """Tokens a request catches up on after a full verify step: depth + 1 (the
-        accepted drafts the cache lacks and the bonus token, the new root)."""
-        return self.shape.depth + 1
 
     def _propose_group(self, shape: TreeShape, group: list[Request]) -> TreeBatch:
         """Catch up on every token from the cache's end to the root, then grow. Short

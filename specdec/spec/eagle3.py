@@ -101,13 +101,9 @@ class Eagle3Proposer(Proposer):
     def propose(self, requests: Sequence[Request], max_draft_tokens: Sequence[int]):
         rows = [i for i, r in enumerate(requests) if self._catch_up_len(r) > 0]
         trees: list[DraftTree | None] = [None] * len(requests)
-        # One batch per shape: the configured one; chains near a request's end.
-        groups: dict[TreeShape, list[int]] = {}
-        for i in rows:
-            request = requests[i]
-            room = len(request.block_ids) * self.block_size - request.num_computed_tokens
-            groups.setdefault(self.shape_for(max_draft_tokens[i], room), []).append(i)
-        for shape, members in groups.items():
+        # Fed nodes start at the root's cache index.
+        rooms = [len(r.block_ids) * self.block_size - r.num_computed_tokens for r in requests]
+        for shape, members in self.group_by_shape(rows, max_draft_tokens, rooms).items():
             grown = self._propose_group(shape, [requests[i] for i in members])
             for i, tree in zip(members, grown.unbind(), strict=True):
                 trees[i] = tree
@@ -140,11 +136,6 @@ class Eagle3Proposer(Proposer):
         out, logits = self._forward(chunks, self.head.fuse(torch.cat(aux)))
         inputs = GrowInputs.build(group, [end for _, end in spans], (), self.device)
         return self._grow_tree(shape, inputs, out, logits, None)
-
-    @property
-    def catch_up_width(self) -> int:
-        """Positions a request catches up on after a full verify step: depth + 1."""
-        return self.shape.depth + 1
 
     def _padded_inputs(
         self, group: list[Request], spans: list[tuple[int, int]], aux: list[torch.Tensor]

@@ -52,6 +52,22 @@ class Proposer(ABC):
     # engine then passes every computed token's aux states to ``observe``.
     aux_layer_ids: tuple[int, ...] = ()
 
+    def group_by_shape(
+        self, rows: Sequence[int], max_draft_tokens: Sequence[int], rooms: Sequence[int]
+    ) -> dict[TreeShape, list[int]]:
+        """``rows`` grouped by the shape each can grow (``shape_for`` of its limit and its
+        room, both indexed by row): one batch per shape, usually just the configured one."""
+        groups: dict[TreeShape, list[int]] = {}
+        for i in rows:
+            groups.setdefault(self.shape_for(max_draft_tokens[i], rooms[i]), []).append(i)
+        return groups
+
+    @property
+    def catch_up_width(self) -> int:
+        """Tokens a model proposer catches up on after a full verify step: the accepted
+        drafts its cache lacks plus the bonus token, at most depth + 1."""
+        return self.shape.depth + 1
+
     def capture_graphs(  # noqa: B027  (optional hook)
         self, max_batch_size: int, block_table_width: int, max_seq_len: int
     ) -> None:
