@@ -203,7 +203,7 @@ def measure(
         err = (out[: ref.shape[0]].float() - ref).abs().max().item()
         ms = median_ms(run, case.q.device, repeats, warmup)
         plan = kernels.plan_splits(
-            case.batch, case.shape.num_kv_heads, case.context, config.block_n, case.q.device
+            case.batch * case.shape.num_kv_heads, case.context, config.block_n, case.q.device
         )
         gbps = case.counted_bytes / ms / 1e6
         row = Row(

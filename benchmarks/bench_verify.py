@@ -61,6 +61,23 @@ def to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     return AttentionMetadata(**fields)
 
 
+def print_top_kernels(fn, title: str, iters: int, top: int = 12) -> None:
+    """Device time per kernel name (summed over one call of ``fn`` = ``iters`` steps),
+    as the profiler sees the kernels inside graph replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) / iters
+    print(f"-- {title}: kernels {total:.1f} us per step")
+    for e in events[:top]:
+        per_step = e.device_time_total / iters
+        print(f"  {per_step:8.1f} us  {e.count // iters:4d}x  {e.key[:90]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -71,6 +88,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--json", dest="json_path")
+    p.add_argument(
+        "--profile", action="store_true", help="also print each step's top kernels (profiler)"
+    )
     a = p.parse_args()
     qs = common.parse_int_list(a.q)
     batches = common.parse_int_list(a.batch_sizes)
@@ -130,6 +150,9 @@ def main() -> None:
                 )
             )
             print(f"batch {batch} q {q}: {seconds * 1e3:.3f} ms ({ratio:.2f}x)", flush=True)
+            if a.profile:
+                with torch.inference_mode():
+                    print_top_kernels(replay, f"batch {batch} q {q}", a.iters)
             if a.json_path:
                 common.write_json(a.json_path, env=env, options=vars(a), rows=rows)
     print(common.markdown_table(rows))

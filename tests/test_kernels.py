@@ -39,6 +39,8 @@ from specdec.attention.triton_backend import TritonAttentionBackend  # noqa: E40
 from specdec.kernels import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
+    choose_num_splits,
+    default_prefill_config,
     paged_attention,
     paged_attention_ref,
     paged_decode,
@@ -232,6 +234,50 @@ def test_prefill_mixed_decodes_extends_prompts_and_padding():
     torch.testing.assert_close(out, ref, **TOL)
 
 
+@pytest.mark.parametrize(
+    ("num_splits", "config"),
+    [
+        (9, PrefillConfig(block_m=16, block_n=16)),  # one or two key tiles per split
+        (3, PrefillConfig(block_m=32, block_n=16)),  # splits straddling the diagonal
+        (2, None),  # the default tiles (block_n 64)
+    ],
+)
+def test_prefill_split_k_matches_reference(num_splits, config):
+    """Split-K (small-batch verify steps) merges partials exactly: ragged extends, decodes,
+    whole prompts and padded sequences with inflated host bounds."""
+    q_lens = [1, 70, 5, 1, 8, 33, 16]
+    seq_lens = [150, 70, 121, 17, 40, 33, 16]
+    case = make_case(q_lens, seq_lens, group=3, num_padded=2, slack=20, seed=11)
+
+    out = paged_attention(
+        case.q, case.k_cache, case.v_cache, case.meta, case.scale, config=config,
+        num_splits=num_splits,
+    )  # fmt: skip
+
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_prefill_tiles_and_splits_fill_the_gpu():
+    """On an H200-sized GPU (132 SMs): a 64-node verify step at batch 1 gets the smallest
+    tiles plus split-K; at batch 16 bigger tiles fill the SMs alone; long prefills keep
+    128-row tiles; on CPU (one 'SM') tiles are sized to the work only."""
+
+    def choose(q_len, num_seqs, max_seq_len, sms=132):
+        config = default_prefill_config(
+            q_len, 3, torch.bfloat16, num_seqs=num_seqs, num_kv_heads=3, num_sms=sms
+        )
+        tiles = -(-q_len // (config.block_m // 3))
+        return config.block_m, choose_num_splits(tiles * 3 * num_seqs, max_seq_len, 64, sms)
+
+    assert choose(65, 1, 2048) == (16, 4)  # 13 tiles x 3 heads = 39 programs, x4 splits
+    assert choose(65, 16, 2048) == (64, 1)
+    assert choose(2048, 1, 2048) == (128, 1)
+    assert choose(4, 16, 100) == (16, 1)  # 100 keys: two key tiles already
+    assert choose(65, 1, 2048, sms=1) == (128, 1)
+
+
 # --- decode ------------------------------------------------------------------------------
 
 
@@ -295,19 +341,19 @@ def test_decode_splits_agree_with_each_other():
 
 
 def test_plan_splits_covers_context_and_fills_the_gpu(monkeypatch):
-    monkeypatch.setattr("specdec.kernels.decode.num_sms", lambda device: 132)
+    monkeypatch.setattr("specdec.kernels.launch.num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     for num_seqs, max_seq_len in [(1, 32768), (4, 4096), (256, 8192), (1, 1), (8, 100)]:
-        plan = plan_splits(num_seqs, 3, max_seq_len, 128, cuda)
+        plan = plan_splits(num_seqs * 3, max_seq_len, 128, cuda)
         assert plan.split_size % 128 == 0
         assert (
             (plan.num_splits - 1) * plan.split_size
             < max_seq_len
             <= plan.num_splits * plan.split_size
         )
-    assert plan_splits(1, 3, 32768, 128, cuda).num_splits >= 32  # batch 1: split for parallelism
-    assert plan_splits(256, 3, 8192, 128, cuda).num_splits == 1  # enough programs already
-    assert plan_splits(2, 3, 1000, 128, cuda, split_size=100).split_size == 128
+    assert plan_splits(3, 32768, 128, cuda).num_splits >= 32  # batch 1: split for parallelism
+    assert plan_splits(256 * 3, 8192, 128, cuda).num_splits == 1  # enough programs already
+    assert plan_splits(6, 1000, 128, cuda, split_size=100).split_size == 128
 
 
 # --- backend end to end ------------------------------------------------------------------

@@ -267,6 +267,27 @@ def test_triton_tree_matches_reference(group, head_dim, block_size, config):
     torch.testing.assert_close(out, ref, **TOL)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_triton_tree_split_k_matches_reference(num_splits):
+    """Split-K keys (how small-batch verify steps run): splits that end inside the tree,
+    start inside it, or hold it whole all merge to the reference."""
+    rng = random.Random(num_splits)
+    tc = make_tree_case(
+        mixed_batch(rng, 16), group=3, num_padded=1, slack=5, seed=rng.randint(0, 99)
+    )
+    case = tc.case
+    config = PrefillConfig(block_m=16, block_n=16)
+
+    out = paged_attention(
+        case.q, case.k_cache, case.v_cache, case.meta, case.scale, config=config,
+        num_splits=num_splits,
+    )  # fmt: skip
+
+    ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL)
+
+
 def test_chain_tree_equals_plain_causal_kernel():
     """A chain (each node's parent is the previous node) is an ordinary causal extend."""
     seqs = [(t, ctx + t, [0, *range(t - 1)]) for t, ctx in [(12, 40), (1, 7), (33, 32), (5, 0)]]

@@ -6,14 +6,14 @@ Importing this package imports triton. Kernels compile for CUDA tensors; with
 
 from specdec.kernels.decode import (
     DecodeConfig,
-    SplitPlan,
     default_decode_config,
     paged_decode,
     paged_decode_ref,
-    plan_splits,
 )
+from specdec.kernels.launch import SplitPlan, plan_splits
 from specdec.kernels.prefill import (
     PrefillConfig,
+    choose_num_splits,
     default_prefill_config,
     paged_attention,
     paged_attention_ref,
@@ -24,6 +24,7 @@ __all__ = [
     "DecodeConfig",
     "PrefillConfig",
     "SplitPlan",
+    "choose_num_splits",
     "default_decode_config",
     "default_prefill_config",
     "paged_attention",

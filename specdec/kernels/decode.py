@@ -19,7 +19,6 @@ bandwidth-bound and is shaped to read each K/V byte once.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ from specdec.kernels.launch import (
     dot_precision,
     gqa_group,
     next_power_of_2,
-    num_sms,
+    plan_splits,
     require_grid_yz,
     require_kv_cache,
     require_last_dim_contiguous,
@@ -41,11 +40,9 @@ from specdec.kernels.launch import (
 
 __all__ = [
     "DecodeConfig",
-    "SplitPlan",
     "default_decode_config",
     "paged_decode",
     "paged_decode_ref",
-    "plan_splits",
 ]
 
 # Finite stand-in for -inf as the running max's start: exp2(-inf - -inf) would be NaN.
@@ -72,36 +69,6 @@ def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     registers (fp32 dots run on FMA units)."""
     row_bytes = head_dim * dtype.itemsize
     return DecodeConfig(block_n=128 if row_bytes <= 128 else 64)
-
-
-@dataclass(frozen=True)
-class SplitPlan:
-    split_size: int  # keys per split; a multiple of block_n
-    num_splits: int  # cdiv(max_seq_len, split_size): the grid's split dimension
-
-
-def plan_splits(
-    num_seqs: int,
-    num_kv_heads: int,
-    max_seq_len: int,
-    block_n: int,
-    device: torch.device,
-    split_size: int | None = None,
-) -> SplitPlan:
-    """Pick the split size from host ints only (graph-safe).
-
-    Aim for about four programs per SM, but give every split at least four loop iterations
-    so the partial write and the combine stay small next to the keys read.
-    """
-    max_seq_len = max(max_seq_len, 1)
-    if split_size is None:
-        base = num_seqs * num_kv_heads
-        wanted = math.ceil(4 * num_sms(device) / max(base, 1))
-        by_length = math.ceil(max_seq_len / (4 * block_n))
-        splits = max(1, min(wanted, by_length))
-        split_size = math.ceil(max_seq_len / splits)
-    split_size = math.ceil(split_size / block_n) * block_n
-    return SplitPlan(split_size, math.ceil(max_seq_len / split_size))
 
 
 @triton.jit
@@ -277,7 +244,7 @@ def paged_decode(
     group = gqa_group(num_heads, num_kv_heads)
     config = config or default_decode_config(head_dim, k_cache.dtype)
     plan = plan_splits(
-        num_seqs, num_kv_heads, meta.max_seq_len, config.block_n, q.device, split_size
+        num_seqs * num_kv_heads, meta.max_seq_len, config.block_n, q.device, split_size
     )
     require_grid_yz("num_seqs", num_seqs)
     require_grid_yz("num_splits", plan.num_splits)

@@ -8,6 +8,8 @@ so launchers stay usable inside CUDA-graph capture.
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -89,3 +91,35 @@ def num_sms(device: torch.device) -> int:
 
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(n)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How a kernel splits each sequence's keys across programs (split-K)."""
+
+    split_size: int  # keys per split; a multiple of block_n
+    num_splits: int  # cdiv(max_seq_len, split_size): the grid's split dimension
+
+
+def plan_splits(
+    num_programs: int,
+    max_seq_len: int,
+    block_n: int,
+    device: torch.device,
+    split_size: int | None = None,
+) -> SplitPlan:
+    """Pick the split size from host ints only (graph-safe).
+
+    ``num_programs`` is the launch's size without splitting. Aim for about four programs
+    per SM, but give every split at least four loop iterations of ``block_n`` keys so the
+    partial writes and the combine stay small next to the keys read. ``split_size``
+    (rounded up to a multiple of ``block_n``) overrides the choice.
+    """
+    max_seq_len = max(max_seq_len, 1)
+    if split_size is None:
+        wanted = math.ceil(4 * num_sms(device) / max(num_programs, 1))
+        by_length = math.ceil(max_seq_len / (4 * block_n))
+        splits = max(1, min(wanted, by_length))
+        split_size = math.ceil(max_seq_len / splits)
+    split_size = math.ceil(split_size / block_n) * block_n
+    return SplitPlan(split_size, math.ceil(max_seq_len / split_size))

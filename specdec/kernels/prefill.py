@@ -12,6 +12,16 @@ tiles of ``block_n`` with an online softmax (running max and sum in log2 units, 
 accumulator). Key tiles wholly before the tile's first query position need no causal mask
 and take the cheaper loop.
 
+Split-K: when even the smallest tiles leave SMs idle (a verify step at small batch), each
+tile's keys are also split ``num_splits`` ways across programs, which write unnormalised
+partials (acc, running max, sum) that a combine kernel merges; otherwise one program per
+tile loops over all keys and writes the output itself. The split length is computed in
+the kernel from the tile's real key range (``cdiv(kv_hi, num_splits)`` rounded up to
+``block_n``), so a CUDA graph captured at the longest context still spreads a short one
+over all its splits. A split program runs iff its first key precedes its tile's last query
+position + 1, and then writes every row of the tile (rows that see no key in it write an
+empty partial); the combine recomputes the same split length and reads only those.
+
 Draft trees (``meta.has_tree``, rule in ``specdec.attention.metadata``) compile a variant
 whose masked loop also reads the tree-mask bits of (tree query row, tree key column) pairs.
 The unmasked loop then stops at the tree's first cache index as well as at the diagonal: a
@@ -37,13 +47,20 @@ from specdec.kernels.launch import (
     dot_precision,
     gqa_group,
     next_power_of_2,
+    num_sms,
     require_grid_yz,
     require_kv_cache,
     require_last_dim_contiguous,
     require_launchable,
 )
 
-__all__ = ["PrefillConfig", "default_prefill_config", "paged_attention", "paged_attention_ref"]
+__all__ = [
+    "PrefillConfig",
+    "choose_num_splits",
+    "default_prefill_config",
+    "paged_attention",
+    "paged_attention_ref",
+]
 
 # Finite stand-in for -inf as the running max's start: padded rows see no key at all, and
 # exp2(-inf - -inf) would be NaN.
@@ -67,13 +84,39 @@ class PrefillConfig:
                 raise ValueError(f"{name} {n} must be a power of two >= 16 (tl.dot)")
 
 
-def default_prefill_config(max_query_len: int, group: int, dtype: torch.dtype) -> PrefillConfig:
-    """Rows sized to the work: extends of a few tokens (speculative verification, decodes in
-    a mixed batch) get 16-32 rows, long prefills 128 (64 in fp32, whose FMA-unit dots spill
-    registers at 128). Powers of two keep the number of compiled variants small."""
+def default_prefill_config(
+    max_query_len: int,
+    group: int,
+    dtype: torch.dtype,
+    *,
+    num_seqs: int = 1,
+    num_kv_heads: int = 1,
+    num_sms: int = 1,
+) -> PrefillConfig:
+    """Rows sized to the work and to the GPU: the largest tile (up to 128 rows; 64 in fp32,
+    whose FMA-unit dots spill registers at 128; never more rows than a sequence has) whose
+    grid still gives every SM a program, else the smallest — a 64-node verify step at batch
+    1 runs 16-row tiles (plus split-K) where 128-row ones would leave 126 of 132 SMs idle.
+    Powers of two keep the number of compiled variants small."""
     cap = 64 if dtype == torch.float32 else 128
-    block_m = min(cap, max(16, next_power_of_2(max_query_len * group), next_power_of_2(group)))
+    smallest = max(16, next_power_of_2(group))
+    block_m = min(cap, max(smallest, next_power_of_2(max_query_len * group)))
+    while block_m > smallest:
+        tiles = triton.cdiv(max(max_query_len, 1), block_m // group)
+        if tiles * num_kv_heads * num_seqs >= num_sms:
+            break
+        block_m //= 2
     return PrefillConfig(block_m=block_m, num_warps=8 if block_m >= 128 else 4)
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+    """Split-K ways for a varlen launch of ``num_programs`` (tiles x KV heads x sequences)
+    programs: none once every SM has a program, else enough to fill the SMs, but not more
+    than gives each split two key tiles at the host bound ``max_seq_len``."""
+    if num_programs >= num_sms:
+        return 1
+    by_length = triton.cdiv(max(max_seq_len, 1), 2 * block_n)
+    return max(1, min(triton.cdiv(num_sms, num_programs), by_length))
 
 
 @triton.jit
@@ -156,7 +199,11 @@ def _prefill_kernel(
     tree_lens_ptr,
     tree_mask_offsets_ptr,
     tree_mask_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
     scale_log2,
+    num_splits,
+    num_tokens,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -166,6 +213,7 @@ def _prefill_kernel(
     stride_ch,
     stride_bt,
     GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -173,9 +221,11 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     kvh = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -221,18 +271,97 @@ def _prefill_kernel(
         diag = tl.minimum(diag, tree_lo)
     full_hi = (diag // BLOCK_N) * BLOCK_N
     kv_hi = ctx + tl.minimum(q_len, first_tok + TOKENS_PER_TILE)  # last query position + 1
+    lo = 0
+    hi = kv_hi
+    if not SINGLE_SPLIT:  # this program's keys: [lo, hi), split_len a multiple of BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        if lo >= kv_hi:
+            return
+        hi = tl.minimum(lo + split_len, kv_hi)
     m_i, l_i, acc = _attend_tile(
-        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off, q_pos, 0, full_hi,
-        scale_log2, stride_cb, stride_cs, offs_n, offs_d, d_mask,
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off, q_pos, lo,
+        tl.minimum(hi, full_hi), scale_log2, stride_cb, stride_cs, offs_n, offs_d, d_mask,
         BLOCK_SIZE, BLOCK_N, False, False, seq_mask_ptr, tree_lo, tree_len, DOT_PRECISION,
     )  # fmt: skip
     m_i, l_i, acc = _attend_tile(
-        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off, q_pos, full_hi, kv_hi,
-        scale_log2, stride_cb, stride_cs, offs_n, offs_d, d_mask,
+        q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head_off, q_pos,
+        tl.maximum(lo, full_hi), hi, scale_log2, stride_cb, stride_cs, offs_n, offs_d, d_mask,
         BLOCK_SIZE, BLOCK_N, True, HAS_TREE, seq_mask_ptr, tree_lo, tree_len, DOT_PRECISION,
     )  # fmt: skip
 
-    # Every real row sees key 0, so l_i > 0 there; padded rows are not stored.
+    if SINGLE_SPLIT:
+        # Every real row sees key 0, so l_i > 0 there; padded rows are not stored.
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
+    else:
+        # Partials are [num_splits, num_tokens, num_heads, (HEAD_DIM | 2)], contiguous.
+        part = (split * num_tokens + row_off) * NUM_HEADS + head  # [BLOCK_M]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_mask)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_mask)
+
+
+@triton.jit
+def _prefill_combine_kernel(
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    num_splits,
+    num_tokens,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Merge the split programs' partials of one (query tile, KV head, sequence)."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_tok = tile * TOKENS_PER_TILE
+    if first_tok >= q_len:
+        return
+    ctx = tl.load(seq_lens_ptr + seq) - q_len
+    kv_hi = ctx + tl.minimum(q_len, first_tok + TOKENS_PER_TILE)
+    split_len = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N  # as the kernel's
+    ran = tl.cdiv(kv_hi, split_len)  # the splits whose programs wrote this tile
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = first_tok + offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_mask = (offs_m < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+    row_off = (q_start + tok).to(tl.int64)
+    io_mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for split in range(0, ran):
+        part = (split * num_tokens + row_off) * NUM_HEADS + head
+        m_s = tl.load(part_ml_ptr + part * 2, mask=row_mask, other=_NEG_BIG)
+        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=row_mask, other=0.0)
+        a_s = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0
+        )
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(m_s - m_new)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_i = m_new
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -274,13 +403,14 @@ def paged_attention(
     scale: float,
     *,
     config: PrefillConfig | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
     """Causal attention of each sequence's new tokens over its paged context, with the
     draft-tree mask on each sequence's tree part when ``meta.has_tree``.
 
     Same contract and result as ``paged_attention_ref``; any mix of q_len (decodes,
     extends, whole prompts, trees) in one batch. ``meta.max_query_len`` must bound every
-    q_len.
+    q_len. ``num_splits`` overrides the split-K heuristic (1 turns splitting off).
     """
     require_kv_cache(k_cache, v_cache)
     require_launchable(_prefill_kernel, q, k_cache, meta.query_start_loc, meta.block_tables)
@@ -291,7 +421,15 @@ def paged_attention(
     if cache_head_dim != head_dim:
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
     group = gqa_group(num_heads, num_kv_heads)
-    config = config or default_prefill_config(meta.max_query_len, group, k_cache.dtype)
+    sms = num_sms(q.device)
+    config = config or default_prefill_config(
+        meta.max_query_len,
+        group,
+        k_cache.dtype,
+        num_seqs=meta.num_seqs,
+        num_kv_heads=num_kv_heads,
+        num_sms=sms,
+    )
     if config.block_m < group:
         raise ValueError(f"block_m {config.block_m} must be >= the GQA group {group}")
     require_grid_yz("num_seqs", meta.num_seqs)
@@ -300,7 +438,24 @@ def paged_attention(
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
     tokens_per_tile = config.block_m // group
-    grid = (triton.cdiv(max(meta.max_query_len, 1), tokens_per_tile), num_kv_heads, meta.num_seqs)
+    num_tiles = triton.cdiv(max(meta.max_query_len, 1), tokens_per_tile)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_tiles * num_kv_heads * meta.num_seqs, meta.max_seq_len, config.block_n, sms
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    single = num_splits == 1
+    if single:
+        part_acc = part_ml = out
+    else:
+        part_acc = torch.empty(  # [num_splits, num_tokens, num_heads, head_dim]
+            (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty(  # [num_splits, num_tokens, num_heads, 2]: (max, sum)
+            (num_splits, num_tokens, num_heads, 2), dtype=torch.float32, device=q.device
+        )
+    grid = (num_tiles * num_splits, num_kv_heads, meta.num_seqs)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -312,7 +467,11 @@ def paged_attention(
         tree_lens,
         tree_offsets,
         tree_mask,
+        part_acc,
+        part_ml,
         scale * _LOG2E,
+        num_splits,
+        num_tokens,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -322,6 +481,7 @@ def paged_attention(
         k_cache.stride(2),
         meta.block_tables.stride(0),
         GROUP=group,
+        NUM_HEADS=num_heads,
         TOKENS_PER_TILE=tokens_per_tile,
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
@@ -329,8 +489,28 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         HAS_TREE=meta.has_tree,
+        SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if not single:
+        _prefill_combine_kernel[(num_tiles, num_kv_heads, meta.num_seqs)](
+            meta.query_start_loc,
+            meta.seq_lens,
+            part_acc,
+            part_ml,
+            out,
+            num_splits,
+            num_tokens,
+            out.stride(0),
+            out.stride(1),
+            GROUP=group,
+            NUM_HEADS=num_heads,
+            TOKENS_PER_TILE=tokens_per_tile,
+            HEAD_DIM=head_dim,
+            BLOCK_M=config.block_m,
+            BLOCK_D=next_power_of_2(head_dim),
+            BLOCK_N=config.block_n,
+        )
     return out
