@@ -120,6 +120,7 @@ class SpecRow:
     accepted_tokens: float = 0.0  # per timed run
     engine_steps: float = 0.0  # engine.step() calls per timed run
     graph_steps: float = 0.0  # of those, target forwards replayed from a CUDA graph
+    draft_graph_steps: float = 0.0  # proposals replayed from the proposer's CUDA graphs
     identical: int = 0  # requests (over all timed runs) equal to plain's output
     compared: int = 0
     first_mismatch_at: int | None = None  # smallest output index where one differs
@@ -134,6 +135,7 @@ class RunResult:
     stats: SpecStats
     engine_steps: int
     graph_steps: int  # target forwards replayed from a CUDA graph (the rest ran eagerly)
+    draft_graph_steps: int  # proposals replayed from the proposer's growth graphs
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -150,7 +152,7 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> RunResult:
     )
     engine.spec_stats = SpecStats()
     steps0 = engine.num_steps
-    replays0 = _graph_replays(engine)
+    replays0, draft_replays0 = _graph_replays(engine), _draft_graph_replays(engine)
     results: dict[str, list[int]] = {}
     common.synchronize(engine.runner.device)
     t0 = time.perf_counter()
@@ -167,12 +169,19 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> RunResult:
         stats=engine.spec_stats,
         engine_steps=engine.num_steps - steps0,
         graph_steps=_graph_replays(engine) - replays0,
+        draft_graph_steps=_draft_graph_replays(engine) - draft_replays0,
     )
 
 
 def _graph_replays(engine) -> int:
     graphs = engine.runner.graphs
     return sum(graphs.num_replays.values()) if graphs is not None else 0
+
+
+def _draft_graph_replays(engine) -> int:
+    grower = getattr(engine.proposer, "grower", None)
+    graphs = getattr(grower, "graphs", None)
+    return graphs.num_replays if graphs is not None else 0
 
 
 def expected_oracle_tau(max_tokens: int, depth: int) -> float:
@@ -234,6 +243,7 @@ def measure_batch(
         speedup=rate / plain_rate[batch] if batch in plain_rate else None,
         engine_steps=statistics.mean(r.engine_steps for r in runs),
         graph_steps=statistics.mean(r.graph_steps for r in runs),
+        draft_graph_steps=statistics.mean(r.draft_graph_steps for r in runs),
         spec_steps=stats.steps / len(runs),
         drafted_tokens=stats.drafted_tokens / len(runs),
         accepted_tokens=stats.accepted_tokens / len(runs),
@@ -394,7 +404,7 @@ def table(rows: list[SpecRow]) -> str:
     """Markdown: the header, then one line per row."""
     lines = [
         "| variant | batch | tok/s | speedup | τ | τ exp | accept a1/a2/... | steps | "
-        "graphed | identical | note |",
+        "graphed (target, draft) | identical | note |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -403,7 +413,8 @@ def table(rows: list[SpecRow]) -> str:
         lines.append(
             f"| {r.variant} | {r.batch_size} | {_f(r.tokens_per_s, 1)} | "
             f"{_f(r.speedup, 2)} | {_f(r.tau, 2)} | {_f(r.tau_expected, 2)} | {rates} | "
-            f"{r.spec_steps:g} | {r.graph_steps:g}/{r.engine_steps:g} | {same} | {r.note} |"
+            f"{r.spec_steps:g} | {r.graph_steps:g}/{r.engine_steps:g}, {r.draft_graph_steps:g} | "
+            f"{same} | {r.note} |"
         )
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from tiny_models import make_tiny_model_dir
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.engine.cuda_graph import StepGraphs
+from specdec.sampling_params import RequestOutputKind
 from specdec.spec.tree_draft import GrowGraphs
 
 NEW_TOKENS = 64
@@ -207,6 +208,26 @@ def test_ngram_speculation_is_lossless(smollm2_dir, chats, reference, kwargs):
         assert llm.engine.scheduler.num_preemptions > 0
     pool = llm.engine.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_delta_outputs_carry_every_emitted_token(smollm2_dir, chats, reference):
+    """Streaming (DELTA) with speculation: a verify step may emit several tokens, and every
+    one reaches the client, with its text, exactly once."""
+    spec = SpeculativeConfig(num_speculative_tokens=4)
+    engine = make_llm(smollm2_dir, speculative=spec).engine
+    params = SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    engine.add_request(chats[3], params)
+    deltas: list[list[int]] = []
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].token_ids)
+            text += out.outputs[0].text
+    assert [t for d in deltas for t in d] == reference[3]
+    assert max(len(d) for d in deltas) > 1  # some step really emitted several tokens
+    assert text == engine.tokenizer.decode(reference[3], skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "eagle3-dynamic"])

@@ -42,6 +42,7 @@ class _RequestState:
     generator: torch.Generator | None
     logprobs: list[TokenLogprobs] | None = None
     pending_delta: list[str] = field(default_factory=list)
+    num_sent_tokens: int = 0  # output tokens already carried by a DELTA output
     spec_stats: SpecStats = field(default_factory=SpecStats)
 
 
@@ -428,14 +429,18 @@ class LLMEngine:
         return None
 
     def _make_output(self, state: _RequestState, delta: bool = False) -> RequestOutput:
-        """CUMULATIVE/FINAL_ONLY carry the whole output; DELTA only this step's token and
-        text (``text_delta`` is filled in every kind)."""
+        """CUMULATIVE/FINAL_ONLY carry the whole output; DELTA the tokens (a verify step
+        may emit several), logprobs and text since the previous output (``text_delta`` is
+        filled in every kind)."""
         request = state.request
         finished = request.is_finished
         text_delta = "".join(state.pending_delta)
         state.pending_delta.clear()
+        logprobs = state.logprobs
         if delta:
-            text, token_ids = text_delta, request.output_token_ids[-1:]
+            sent, state.num_sent_tokens = state.num_sent_tokens, request.num_output_tokens
+            text, token_ids = text_delta, list(request.output_token_ids[sent:])
+            logprobs = logprobs[sent:] if logprobs is not None else None
         elif state.detokenizer is not None:
             text, token_ids = state.detokenizer.text, list(request.output_token_ids)
         else:
@@ -451,7 +456,7 @@ class LLMEngine:
             token_ids=token_ids,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            logprobs=list(logprobs) if logprobs is not None else None,
         )
         return RequestOutput(
             request_id=request.request_id,
