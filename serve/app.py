@@ -1,0 +1,160 @@
+"""The FastAPI app (``build_app``) and the uvicorn entry point (``run_server``).
+
+Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with
+``stream: true``), GET /health (200 while the engine loop runs, else 503), GET /metrics
+(Prometheus text), /docs and /openapi.json. With an API key every /v1 route needs
+``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request, Security
+from fastapi.openapi.utils import get_openapi
+from fastapi.security import HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import JSONResponse, Response
+
+from specdec import __version__
+from specdec.serve.async_engine import AsyncLLMEngine
+from specdec.serve.auth import APIKeyMiddleware
+from specdec.serve.config import ServeConfig
+from specdec.serve.errors import error_response, install_error_handlers
+from specdec.serve.metrics import ServerMetrics
+from specdec.serve.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from specdec.serve.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in {
+        400: "Malformed JSON, a schema violation, or a request the engine cannot take "
+        "(e.g. prompt + max_tokens over the context)",
+        401: "Missing or wrong API key",
+        404: "Unknown model",
+        429: "Too many requests in flight; retry after Retry-After seconds",
+        500: "Internal error (details only in the server log)",
+        503: "The engine is not running",
+    }.items()
+}
+# Streaming responses: the 200 body is server-sent events of chunks instead.
+_STREAM_200 = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
+    """An app serving ``engine``; its lifespan starts and stops the engine thread."""
+    from specdec.models import load_tokenizer
+
+    metrics = ServerMetrics(lambda: engine.snapshot)
+    engine.add_finish_listener(metrics.observe_finished)
+    serving = OpenAIServing(engine, config, load_tokenizer(engine.engine.resolved), metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(
+        title="specdec",
+        version=__version__,
+        description="OpenAI-compatible server on specdec's speculative-decoding engine.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    # The middleware checks the key; this only declares the scheme for /docs.
+    security = [Security(HTTPBearer(auto_error=False))] if config.api_key else []
+    v1 = APIRouter(prefix="/v1", dependencies=security, responses=_ERRORS)
+
+    @v1.get("/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, max_model_len=serving.max_model_len)
+                for name in config.model_names
+            ]
+        )
+
+    @v1.post("/completions", response_model=CompletionResponse, responses=_STREAM_200)
+    async def create_completion(body: CompletionRequest, raw: Request):
+        return await serving.completions(body, raw)
+
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=_STREAM_200)
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        return await serving.chat(body, raw)
+
+    app.include_router(v1)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if engine.dead is not None:
+            return error_response(503, "the engine loop stopped; restart the server")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without its 422 responses: validation errors here are 400s."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def run_server(config: ServeConfig) -> None:
+    """Load the engine, then serve until interrupted (blocks)."""
+    import uvicorn
+
+    from specdec.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config.engine)
+    runtime = engine.runner.runtime
+    spec = config.engine.speculative
+    logger.info(
+        "serving %s as %s on %s %s (%s), max_model_len %d, %d KV blocks",
+        config.engine.model,
+        config.model_names,
+        runtime.device,
+        str(runtime.dtype).removeprefix("torch."),
+        f"{spec.method} speculation, {spec.tree} of depth {spec.num_speculative_tokens}"
+        if spec is not None
+        else "no speculation",
+        engine.max_model_len,
+        engine.kv_manager.pool.num_usable_blocks,
+    )
+    app = build_app(AsyncLLMEngine(engine, config.max_in_flight), config)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=5,
+    )

@@ -1,0 +1,250 @@
+"""``specdec serve`` and ``specdec bench-serve``, registered in ``specdec.cli.COMMANDS``.
+
+Settings come, lowest precedence first, from ServeConfig's defaults, a ``--config`` YAML
+file, ``--spec-config``, then the flags given on the command line. Heavy imports (torch,
+FastAPI) wait until a command runs, so ``specdec generate`` needs neither the serve extra
+nor its start-up cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from specdec.cli import _add_engine_args, _engine_kwargs, _read_prompts, command
+
+# Engine keyword (``_engine_kwargs``) -> the flags that set it, where the names differ.
+_ENGINE_SOURCES = {"enable_prefix_caching": ("no_prefix_caching", "enable_prefix_caching")}
+# Speculation flags -> SpeculativeConfig fields.
+_SPEC_FLAGS = {
+    "draft": "method",
+    "draft_model": "model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "spec_tree": "tree",
+    "spec_top_k": "top_k",
+    "spec_total_tokens": "total_tokens",
+    "spec_choices": "choices",
+}
+# Server flags -> ServeConfig fields.
+_SERVER_FLAGS = {
+    "host": "host",
+    "port": "port",
+    "api_key": "api_key",
+    "served_model_name": "served_model_name",
+    "serve_log_level": "log_level",
+    "max_waiting_requests": "max_waiting_requests",
+    "max_tokens_limit": "max_tokens_limit",
+}
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    from specdec.serve.config import DEFAULT_DRAFT_METHOD, LOG_LEVELS, ServeConfig
+
+    _add_engine_args(p)
+    draft = _action(p, "draft")
+    draft.choices = [*draft.choices, "none"]
+    draft.help = (
+        f"speculate with this proposer, or 'none' for plain decoding "
+        f"(default: {DEFAULT_DRAFT_METHOD})"
+    )
+    defaults = {f.name: f.default for f in fields(ServeConfig)}
+    g = p.add_argument_group("server")
+    g.add_argument(
+        "--config", help="YAML ServeConfig (see configs/serve/); given flags override it"
+    )
+    g.add_argument(
+        "--spec-config",
+        help="speculation as JSON or a .yaml/.json file of SpeculativeConfig fields (method, "
+        "num_speculative_tokens, tree, top_k, total_tokens, choices, ...); the --draft and "
+        "--spec-* flags given override it",
+    )
+    g.add_argument("--host", help=f"default: {defaults['host']}")
+    g.add_argument("--port", type=int, help=f"default: {defaults['port']}")
+    g.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECDEC_API_KEY, else no auth)",
+    )
+    g.add_argument("--served-model-name", nargs="+", help="names clients may use")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="share KV blocks of common prompt prefixes (default: on)",
+    )
+    g.add_argument(
+        "--log-level",
+        dest="serve_log_level",
+        choices=LOG_LEVELS,
+        help=f"default: {defaults['log_level']}",
+    )
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        help="requests queued beyond --max-num-seqs; more get 429 "
+        f"(default: {defaults['max_waiting_requests']})",
+    )
+    g.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        help="largest max_tokens a request may ask for (default: the context length)",
+    )
+    # Every flag defaults to None, meaning "not given": the config (ServeConfig's defaults,
+    # or --config) supplies the value, so a given flag always wins, even one that repeats
+    # a default.
+    serve_flags = []
+    for action in p._actions:
+        if action.dest != "help":
+            action.default = None
+            serve_flags.append(action.dest)
+    p.set_defaults(serve_flags=tuple(serve_flags))
+
+
+def _action(p: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in p._actions if a.dest == dest)
+
+
+def serve_config_from_args(args: argparse.Namespace):
+    """The ServeConfig that ``specdec serve ARGS`` runs with."""
+    from specdec.config import SpeculativeConfig
+    from specdec.engine.llm import build_engine_config
+    from specdec.serve.config import DEFAULT_DRAFT_METHOD, DEFAULT_DRAFT_MODEL, ServeConfig
+
+    given = {d for d in args.serve_flags if getattr(args, d) is not None}
+    base = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
+    # Engine: the base's fields, flattened as build_engine_config takes them.
+    flat: dict[str, Any] = {f.name: getattr(base.engine, f.name) for f in fields(base.engine)}
+    for section in ("cache", "scheduler"):
+        section_config = flat.pop(section)
+        flat.update({f.name: getattr(section_config, f.name) for f in fields(section_config)})
+    if "model" in given:
+        flat["model"] = args.model
+    for key, value in _engine_kwargs(argparse.Namespace(**{**vars(args), "draft": None})).items():
+        if key != "speculative" and given & set(_ENGINE_SOURCES.get(key, (key,))):
+            flat[key] = value
+    if args.enable_prefix_caching is not None:
+        flat["enable_prefix_caching"] = args.enable_prefix_caching
+    spec = flat["speculative"]
+    spec_fields = _as_fields(spec) if spec is not None else None
+    if args.spec_config:
+        spec_fields = _load_spec_fields(args.spec_config)
+    flags = {_SPEC_FLAGS[d]: getattr(args, d) for d in _SPEC_FLAGS if d in given}
+    if flags.get("method") == "none":
+        spec_fields = None
+    elif flags:
+        if (
+            spec_fields is None
+            or flags.get("method", spec_fields["method"]) != spec_fields["method"]
+        ):
+            # A new proposer starts from SpeculativeConfig's defaults, not another method's
+            # fields (an eagle3 head path means nothing to ngram).
+            spec_fields = _as_fields(SpeculativeConfig())
+            if "method" not in flags:
+                spec_fields |= {"method": DEFAULT_DRAFT_METHOD, "model": DEFAULT_DRAFT_MODEL}
+        spec_fields = {**spec_fields, **flags}
+    flat["speculative"] = SpeculativeConfig(**spec_fields) if spec_fields is not None else None
+    engine = build_engine_config(flat.pop("model"), **flat)
+    server = {f.name: getattr(base, f.name) for f in fields(base) if f.name != "engine"}
+    for dest, name in _SERVER_FLAGS.items():
+        if dest in given:
+            server[name] = getattr(args, dest)
+    if "api_key" not in given and os.environ.get("SPECDEC_API_KEY"):
+        server["api_key"] = os.environ["SPECDEC_API_KEY"]
+    return ServeConfig(engine=engine, **server)
+
+
+def _as_fields(spec) -> dict[str, Any]:
+    return {f.name: getattr(spec, f.name) for f in fields(spec)}
+
+
+def _load_spec_fields(value: str) -> dict[str, Any]:
+    """``--spec-config``: inline JSON, or a .json/.yaml file; keys must be fields."""
+    import yaml
+
+    from specdec.config import SpeculativeConfig
+
+    path = Path(value)
+    if value.lstrip().startswith("{"):
+        try:
+            data = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--spec-config is not valid JSON ({e})") from None
+    elif path.is_file():
+        data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+    else:
+        raise ValueError(f"--spec-config {value!r} is neither inline JSON nor an existing file")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    if not isinstance(data, dict) or set(data) - known:
+        extra = sorted(set(data) - known) if isinstance(data, dict) else data
+        raise ValueError(f"--spec-config has unknown keys {extra}; known keys: {sorted(known)}")
+    return {**_as_fields(SpeculativeConfig()), **data}
+
+
+@command("serve", _serve_args)
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a model over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
+    config = serve_config_from_args(args)
+    level = config.log_level.upper()
+    logging.getLogger().setLevel("DEBUG" if level == "TRACE" else level)
+    try:
+        from specdec.serve.app import run_server
+    except ImportError as e:
+        raise SystemExit(
+            f"error: specdec serve needs the serve extra ({e.name} is missing); "
+            "install it with: pip install 'specdec[serve]'"
+        ) from None
+    run_server(config)
+    return 0
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from specdec.serve.bench import BenchConfig
+
+    d = BenchConfig()
+    p.add_argument("--base-url", default=d.base_url)
+    p.add_argument("--endpoint", default=d.endpoint, choices=["chat", "completions"])
+    p.add_argument("--model", default=None, help="default: the server's first model")
+    p.add_argument("--prompts-file", help=".txt (one per line) or .jsonl with a prompt key")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts cycle")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
+    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument(
+        "--request-rate", type=float, default=d.request_rate,
+        help="requests/s, Poisson arrivals (default: inf, all at once)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"))
+    p.add_argument("--json", dest="json_out", help="write the report to this file")
+
+
+@command("bench-serve", _bench_args)
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Load a running server (concurrency, request rate) and report throughput and
+    TTFT/TPOT/ITL/end-to-end percentiles, like vLLM's serving benchmark."""
+    from specdec.serve.bench import DEFAULT_PROMPTS, BenchConfig, format_report, run_benchmark
+
+    config = BenchConfig(
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        prompts=_read_prompts(args.prompts_file) if args.prompts_file else list(DEFAULT_PROMPTS),
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        seed=args.seed,
+        api_key=args.api_key,
+    )
+    report = asyncio.run(run_benchmark(config))
+    print(format_report(report))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    return 0 if report["completed"] else 1

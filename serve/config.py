@@ -1,0 +1,137 @@
+"""``ServeConfig``: everything ``specdec serve`` needs, typed and validated on construction.
+
+A YAML file (configs/serve/*.yaml) maps onto it one to one: top-level keys are the fields
+below, ``engine`` is an ``EngineConfig`` (its ``cache``, ``scheduler`` and ``speculative``
+sections nested). Unknown keys are errors. Leaving ``engine.speculative`` out keeps the
+server's default speculation; ``speculative: null`` turns speculation off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # specdec.config imports torch; the CLI parser must stay light
+    from specdec.config import EngineConfig, SpeculativeConfig
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+# The server's default speculation. No trained EAGLE-3 head ships yet, so it is n-gram
+# prompt lookup; once one does, set ("eagle3", "<head alias or path>") here and
+# ``specdec serve`` (its --draft/--draft-model defaults included) follows.
+DEFAULT_DRAFT_METHOD = "ngram"
+DEFAULT_DRAFT_MODEL: str | None = None
+
+
+def default_speculative() -> SpeculativeConfig:
+    from specdec.config import SpeculativeConfig
+
+    return SpeculativeConfig(method=DEFAULT_DRAFT_METHOD, model=DEFAULT_DRAFT_MODEL)
+
+
+def default_engine_config() -> EngineConfig:
+    from specdec.config import EngineConfig
+
+    return EngineConfig(speculative=default_speculative())
+
+
+@dataclass
+class ServeConfig:
+    """The server: the engine it drives, where it listens, and its admission limits.
+
+    Admission: at most ``engine.scheduler.max_num_seqs + max_waiting_requests`` requests
+    are in flight (running or queued); one more is refused with 429 and ``Retry-After:
+    retry_after_s`` instead of queueing without bound.
+    """
+
+    engine: EngineConfig = field(default_factory=default_engine_config)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Names clients may pass as ``model``; the first is reported by /v1/models and in
+    # responses. None serves the engine's ``model`` string.
+    served_model_name: list[str] | None = None
+    api_key: str | None = None  # None: no authentication
+    log_level: str = "info"
+    max_waiting_requests: int = 1024
+    retry_after_s: int = 1
+    # Largest ``max_tokens`` one request may ask for (None: only the context limits it);
+    # also the default for chat requests that leave max_tokens out.
+    max_tokens_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        from specdec.config import EngineConfig
+
+        if not isinstance(self.engine, EngineConfig):
+            raise TypeError(f"engine={self.engine!r} is invalid; pass an EngineConfig")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} is invalid; use 0..65535 (0 picks a free port)")
+        if self.served_model_name is not None and (
+            not self.served_model_name or not all(self.served_model_name)
+        ):
+            raise ValueError(
+                f"served_model_name={self.served_model_name!r} is invalid; give one or more "
+                "non-empty names, or leave it out to use the model's"
+            )
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key is empty; give a key, or leave it out for no auth")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level={self.log_level!r} is invalid; choose one of {LOG_LEVELS}")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests={self.max_waiting_requests} must be >= 0")
+        if self.retry_after_s < 1:
+            raise ValueError(f"retry_after_s={self.retry_after_s} must be >= 1")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(
+                f"max_tokens_limit={self.max_tokens_limit} must be >= 1, or None for no limit"
+            )
+
+    @property
+    def model_names(self) -> list[str]:
+        """Names a request's ``model`` may take; the first is the one reported."""
+        return list(self.served_model_name or [self.engine.model])
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.engine.scheduler.max_num_seqs + self.max_waiting_requests
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServeConfig:
+        """Build from a nested dict (a parsed YAML file); unknown keys raise."""
+        from specdec.config import EngineConfig
+
+        if not isinstance(data, dict):
+            raise ValueError(f"a serve config must be a mapping, got {type(data).__name__}")
+        data = dict(data)
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                f"unknown ServeConfig keys {sorted(unknown)}; known keys: {sorted(known)}"
+            )
+        if isinstance(data.get("served_model_name"), str):  # one name needs no list in YAML
+            data["served_model_name"] = [data["served_model_name"]]
+        engine = data.pop("engine", None)
+        if engine is None:
+            return cls(**data)
+        if not isinstance(engine, dict):
+            raise ValueError(f"engine must be a mapping, got {type(engine).__name__}")
+        engine = dict(engine)
+        engine.setdefault("speculative", _as_dict(default_speculative()))
+        return cls(engine=EngineConfig.from_dict(engine), **data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServeConfig:
+        import yaml
+
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"serve config {str(path)!r} does not exist")
+        try:
+            return cls.from_dict(yaml.safe_load(file.read_text()) or {})
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def _as_dict(spec: SpeculativeConfig) -> dict[str, Any]:
+    return {f.name: getattr(spec, f.name) for f in fields(spec)}

@@ -1,0 +1,231 @@
+"""Request and response bodies of the OpenAI API, as pydantic models (the HTTP edge).
+
+Shapes follow OpenAI's completions and chat.completions APIs so the official clients work
+unchanged; a few vLLM extensions (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``) are accepted too. Bounds that the engine would otherwise reject deep
+inside a step (``top_k`` fits int64, ``logprobs`` <= 20, finite floats) are enforced here,
+so a request body can never reach the engine in a state that would fail a whole batch.
+
+Request models allow unknown fields (OpenAI adds parameters often; like vLLM, the server
+ignores ones it does not know and logs them). Parameters that OpenAI defines but specdec
+does not implement (``n > 1``, ``echo``, penalties, tools, ...) are refused with a 400 by
+the handlers rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from specdec.sampling_params import MAX_LOGPROBS
+
+_INT64_MAX = 2**63 - 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False  # one last chunk with usage and no choices
+
+
+class SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="a served model name; default: the first")
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(
+        None, description="0 is greedy; default 1"
+    )
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=_INT64_MAX)] | None = Field(
+        None, description="keep the k most likely tokens; 0 or -1 disables (vLLM extension)"
+    )
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_INT64_MAX)]] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="one prompt: a string or a list of token ids"
+    )
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        16, description="default 16; null: until the context is full"
+    )
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="top logprobs per token (0 returns only the sampled token's)"
+    )
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="deprecated OpenAI name of max_completion_tokens"
+    )
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    response_format: ResponseFormat | None = None
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "specdec"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy per-token logprobs (parallel lists, one entry per output token)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of a streamed chunk (then ``usage`` is None but on the last)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """What a chat chunk adds; fields it does not set are left out, as OpenAI does
+    (the first chunk has the role, the last one an empty delta)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None

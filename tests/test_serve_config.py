@@ -1,0 +1,141 @@
+"""ServeConfig and the ``specdec serve`` flags, without a model: YAML maps one to one
+(unknown keys are errors), ``specdec serve`` with no arguments is the documented default,
+and flags given on the command line override a config file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdec.cli import build_parser
+from specdec.config import SpeculativeConfig
+from specdec.serve.cli import serve_config_from_args
+from specdec.serve.config import DEFAULT_DRAFT_METHOD, ServeConfig
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs" / "serve").glob("*.yaml"))
+
+
+def _config(*argv: str) -> ServeConfig:
+    return serve_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_every_shipped_yaml_maps_onto_serve_config():
+    assert {p.name for p in CONFIGS} >= {"default.yaml", "ngram.yaml", "eagle3.yaml"}
+    for path in CONFIGS:
+        assert isinstance(ServeConfig.from_yaml(path), ServeConfig)
+    assert ServeConfig.from_yaml(CONFIGS[[p.name for p in CONFIGS].index("default.yaml")]) == (
+        ServeConfig()
+    )
+
+
+def test_no_arguments_serve_the_default_model_with_default_speculation(monkeypatch):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    config = _config()
+    assert config == ServeConfig()
+    assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
+    assert config.engine.model == "smollm2-135m-instruct"
+    assert config.engine.device == "auto"  # the GPU when there is one
+    assert config.engine.speculative.method == DEFAULT_DRAFT_METHOD
+    assert config.model_names == ["smollm2-135m-instruct"]
+
+
+def test_flags_map_onto_the_config(monkeypatch):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    config = _config(
+        "--port", "9001", "--api-key", "k", "--served-model-name", "a", "b",
+        "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "1000000",
+        "--no-enable-prefix-caching", "--num-speculative-tokens", "5", "--log-level", "debug",
+    )  # fmt: skip
+    assert (config.port, config.api_key, config.model_names) == (9001, "k", ["a", "b"])
+    assert config.engine.scheduler.max_model_len == 1024
+    assert config.engine.scheduler.max_num_seqs == 8
+    assert config.engine.cache.kv_cache_memory == 1_000_000
+    assert config.engine.cache.enable_prefix_caching is False
+    assert config.engine.speculative.num_speculative_tokens == 5
+    assert config.log_level == "debug"
+    assert _config("--draft", "none").engine.speculative is None
+    monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
+    assert _config().api_key == "from-env"
+
+
+def test_given_flags_override_the_yaml(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "host": "0.0.0.0",
+                "port": 9000,
+                "engine": {
+                    "model": "some-model",
+                    "scheduler": {"max_num_seqs": 4},
+                    "speculative": {"method": "eagle3", "model": "head-dir", "tree": "dynamic"},
+                },
+            }
+        )
+    )
+    config = _config("--config", str(path), "--port", "9100", "--num-speculative-tokens", "6")
+    assert (config.host, config.port) == ("0.0.0.0", 9100)  # host from the file
+    assert config.engine.model == "some-model" and config.engine.scheduler.max_num_seqs == 4
+    spec = config.engine.speculative
+    assert (spec.method, spec.model, spec.tree, spec.num_speculative_tokens) == (
+        "eagle3",
+        "head-dir",
+        "dynamic",
+        6,
+    )
+    # A different proposer starts from its own flags, not the file's eagle3 head.
+    ngram = _config("--config", str(path), "--draft", "ngram").engine.speculative
+    assert (ngram.method, ngram.model, ngram.tree) == ("ngram", None, "chain")
+    assert _config("--config", str(path), "--draft", "none").engine.speculative is None
+
+
+def test_spec_config_json_or_file(tmp_path):
+    spec = _config("--spec-config", '{"method": "ngram", "num_speculative_tokens": 5}')
+    assert spec.engine.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=5)
+    file = tmp_path / "spec.yaml"
+    file.write_text("method: ngram\nngram_max: 6\n")
+    assert _config("--spec-config", str(file)).engine.speculative.ngram_max == 6
+    flagged = _config("--spec-config", str(file), "--num-speculative-tokens", "2")
+    assert flagged.engine.speculative.num_speculative_tokens == 2  # flags win
+    with pytest.raises(ValueError, match="unknown keys"):
+        _config("--spec-config", '{"bogus": 1}')
+    with pytest.raises(ValueError, match="neither inline JSON nor an existing file"):
+        _config("--spec-config", "no/such/file.yaml")
+
+
+def test_speculative_left_out_keeps_the_default_and_null_turns_it_off():
+    assert ServeConfig.from_dict({"engine": {"model": "m"}}).engine.speculative == (
+        SpeculativeConfig(method=DEFAULT_DRAFT_METHOD)
+    )
+    assert ServeConfig.from_dict({"engine": {"speculative": None}}).engine.speculative is None
+    assert ServeConfig.from_dict({"served_model_name": "x"}).model_names == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"prot": 1}, "unknown ServeConfig keys ['prot']"),
+        ({"engine": {"modle": "x"}}, "unknown EngineConfig keys ['modle']"),
+        ({"engine": {"scheduler": {"max_seqs": 1}}}, "unknown SchedulerConfig keys"),
+        ({"engine": {"speculative": {"metod": "ngram"}}}, "unknown SpeculativeConfig keys"),
+        ({"port": 70000}, "port=70000 is invalid"),
+        ({"log_level": "loud"}, "log_level='loud' is invalid"),
+        ({"max_tokens_limit": 0}, "max_tokens_limit=0 must be >= 1"),
+        ({"api_key": ""}, "api_key is empty"),
+        ({"served_model_name": []}, "served_model_name=[] is invalid"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path, data, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ServeConfig.from_yaml(path)
+
+
+def test_missing_config_file_is_a_clear_error(capsys):
+    from specdec.cli import main
+
+    assert main(["serve", "--config", "no/such.yaml"]) == 2
+    assert "serve config 'no/such.yaml' does not exist" in capsys.readouterr().err
