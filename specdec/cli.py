@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -250,7 +251,19 @@ def _run(llm, prompts: list[str], params, raw: bool):
     return outputs, time.perf_counter() - t0
 
 
+# Modules whose ``@command`` functions register the other subcommands. Each keeps its
+# heavy imports inside the command, so loading them all costs milliseconds.
+COMMAND_MODULES = (
+    "specdec.data_gen.cli",
+    "specdec.serve.cli",
+    "specdec.train.cli",
+    "specdec.bench.cli",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    for module in COMMAND_MODULES:
+        importlib.import_module(module)
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -272,4 +285,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the canonical module's main: subcommand modules register into
+    # ``specdec.cli.COMMANDS``, not into this ``__main__`` copy (``python -m specdec.cli``,
+    # as ``accelerate launch -m`` runs it).
+    from specdec import cli
+
+    sys.exit(cli.main())

@@ -1,0 +1,235 @@
+"""The training-time test: its attention rule, its attention implementations, and its
+alignment with what the engine runs at inference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_eagle3_head import random_head, target_config
+
+from specdec.attention import AttentionMetadata, get_attention_backend
+from specdec.models.eagle3_head import Eagle3Head
+from specdec.train.ttt import PackedBatch, StepIndex, ttt_forward, unroll
+from specdec.train.ttt_attention import (
+    TTTAttention,
+    TTTCache,
+    TTTFlexAttention,
+    TTTMeta,
+    ttt_visible,
+)
+
+LENGTHS = [7, 1, 12, 5]
+
+
+def packed_ids(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence id of every packed index, cu_seqlens)."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return seq, cu
+
+
+def brute_force_visible(lengths: list[int], step: int) -> torch.Tensor:
+    """Built step by step as a request drafts at inference: a query at sequence position t,
+    draft step i, sees the catch-up entries at positions 0..t of its own sequence and the
+    chain drafted from the same root at steps 1..i. Keys are (step j, packed index)."""
+    n = sum(lengths)
+    keys = [(j, m) for j in range(step + 1) for m in range(n)]
+    seq, cu = packed_ids(lengths)
+    mask = torch.zeros(n, len(keys), dtype=torch.bool)
+    for q in range(n):
+        s, t = int(seq[q]), q - int(cu[seq[q]])
+        catch_up = {(0, int(cu[s]) + u) for u in range(t + 1)}
+        chain = {(j, q) for j in range(1, step + 1)}
+        for c, key in enumerate(keys):
+            mask[q, c] = key in catch_up | chain
+    return mask
+
+
+def dense_visible(lengths: list[int], step: int) -> torch.Tensor:
+    seq, _ = packed_ids(lengths)
+    n = seq.shape[0]
+    k_step = torch.arange(step + 1).repeat_interleave(n)
+    k_idx = torch.arange(n).repeat(step + 1)
+    q_idx = torch.arange(n)
+    return ttt_visible(seq[:, None], q_idx[:, None], k_step[None], seq[k_idx][None], k_idx[None])
+
+
+@pytest.mark.parametrize("step", [0, 1, 3, 6])
+def test_ttt_mask_equals_brute_force(step):
+    assert torch.equal(dense_visible(LENGTHS, step), brute_force_visible(LENGTHS, step))
+
+
+def naive_ttt_attention(q, keys, values, mask, scale):
+    """Softmax over the concatenated keys of every step, masked."""
+    group = q.shape[1] // keys[0].shape[1]
+    k = torch.cat(keys).repeat_interleave(group, dim=1)  # [(i+1) n, h, d]
+    v = torch.cat(values).repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,mhd->hnm", q, k) * scale
+    s = s.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hnm,mhd->nhd", torch.softmax(s, dim=-1), v)
+
+
+def run_backend(backend, qs, ks, vs, seq, scale):
+    cache = TTTCache()
+    return [
+        backend.forward(q, k, v, cache, cache, TTTMeta(seq, i), scale)
+        for i, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True))
+    ]
+
+
+def random_steps(n, steps, heads=6, kv_heads=2, dim=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(h):
+        return [torch.randn(n, h, dim, generator=gen, requires_grad=True) for _ in range(steps)]
+
+    return r(heads), r(kv_heads), r(kv_heads)
+
+
+def test_ttt_attention_equals_masked_softmax_values_and_gradients():
+    seq, _ = packed_ids(LENGTHS)
+    qs, ks, vs = random_steps(seq.shape[0], 4)
+    scale = 0.25
+    outs = run_backend(TTTAttention(), qs, ks, vs, seq, scale)
+    refs = [
+        naive_ttt_attention(q, ks[: i + 1], vs[: i + 1], dense_visible(LENGTHS, i), scale)
+        for i, q in enumerate(qs)
+    ]
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    weights = [torch.randn_like(o) for o in outs]
+    grads = torch.autograd.grad(
+        sum((o * w).sum() for o, w in zip(outs, weights, strict=True)), qs + ks + vs
+    )
+    ref_grads = torch.autograd.grad(
+        sum((r * w).sum() for r, w in zip(refs, weights, strict=True)), qs + ks + vs
+    )
+    for g, rg in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_attention_path_equals_reference():
+    """The GPU path's block mask and concatenated keys, run by eager FlexAttention."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    seq, _ = packed_ids(LENGTHS)
+    qs, ks, vs = ([t.detach() for t in x] for x in random_steps(seq.shape[0], 3, seed=1))
+    ref = run_backend(TTTAttention(), qs, ks, vs, seq, 0.25)
+    out = run_backend(TTTFlexAttention(compile=False), qs, ks, vs, seq, 0.25)
+    for o, r in zip(out, ref, strict=True):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
+
+
+def paged_chain_logits(head: Eagle3Head, ids, aux, t: int, steps: int) -> list[torch.Tensor]:
+    """The engine's own computation for one root: catch-up over positions 0..t (tokens
+    x[1..t+1], fc(aux[0..t])) on a fresh paged cache, then a chain of teacher-forced
+    draft steps at positions t+1, t+2, ... Returns the logits of each step."""
+    block = 16
+    cfg = head.config
+    cache_shape = (8, block, cfg.num_kv_heads, cfg.head_dim)
+    kv = (torch.zeros(cache_shape), torch.zeros(cache_shape))
+    table = torch.arange(1, 8, dtype=torch.int32)[None]
+
+    def meta(start: int, q: int) -> AttentionMetadata:
+        pos = torch.arange(start, start + q)
+        return AttentionMetadata(
+            slot_mapping=table[0, pos // block].long() * block + pos % block,
+            query_start_loc=torch.tensor([0, q], dtype=torch.int32),
+            seq_lens=torch.tensor([start + q], dtype=torch.int32),
+            block_tables=table,
+            max_query_len=q,
+            max_seq_len=start + q,
+        )
+
+    catch_up = (ids[1 : t + 2], head.fuse(aux[: t + 1]), torch.arange(t + 1))
+    out, logits = head(*catch_up, kv, meta(0, t + 1))
+    result = [logits[-1]]
+    hidden = out[-1:]
+    for i in range(1, steps):
+        if t + 1 + i >= ids.shape[0]:
+            break
+        pos = torch.tensor([t + i])
+        hidden, logits = head(ids[t + 1 + i : t + 2 + i], hidden, pos, kv, meta(t + i, 1))
+        result.append(logits[-1])
+    return result
+
+
+def test_unrolled_steps_equal_the_engines_draft_steps():
+    """TTT step i at sequence position t computes exactly the logits the engine's head
+    computes for a depth-(i+1) draft from root x[t+1] whose earlier drafts were right:
+    training optimises the computation that serving runs."""
+    target = target_config()
+    paged, embed = random_head(target, seed=3)
+    trained = Eagle3Head(paged.config, TTTAttention(), embed=embed)
+    trained.load_state_dict(paged.state_dict())
+    gen = torch.Generator().manual_seed(4)
+    lengths = [9, 13]
+    n = sum(lengths)
+    batch = PackedBatch(
+        input_ids=torch.randint(target.vocab_size, (n,), generator=gen),
+        loss_mask=torch.ones(n, dtype=torch.bool),
+        aux_hidden=torch.randn(n, 3 * target.hidden_size, generator=gen),
+        target_hidden=torch.randn(n, target.hidden_size, generator=gen),
+        cu_seqlens=torch.tensor([0, 9, 22]),
+    )
+    steps = 4
+    with torch.no_grad():
+        unrolled = [s.logits for s in unroll(trained, batch, steps)]
+        index = StepIndex.of(batch.cu_seqlens, n)
+        for s, (lo, hi) in enumerate([(0, 9), (9, 22)]):
+            ids, aux = batch.input_ids[lo:hi], batch.aux_hidden[lo:hi]
+            for t in range(hi - lo - 1):  # x[t+1] must exist
+                expected = paged_chain_logits(paged, ids, aux, t, steps)
+                for i, logits in enumerate(expected):
+                    assert int(index.local[lo + t]) == t and int(index.seq_ids[lo + t]) == s
+                    torch.testing.assert_close(unrolled[i][lo + t], logits, atol=1e-5, rtol=1e-5)
+
+
+def test_objective_masks_and_accuracy():
+    """Loss and acc_i count only positions whose label exists, is an assistant token and
+    whose target argmax is a kept id; a head trained towards the labels gains accuracy."""
+    target = target_config()
+    _, embed = random_head(target, seed=5)
+    head = Eagle3Head(random_head(target, seed=5)[0].config, TTTAttention(), embed=embed)
+    head.load_state_dict(random_head(target, seed=5)[0].state_dict())
+    gen = torch.Generator().manual_seed(6)
+    n = 24
+    lm_head = torch.randn(target.vocab_size, target.hidden_size, generator=gen)
+    batch = PackedBatch(
+        input_ids=torch.randint(target.vocab_size, (n,), generator=gen),
+        loss_mask=torch.arange(n) % 3 != 0,
+        aux_hidden=torch.randn(n, 3 * target.hidden_size, generator=gen),
+        target_hidden=torch.randn(n, target.hidden_size, generator=gen),
+        cu_seqlens=torch.tensor([0, 10, 24]),
+    )
+    out = ttt_forward(head, batch, lm_head, steps=3)
+    top = (batch.target_hidden @ lm_head.T).argmax(-1)
+    usable = batch.loss_mask & head.t2d[top]
+    index = StepIndex.of(batch.cu_seqlens, n)
+    for i in range(3):
+        src, inside = index.source(i)
+        assert int(out.step_valid[i]) == int((inside & usable[src]).sum())
+    assert torch.isfinite(out.loss) and out.loss > 0
+    optim = torch.optim.Adam(head.parameters(), lr=3e-3)
+    first = float(out.loss.detach())
+    for _ in range(60):
+        optim.zero_grad()
+        loss = ttt_forward(head, batch, lm_head, steps=3).loss
+        loss.backward()
+        optim.step()
+    final = ttt_forward(head, batch, lm_head, steps=3)
+    assert float(final.loss) < 0.5 * first
+    assert final.step_acc[0] > 0.9 and final.simulated_tau > out.simulated_tau
+
+
+def test_step_index_bounds():
+    index = StepIndex.of(torch.tensor([0, 3, 4, 6]), 6)
+    src, inside = index.source(1)
+    assert index.local.tolist() == [0, 1, 2, 0, 0, 1]
+    assert inside.tolist() == [True, False, False, False, False, False]
+    assert src[0] == 2
+
+
+def test_paged_backend_is_the_serving_one():
+    """The engine's head uses the registered backend; TTT backends are not registered."""
+    assert get_attention_backend("torch").name == "torch"
+    assert not hasattr(TTTAttention, "name")

@@ -1,0 +1,182 @@
+"""``TrainConfig``: one YAML file per run (configs/train/), sections mapping one to one
+onto the dataclasses below; ``section.key=value`` overrides on the command line. Unknown
+sections or keys are errors that list the known ones."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _choice(section: str, key: str, value: str, options: tuple[str, ...]) -> None:
+    _require(value in options, f"{section}.{key}={value!r}; choose one of {' | '.join(options)}")
+
+
+def _at_least(section: str, obj: object, minimum: float, *keys: str) -> None:
+    for key in keys:
+        value = getattr(obj, key)
+        _require(value >= minimum, f"{section}.{key}={value} must be >= {minimum}")
+
+
+@dataclass
+class ModelSection:
+    target: str = "smollm2-135m-instruct"  # alias, HF dir, .gguf or hub name
+    vocab: str | None = None  # data_gen's vocab.safetensors (d2t/t2d) or its directory;
+    # None: vocab.safetensors next to data.path or in it
+    draft_vocab_size: int | None = None  # checked against the vocab file when both are set
+    aux_layer_ids: list[int] | None = None  # None: the dump's (offline) or EAGLE-3's default
+    init_head: str | None = None  # start from this head directory instead of a fresh one
+
+
+@dataclass
+class DataSection:
+    mode: str = "offline"  # offline: data_gen dump shards; online: the target runs in the loop
+    path: str = ""  # dump directory (offline) or regenerate directory (online)
+    max_tokens: int = 4096  # tokens per micro-batch (whole sequences packed)
+    max_seq_len: int = 2048  # longer sequences are cut (and counted)
+    eval_shards: int = 1  # offline: the manifest's last N shards form the held-out split
+    eval_records: int = 16  # online: the last N records form the held-out split
+    seed: int = 0  # shuffling of shards and of sequences within a shard
+
+    def __post_init__(self) -> None:
+        _choice("data", "mode", self.mode, ("offline", "online"))
+        _require(bool(self.path), "data.path is empty: set the dump (offline) or regenerate "
+                 "(online) directory")  # fmt: skip
+        _at_least("data", self, 2, "max_tokens", "max_seq_len")
+        _at_least("data", self, 0, "eval_shards", "eval_records")
+
+
+@dataclass
+class TTTSection:
+    steps: int = 7  # unrolled draft steps
+    decay: float = 0.8  # step i's loss weight is decay**i
+    attention: str = "auto"  # auto (flex on GPU, reference on CPU) | flex | reference
+
+    def __post_init__(self) -> None:
+        _at_least("ttt", self, 1, "steps")
+        _require(0 < self.decay <= 1, f"ttt.decay={self.decay} must be in (0, 1]")
+        _choice("ttt", "attention", self.attention, ("auto", "flex", "reference"))
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    grad_accum: int = 1  # micro-batches per optimizer step (per process)
+    warmup_steps: int = 100
+    max_steps: int = 10_000  # optimizer steps; the data repeats as needed
+    min_lr_ratio: float = 0.0  # the cosine ends at lr * min_lr_ratio
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        _at_least("optim", self, 1, "grad_accum", "max_steps")
+        _at_least("optim", self, 0, "warmup_steps", "grad_clip", "weight_decay", "min_lr_ratio")
+
+
+@dataclass
+class RunSection:
+    output_dir: str = "runs/eagle3"
+    seed: int = 0
+    mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
+    save_every: int = 1000  # optimizer steps between checkpoints
+    keep_last: int = 3
+    eval_every: int = 500
+    log_every: int = 10
+    wandb: str = "offline"  # offline | online | disabled (used only when wandb is installed)
+    wandb_project: str = "specdec"
+    resume: bool = True  # continue from the newest checkpoint in output_dir if any
+
+    def __post_init__(self) -> None:
+        _choice("run", "mixed_precision", self.mixed_precision, ("auto", "no", "bf16", "fp16"))
+        _choice("run", "wandb", self.wandb, ("offline", "online", "disabled"))
+        _at_least("run", self, 1, "save_every", "keep_last", "eval_every", "log_every")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    ttt: TTTSection = field(default_factory=TTTSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    # ---- loading ------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Nested dict (a YAML file) -> config; unknown sections or keys raise."""
+        sections = {f.name: f for f in fields(cls)}
+        unknown = set(data) - set(sections)
+        if unknown:
+            raise ValueError(
+                f"unknown config sections {sorted(unknown)}; known: {sorted(sections)}"
+            )
+        built = {}
+        for name in sections:
+            section_cls = get_type_hints(cls)[name]
+            values = data.get(name) or {}
+            if not isinstance(values, dict):
+                raise ValueError(f"config section {name!r} must be a mapping, got {values!r}")
+            known = {sf.name for sf in fields(section_cls)}
+            bad = set(values) - known
+            if bad:
+                raise ValueError(f"unknown keys {sorted(f'{name}.{k}' for k in bad)}; "
+                                 f"known in {name!r}: {sorted(known)}")  # fmt: skip
+            built[name] = section_cls(**_coerce(name, section_cls, values))
+        return cls(**built)
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+        """The YAML file (or the defaults) with ``section.key=value`` overrides applied;
+        values parse as YAML (``optim.lr=3e-4``, ``model.aux_layer_ids=[2,15,27]``)."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            loaded = yaml.safe_load(Path(path).read_text())
+            if loaded is not None and not isinstance(loaded, dict):
+                raise ValueError(f"{path}: a train config is a mapping of sections")
+            data = loaded or {}
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            parts = key.split(".")
+            if not sep or len(parts) != 2 or not all(parts):
+                raise ValueError(f"override {item!r} must look like section.key=value")
+            data.setdefault(parts[0], {})
+            if not isinstance(data[parts[0]], dict):
+                raise ValueError(f"override {item!r}: section {parts[0]!r} is not a mapping")
+            data[parts[0]][parts[1]] = yaml.safe_load(raw)
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(section: str, section_cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """YAML values -> the field types: lists become tuples where a tuple is wanted, and
+    numbers PyYAML leaves as strings (``3e-4``) become floats; anything else that does not
+    fit raises, naming the key."""
+    hints = get_type_hints(section_cls)
+    out = dict(values)
+    for key, value in values.items():
+        hint = str(hints[key])
+        if isinstance(value, list) and "tuple" in hint:
+            out[key] = tuple(value)
+        elif hint in ("float", "<class 'float'>") and isinstance(value, (int, str)):
+            try:
+                out[key] = float(value)
+            except ValueError:
+                raise ValueError(f"{section}.{key}={value!r} is not a number") from None
+        elif hint in ("int", "<class 'int'>") and not isinstance(value, int):
+            raise ValueError(f"{section}.{key}={value!r} must be an integer")
+        elif hint in ("bool", "<class 'bool'>") and not isinstance(value, bool):
+            raise ValueError(f"{section}.{key}={value!r} must be true or false")
+    return out

@@ -1,0 +1,124 @@
+"""What the trainer optimises: a fresh (or given) EAGLE-3 head wrapped in ``TTTModel``.
+
+The head is the serving module itself (``specdec.models.eagle3_head.Eagle3Head``) built
+with a TTT attention backend. The target's embedding and lm_head are frozen tensors held
+outside the module's parameters and buffers (so optimizers, DDP, DeepSpeed and checkpoints
+never see them): the embedding feeds the head's inputs, lm_head turns the target's final
+hidden states into labels.
+
+Init (EAGLE-3's): the head's lm_head rows are the target's lm_head rows of the kept ids;
+everything else is PyTorch's default init.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+from specdec.models import ModelConfig, load_config, resolve_model
+from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
+from specdec.train.ttt import PackedBatch, TTTOutput, ttt_forward
+from specdec.train.ttt_attention import TTTAttention, TTTFlexAttention
+
+
+@dataclass
+class TargetIO:
+    """The target's frozen input embedding and output head."""
+
+    config: ModelConfig
+    embed: torch.Tensor  # [vocab, hidden]
+    lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
+
+    @classmethod
+    def load(cls, target: str) -> TargetIO:
+        """Read only these two tensors from the target's safetensors (a GGUF or alias is
+        converted once into the specdec cache by ``resolve_model``)."""
+        resolved = resolve_model(target)
+        config = load_config(resolved)
+        directory = Path(resolved.hf_dir)
+        wanted = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+        for path in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                for key in wanted.keys() & set(f.keys()):
+                    wanted[key] = f.get_tensor(key)
+        embed = wanted["model.embed_tokens.weight"]
+        if embed is None:
+            raise ValueError(f"{directory} has no model.embed_tokens.weight")
+        lm_head = wanted["lm_head.weight"]
+        if lm_head is None:
+            if not config.tie_word_embeddings:
+                raise ValueError(f"{directory} has no lm_head.weight and does not tie it")
+            lm_head = embed
+        return cls(config, embed.float(), lm_head.float())
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> TargetIO:
+        return TargetIO(self.config, self.embed.to(device, dtype), self.lm_head.to(device, dtype))
+
+
+def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from data_gen's ``vocab.safetensors`` (a file or its directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "vocab.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no draft vocabulary at {path}; build it with `specdec data-gen vocab` and pass "
+            "model.vocab=<that file>"
+        )
+    tensors = load_file(str(path))
+    return tensors["d2t"].to(torch.int64), tensors["t2d"].to(torch.bool)
+
+
+def attention_backend(name: str, device: torch.device) -> TTTAttention:
+    """``auto``: FlexAttention's fused kernel on GPU, the reference elsewhere."""
+    if name == "flex" or (name == "auto" and device.type == "cuda"):
+        return TTTFlexAttention(compile=device.type == "cuda")
+    return TTTAttention()
+
+
+def build_head(
+    target: TargetIO,
+    target_name: str,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    aux_layer_ids: tuple[int, ...],
+    attention: TTTAttention,
+) -> Eagle3Head:
+    """A fresh head for ``target`` with the draft vocabulary (d2t, t2d) and EAGLE-3's
+    lm_head init."""
+    config = Eagle3Config.for_target(
+        target.config, d2t.shape[0], aux_layer_ids=aux_layer_ids, target_name=target_name
+    )
+    head = Eagle3Head(config, attention)
+    head.set_vocab_map(d2t, t2d)
+    kept = torch.arange(d2t.shape[0]) + d2t
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head[kept].to(head.lm_head.weight.dtype))
+    return head
+
+
+class TTTModel(nn.Module):
+    """``forward(batch) -> TTTOutput``: the whole unrolled objective in one module call,
+    as DDP and DeepSpeed want (one forward per backward)."""
+
+    def __init__(self, head: Eagle3Head, target: TargetIO, *, steps: int, decay: float) -> None:
+        super().__init__()
+        self.head = head
+        self.steps, self.decay = steps, decay
+        self.__dict__["target"] = target  # frozen, unregistered (module docstring)
+        head.bind_embedding(self._embed)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.__dict__["target"].embed)
+
+    def place_target(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.__dict__["target"] = self.__dict__["target"].to(device, dtype)
+
+    def forward(self, batch: PackedBatch) -> TTTOutput:
+        target: TargetIO = self.__dict__["target"]
+        return ttt_forward(self.head, batch, target.lm_head, steps=self.steps, decay=self.decay)

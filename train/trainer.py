@@ -1,0 +1,310 @@
+"""``train(config)``: the EAGLE-3 training loop, top to bottom.
+
+accelerate runs it on one process, DDP or DeepSpeed (ZeRO-2/3 configs in configs/) —
+``accelerate launch -m specdec.cli train-draft ...``. An optimizer step consumes
+``grad_accum`` micro-batches per process; clipping, AdamW, warmup + cosine. Checkpoints
+(``checkpoint.py``) are periodic and final; with ``run.resume`` a run restarts from its
+newest one and continues exactly (model, optimizer, schedule, data position, RNG). Logs go
+to ``<output_dir>/log.jsonl`` always, to wandb when installed (offline unless asked), and
+to a progress bar. The final head is written to ``<output_dir>/head`` in the project
+format, ready for ``specdec generate --draft eagle3 --draft-model <output_dir>/head``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from specdec.train import checkpoint
+from specdec.train.config import TrainConfig
+from specdec.train.data import OfflineShards, OnlineRecords, Schedule, Source
+from specdec.train.model import TargetIO, TTTModel, attention_backend, build_head, load_vocab
+from specdec.train.ttt import TTTOutput
+
+logger = logging.getLogger(__name__)
+
+# Test hook: SIGKILL this process right after optimizer step N (and its checkpoint, if one
+# is due) — a crash or a preempted node, for the kill-and-resume test.
+KILL_ENV = "SPECDEC_TRAIN_KILL_AFTER_STEP"
+
+
+@dataclass
+class Tally:
+    """Sums over micro-batches (device tensors until logged)."""
+
+    loss: torch.Tensor | float = 0.0
+    step_loss: torch.Tensor | float = 0.0  # sum of loss_i * valid_i
+    correct: torch.Tensor | float = 0.0
+    valid: torch.Tensor | float = 0.0
+    leading: torch.Tensor | float = 0.0  # sum of leading-correct runs over step-0 valid
+    valid0: torch.Tensor | float = 0.0
+    batches: int = 0
+    tokens: int = 0
+
+    def add(self, out: TTTOutput, tokens: int) -> None:
+        self.loss = self.loss + out.loss.detach()
+        self.step_loss = self.step_loss + out.step_losses * out.step_valid
+        self.correct = self.correct + out.step_correct
+        self.valid = self.valid + out.step_valid
+        self.leading = self.leading + out.leading_correct[out.valid0].sum()
+        self.valid0 = self.valid0 + out.valid0.sum()
+        self.batches += 1
+        self.tokens += tokens
+
+    def summary(self, accelerator, prefix: str) -> dict[str, Any]:
+        """Figures over every process (a collective call: all processes must call it)."""
+        device = accelerator.device
+        t = [torch.as_tensor(x, dtype=torch.float64, device=device).reshape(-1) for x in (
+            self.loss, self.step_loss, self.correct, self.valid, self.leading, self.valid0,
+            float(self.batches), float(self.tokens),
+        )]  # fmt: skip
+        sizes = [x.numel() for x in t]
+        flat = accelerator.reduce(torch.cat(t), reduction="sum").tolist()
+        parts, i = [], 0
+        for n in sizes:
+            parts.append(flat[i : i + n])
+            i += n
+        loss, step_loss, correct, valid, leading, valid0, batches, tokens = parts
+        out: dict[str, Any] = {
+            f"{prefix}loss": loss[0] / max(batches[0], 1),
+            f"{prefix}tokens": int(tokens[0]),
+            f"{prefix}simulated_tau": 1.0 + leading[0] / valid0[0] if valid0[0] else 1.0,
+        }
+        for k, (s, c, v) in enumerate(zip(step_loss, correct, valid, strict=False)):
+            out[f"{prefix}loss_{k}"] = s / v if v else float("nan")
+            out[f"{prefix}acc_{k}"] = c / v if v else float("nan")
+        return out
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine down to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(config: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) training; returns the final eval figures and paths."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    run, optim_cfg = config.run, config.optim
+    precision = run.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() else "no"
+    accelerator = Accelerator(mixed_precision=precision,
+                              gradient_accumulation_steps=optim_cfg.grad_accum)  # fmt: skip
+    set_seed(run.seed)
+    out_dir = Path(run.output_dir)
+    device = accelerator.device
+
+    target = TargetIO.load(config.model.target)
+    source = _source(config, target, device)
+    aux_ids = tuple(config.model.aux_layer_ids or source.aux_layer_ids)
+    if tuple(source.aux_layer_ids) != aux_ids:
+        raise ValueError(
+            f"model.aux_layer_ids={list(aux_ids)} but the data holds layers "
+            f"{list(source.aux_layer_ids)}; dump again with those ids or drop the override"
+        )
+    d2t, t2d = load_vocab(_vocab_path(config))
+    if config.model.draft_vocab_size not in (None, d2t.shape[0]):
+        raise ValueError(
+            f"model.draft_vocab_size={config.model.draft_vocab_size} but the vocab file keeps "
+            f"{d2t.shape[0]} ids; rebuild it with that size or drop the setting"
+        )
+    head = build_head(target, config.model.target, d2t, t2d, aux_ids,
+                      attention_backend(config.ttt.attention, device))  # fmt: skip
+    if config.model.init_head:
+        _load_init_head(head, config.model.init_head, target)
+    model = TTTModel(head, target, steps=config.ttt.steps, decay=config.ttt.decay)
+    model.place_target(device, torch.bfloat16 if precision == "bf16" else torch.float32)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay,
+    )  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_lambda(s, optim_cfg.warmup_steps, optim_cfg.max_steps, optim_cfg.min_lr_ratio),
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Stepped by hand once per optimizer step (accelerate would step it per process).
+    accelerator.register_for_checkpointing(scheduler)
+
+    state = checkpoint.TrainState()
+    resume_from = checkpoint.latest(out_dir) if run.resume else None
+    if resume_from is not None:
+        state = checkpoint.load(accelerator, resume_from)
+        logger.info("resumed from %s (step %d)", resume_from, state.step)
+    log = _Logger(accelerator, out_dir, config, resumed=resume_from is not None)
+
+    schedule = Schedule(source)
+    world = accelerator.num_processes
+    batches = schedule.iterate(state.consumed, accelerator.process_index, world)
+    bar = tqdm(total=optim_cfg.max_steps, initial=state.step, desc="train-draft", unit="step",
+               disable=not accelerator.is_local_main_process)  # fmt: skip
+    tally, t0 = Tally(), time.perf_counter()
+    evals: dict[str, Any] = {}
+    if state.step == 0:  # the fresh head's figures: the baseline every later eval beats
+        log.write(0, evaluate(model, source, accelerator))
+    kill_after = int(os.environ.get(KILL_ENV, "0"))
+    model.train()
+    while state.step < optim_cfg.max_steps:
+        for _ in range(optim_cfg.grad_accum):
+            _, batch = next(batches)
+            batch = batch.to(device)
+            with accelerator.accumulate(model):
+                out = model(batch)
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients and optim_cfg.grad_clip > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad()
+            tally.add(out, batch.num_tokens)
+        scheduler.step()
+        state.step += 1
+        state.consumed += optim_cfg.grad_accum * world
+        bar.update(1)
+        if state.step % run.log_every == 0 or state.step == optim_cfg.max_steps:
+            figures = tally.summary(accelerator, "train/")
+            seconds = time.perf_counter() - t0
+            figures["train/tokens_per_s"] = figures["train/tokens"] / max(seconds, 1e-9)
+            figures["lr"] = scheduler.get_last_lr()[0]
+            state.tokens += figures["train/tokens"]
+            log.write(state.step, figures)
+            bar.set_postfix(loss=f"{figures['train/loss']:.3f}",
+                            acc0=f"{figures['train/acc_0']:.2f}",
+                            tok_s=f"{figures['train/tokens_per_s']:,.0f}")  # fmt: skip
+            tally, t0 = Tally(), time.perf_counter()
+        if state.step % run.eval_every == 0 or state.step == optim_cfg.max_steps:
+            evals = evaluate(model, source, accelerator)
+            log.write(state.step, evals)
+            model.train()
+        if state.step % run.save_every == 0 or state.step == optim_cfg.max_steps:
+            checkpoint.save(accelerator, out_dir, state, config.to_dict(), run.keep_last)
+        if state.step == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    bar.close()
+    head_dir = _save_head(accelerator, model, out_dir)
+    log.close()
+    return {"step": state.step, "head": str(head_dir), **evals}
+
+
+def evaluate(model, source: Source, accelerator) -> dict[str, Any]:
+    """Held-out loss_i, acc_i and simulated τ (each process takes every world-th batch)."""
+    plan = source.eval_plan()
+    tally = Tally()
+    model.eval()
+    with torch.no_grad():
+        for ref in plan[accelerator.process_index :: accelerator.num_processes]:
+            batch = source.load(ref).to(accelerator.device)
+            tally.add(model(batch), batch.num_tokens)
+    return tally.summary(accelerator, "eval/")
+
+
+def _source(config: TrainConfig, target: TargetIO, device: torch.device) -> Source:
+    data = config.data
+    if data.mode == "offline":
+        return OfflineShards(data.path, max_tokens=data.max_tokens, max_seq_len=data.max_seq_len,
+                             eval_shards=data.eval_shards, seed=data.seed)  # fmt: skip
+    from specdec.data_gen.target import TargetForward
+
+    # float32 states, as an fp32 dump would hold (autocast still runs the head in bf16).
+    forward = TargetForward(
+        config.model.target, device=device, dtype=torch.float32,
+        aux_layer_ids=config.model.aux_layer_ids, max_seq_len=data.max_seq_len,
+    )  # fmt: skip
+    return OnlineRecords(data.path, forward, max_tokens=data.max_tokens,
+                         max_seq_len=data.max_seq_len, eval_records=data.eval_records,
+                         seed=data.seed, vocab_size=target.config.vocab_size)  # fmt: skip
+
+
+def _vocab_path(config: TrainConfig) -> Path:
+    if config.model.vocab:
+        return Path(config.model.vocab)
+    data = Path(config.data.path)
+    for candidate in (data / "vocab.safetensors", data.parent / "vocab.safetensors"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"no vocab.safetensors in {data} or {data.parent}; build one with `specdec data-gen "
+        "vocab` and pass model.vocab=<path>"
+    )
+
+
+def _load_init_head(head, directory: str, target: TargetIO) -> None:
+    from specdec.models.eagle3_formats import load_eagle3
+
+    init = load_eagle3(directory, target_config=target.config)
+    if init.config.draft_vocab_size != head.config.draft_vocab_size:
+        raise ValueError(
+            f"model.init_head has a {init.config.draft_vocab_size}-token draft vocab; the run's "
+            f"vocab file keeps {head.config.draft_vocab_size}"
+        )
+    head.load_state_dict(init.state_dict())
+
+
+def _save_head(accelerator, model, out_dir: Path) -> Path:
+    """The final head in the project format, written to a temporary directory and renamed."""
+    import shutil
+
+    from specdec.models.eagle3_formats import save_eagle3
+
+    final = out_dir / "head"
+    state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
+    if accelerator.is_main_process:
+        head = accelerator.unwrap_model(model).head
+        head.load_state_dict({k.removeprefix("head."): v for k, v in state.items()})
+        tmp = out_dir / "head.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_eagle3(head, tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+class _Logger:
+    """JSONL always (main process); wandb when installed and not disabled."""
+
+    def __init__(self, accelerator, out_dir: Path, config: TrainConfig, resumed: bool) -> None:
+        self.main = accelerator.is_main_process
+        self.file = None
+        self.wandb = None
+        if not self.main:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.file = (out_dir / "log.jsonl").open("a" if resumed else "w")
+        if config.run.wandb != "disabled":
+            try:
+                import wandb
+            except ImportError:
+                return
+            self.wandb = wandb.init(project=config.run.wandb_project, dir=str(out_dir),
+                                    mode=config.run.wandb, config=config.to_dict(),
+                                    resume="allow")  # fmt: skip
+
+    def write(self, step: int, figures: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        assert self.file is not None
+        self.file.write(json.dumps({"step": step, **figures}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(figures, step=step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()

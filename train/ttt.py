@@ -1,0 +1,186 @@
+"""EAGLE-3's training-time test (TTT): the head unrolled over its own draft steps.
+
+Alignment (EAGLE's, the same as ``specdec.spec.eagle3`` at inference). Sequences are
+packed: global index ``n`` is token ``t`` of its sequence. Step ``i`` (0 .. steps-1) at
+``n`` plays a depth-``i+1`` draft from the root ``x[t+1]``:
+
+- input token ``x[t+1+i]``; input hidden ``fc(aux[t])`` at step 0, else step ``i-1``'s
+  pre-norm output at ``n``; RoPE position ``t + i``;
+- label: the target's next-token distribution at ``t+1+i`` restricted to the draft
+  vocabulary (softmax of the target's logits over the kept ids), i.e. it predicts
+  ``x[t+2+i]``;
+- attention: step 0's keys at indices ``<= t`` of the same sequence (the catch-up entries
+  a request holds at inference) plus steps ``1..i``'s keys at ``n`` itself (its ancestors
+  in a chain draft) — ``ttt_attention.ttt_visible`` states this rule once;
+- valid iff ``t+1+i`` lies inside the sequence, ``loss_mask[t+1+i]`` and the target's
+  argmax at ``t+1+i`` is a kept id (``t2d``): a head cannot be asked for a token it
+  cannot emit.
+
+Loss: sum over steps of ``decay**i`` x (soft cross-entropy against the label, averaged
+over the step's valid positions). ``acc_i``: fraction of step ``i``'s valid positions where
+the head's argmax equals the target's. With greedy target data, a chain drafted from
+``x[t+1]`` accepts exactly the leading run of correct steps at ``n``, so ``simulated τ`` =
+1 + the mean leading run over positions valid at step 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.train.ttt_attention import TTTCache, TTTMeta
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch of packed sequences (padding, if any, is a final pseudo-sequence
+    whose loss mask is all False)."""
+
+    input_ids: torch.Tensor  # [n] int64
+    loss_mask: torch.Tensor  # [n] bool: assistant tokens
+    aux_hidden: torch.Tensor  # [n, 3 * hidden]: the target's aux residual streams
+    target_hidden: torch.Tensor  # [n, hidden]: the target's final-normed hidden states
+    cu_seqlens: torch.Tensor  # [num_seqs + 1] int64: sequence boundaries
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(
+            *(t.to(device, non_blocking=True) for t in (
+                self.input_ids, self.loss_mask, self.aux_hidden, self.target_hidden,
+                self.cu_seqlens,
+            ))
+        )  # fmt: skip
+
+
+@dataclass
+class StepIndex:
+    """Where step ``i`` reads its token and label (``PackedBatch`` indices)."""
+
+    seq_ids: torch.Tensor  # [n] int64: sequence of each index
+    local: torch.Tensor  # [n] int64: index within its sequence (t)
+    seq_end: torch.Tensor  # [n] int64: global index one past the sequence's last token
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, n: int) -> StepIndex:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device),
+                                          lengths, output_size=n)  # fmt: skip
+        local = torch.arange(n, device=lengths.device) - cu_seqlens[seq_ids]
+        return cls(seq_ids, local, cu_seqlens[1:][seq_ids])
+
+    def source(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index of ``x[t+1+i]`` clamped into the batch [n], whether it exists [n])."""
+        n = self.seq_ids.shape[0]
+        src = torch.arange(n, device=self.seq_ids.device) + 1 + i
+        inside = src < self.seq_end
+        return torch.where(inside, src, torch.zeros_like(src)), inside
+
+
+@dataclass
+class TTTOutput:
+    """Per-step figures stay on the device (no host sync in the training step)."""
+
+    loss: torch.Tensor  # scalar: sum_i decay**i * loss_i (the one that carries gradients)
+    step_losses: torch.Tensor  # [steps] float32, detached
+    step_correct: torch.Tensor  # [steps] int64: valid positions where argmax matches
+    step_valid: torch.Tensor  # [steps] int64: valid positions
+    leading_correct: torch.Tensor  # [n] int64: correct steps in a row from step 0
+    valid0: torch.Tensor  # [n] bool: positions valid at step 0
+
+    @property
+    def step_acc(self) -> list[float]:
+        """acc_i (nan for a step without valid positions)."""
+        pairs = zip(self.step_correct.tolist(), self.step_valid.tolist(), strict=True)
+        return [c / v if v else float("nan") for c, v in pairs]
+
+    @property
+    def simulated_tau(self) -> float:
+        """1 + mean leading run of correct steps over step-0-valid positions."""
+        runs = self.leading_correct[self.valid0]
+        return 1.0 + float(runs.float().mean()) if runs.numel() else 1.0
+
+
+@dataclass
+class DraftStep:
+    """One unrolled step's outputs over the whole batch."""
+
+    step: int
+    source: torch.Tensor  # [n] int64: index of the step's input token x[t+1+i] (clamped)
+    inside: torch.Tensor  # [n] bool: x[t+1+i] exists in the sequence
+    logits: torch.Tensor  # [n, draft_vocab] float32
+
+
+def unroll(head, batch: PackedBatch, steps: int) -> Iterator[DraftStep]:
+    """Run the head's ``steps`` draft steps over ``batch`` (alignment: module docstring).
+    ``head`` is an ``Eagle3Head`` whose attention backend is a TTT one, embedding bound."""
+    index = StepIndex.of(batch.cu_seqlens, batch.num_tokens)
+    hidden = head.fuse(batch.aux_hidden.to(head.fc.weight.dtype))  # [n, hidden]
+    cache = TTTCache()
+    for i in range(steps):
+        src, inside = index.source(i)
+        meta = TTTMeta(index.seq_ids, i)
+        hidden, logits = head(batch.input_ids[src], hidden, index.local + i, (cache, cache), meta)
+        yield DraftStep(i, src, inside, logits)
+
+
+def ttt_forward(
+    head,
+    batch: PackedBatch,
+    target_lm_head: torch.Tensor,  # [vocab, hidden]: the target's (frozen) output weights
+    *,
+    steps: int = 7,
+    decay: float = 0.8,
+) -> TTTOutput:
+    """The TTT objective: weighted loss and per-step accuracy (module docstring)."""
+    n = batch.num_tokens
+    kept = head.d2t + torch.arange(head.d2t.shape[0], device=head.d2t.device)  # [draft_vocab]
+    with torch.no_grad():
+        target_top = _argmax_logits(batch.target_hidden, target_lm_head)  # [n] target ids
+        label_weight = target_lm_head.index_select(0, kept)  # [draft_vocab, hidden]
+        usable = batch.loss_mask & head.t2d[target_top]  # [n]
+    device = batch.input_ids.device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    losses, corrects, counts = [], [], []
+    correct_run = torch.ones(n, dtype=torch.bool, device=device)
+    leading = torch.zeros(n, dtype=torch.int64, device=device)
+    valid0 = torch.zeros(n, dtype=torch.bool, device=device)
+    for out in unroll(head, batch, steps):
+        valid = out.inside & usable[out.source]  # [n]
+        if out.step == 0:
+            valid0 = valid
+        with torch.no_grad():
+            hidden = batch.target_hidden[out.source].to(label_weight.dtype)
+            target_p = torch.softmax((hidden @ label_weight.T).float(), dim=-1)  # [n, V_d]
+        per_pos = -(target_p * F.log_softmax(out.logits, dim=-1)).sum(-1)  # [n]
+        count = valid.sum()
+        loss_i = (per_pos * valid).sum() / count.clamp(min=1)
+        total = total + decay**out.step * loss_i
+        with torch.no_grad():
+            correct = (out.logits.argmax(-1) == target_p.argmax(-1)) & valid
+            correct_run &= correct
+            leading += correct_run.long()
+        losses.append(loss_i.detach())
+        corrects.append(correct.sum())
+        counts.append(count)
+    return TTTOutput(
+        total, torch.stack(losses), torch.stack(corrects), torch.stack(counts), leading, valid0
+    )
+
+
+def _argmax_logits(
+    hidden: torch.Tensor,  # [n, hidden]
+    lm_head: torch.Tensor,  # [vocab, hidden]
+    chunk: int = 4096,
+) -> torch.Tensor:  # [n] int64
+    """argmax of ``hidden @ lm_head.T`` in row chunks (full-vocab logits of a long batch
+    would not fit in memory at once)."""
+    out = []
+    for lo in range(0, hidden.shape[0], chunk):
+        out.append((hidden[lo : lo + chunk].to(lm_head.dtype) @ lm_head.T).argmax(-1))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.int64)

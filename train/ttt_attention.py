@@ -1,0 +1,143 @@
+"""Attention of the unrolled TTT steps (rule: ``ttt_visible``; alignment: ``ttt.py``).
+
+The head's ``Attention`` module calls its backend exactly as at inference —
+``forward(q, k, v, k_cache, v_cache, meta, scale)`` — so training runs the very modules the
+engine serves. Here the "cache" is a ``TTTCache`` holding every step's K/V so far and
+``meta`` a ``TTTMeta``; the backend appends the step's K/V and attends.
+
+Two implementations with equal results: ``TTTAttention`` (reference, any device: causal
+attention per sequence for step 0, then the diagonal keys of steps 1..i merged through
+log-sum-exps) and ``TTTFlexAttention`` (GPU: one FlexAttention call over the steps' keys
+concatenated, with a block mask built from ``ttt_visible``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.attention.base import AttentionBackend
+
+
+def ttt_visible(
+    q_seq: torch.Tensor,  # sequence id of the query
+    q_idx: torch.Tensor,  # global (packed) index of the query
+    k_step: torch.Tensor,  # step that wrote the key (0 .. i)
+    k_seq: torch.Tensor,  # sequence id of the key
+    k_idx: torch.Tensor,  # global index of the key
+) -> torch.Tensor:  # bool, the arguments broadcast together
+    """Whether a step-``i`` query sees a key: step-0 keys of its sequence at or before it
+    (the catch-up entries), and keys at its own index from steps 1..i (its ancestors in a
+    chain draft). Elementwise, so it serves dense masks and FlexAttention's mask_mod."""
+    causal = (k_step == 0) & (k_seq == q_seq) & (k_idx <= q_idx)
+    diagonal = (k_step > 0) & (k_idx == q_idx)
+    return causal | diagonal
+
+
+@dataclass
+class TTTMeta:
+    """The attention metadata of one TTT step (passed where inference passes
+    ``AttentionMetadata``)."""
+
+    seq_ids: torch.Tensor  # [n] int64: packed sequence of each index
+    step: int
+
+
+@dataclass
+class TTTCache:
+    """Every step's keys and values so far ([n, kv_heads, head_dim] each), in the place
+    of a paged cache."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+class TTTAttention(AttentionBackend):
+    """Reference: step 0 is causal attention within each sequence; each later step adds
+    its diagonal keys by merging log-sum-exps, so memory stays linear in the steps.
+    Differentiable; any device. Not registered for serving (no ``name``)."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        cache: TTTCache = k_cache
+        cache.keys.append(k)
+        cache.values.append(v)
+        group = q.shape[1] // k.shape[1]
+        out0, lse0 = _causal_by_sequence(q, cache.keys[0], cache.values[0], meta.seq_ids, scale)
+        if len(cache.keys) == 1:
+            return out0
+        ks = torch.stack(cache.keys[1:], dim=2).repeat_interleave(group, dim=1)  # [n,h,i,d]
+        vs = torch.stack(cache.values[1:], dim=2).repeat_interleave(group, dim=1)
+        s = torch.einsum("nhd,nhjd->nhj", q.float(), ks.float()) * scale  # [n, h, i]
+        lse = torch.logsumexp(torch.cat([lse0.unsqueeze(-1), s], dim=-1), dim=-1)  # [n, h]
+        w0 = torch.exp(lse0 - lse).unsqueeze(-1)  # [n, h, 1]
+        ws = torch.exp(s - lse.unsqueeze(-1))  # [n, h, i]
+        out = w0 * out0.float() + torch.einsum("nhj,nhjd->nhd", ws, vs.float())
+        return out.to(q.dtype)
+
+
+def _causal_by_sequence(
+    q: torch.Tensor,  # [n, heads, d]
+    k: torch.Tensor,  # [n, kv_heads, d]
+    v: torch.Tensor,  # [n, kv_heads, d]
+    seq_ids: torch.Tensor,  # [n], non-decreasing
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [n, heads, d], log-sum-exp [n, heads] fp32
+    group = q.shape[1] // k.shape[1]
+    starts = torch.nonzero(torch.diff(seq_ids, prepend=seq_ids[:1] - 1)).flatten().tolist()
+    bounds = [*starts, q.shape[0]]
+    outs, lses = [], []
+    for lo, hi in itertools.pairwise(bounds):
+        qs = q[lo:hi].transpose(0, 1).float()  # [h, t, d]
+        ks = k[lo:hi].repeat_interleave(group, dim=1).transpose(0, 1).float()
+        vs = v[lo:hi].repeat_interleave(group, dim=1).transpose(0, 1).float()
+        scores = torch.einsum("htd,hsd->hts", qs, ks) * scale
+        future = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [h, t]
+        outs.append(torch.einsum("hts,hsd->htd", torch.exp(scores - lse[..., None]), vs))
+        lses.append(lse)
+    out = torch.cat(outs, dim=1).transpose(0, 1)  # [n, h, d]
+    return out.to(q.dtype), torch.cat(lses, dim=1).transpose(0, 1)
+
+
+class TTTFlexAttention(TTTAttention):
+    """GPU path: one FlexAttention call per step over the keys of steps 0..i
+    concatenated ([(i+1) * n]), with a block mask from ``ttt_visible``; the blocks
+    outside step 0's causal band and the steps' diagonals are skipped. ``compile`` runs
+    FlexAttention's fused kernel (eager FlexAttention is a slow reference)."""
+
+    def __init__(self, compile: bool = True) -> None:
+        self.compile = compile
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        cache: TTTCache = k_cache
+        cache.keys.append(k)
+        cache.values.append(v)
+        n = q.shape[0]
+        seq = meta.seq_ids
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            key = kv_idx % n
+            return ttt_visible(seq[q_idx], q_idx, kv_idx // n, seq[key], key)
+
+        num_keys = len(cache.keys) * n
+        block_mask = create_block_mask(mask_mod, None, None, n, num_keys, device=q.device)
+        keys = torch.cat(cache.keys).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, d]
+        values = torch.cat(cache.values).transpose(0, 1).unsqueeze(0)
+        out = _flex(self.compile)(
+            q.transpose(0, 1).unsqueeze(0), keys, values, block_mask=block_mask, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        return out[0].transpose(0, 1)  # [n, heads, d]
+
+
+@functools.cache
+def _flex(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
