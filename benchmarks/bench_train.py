@@ -1,7 +1,7 @@
 """EAGLE-3 training throughput: tokens/s and model-FLOP utilisation of one training step.
 
 One optimizer step of the real objective (``specdec.train.ttt.ttt_forward`` through
-``TTTModel``: the serving head with FlexAttention TTT attention, 7 unrolled steps, AdamW,
+``TTTModel``: the serving head with TTT attention (--attention), 7 unrolled steps, AdamW,
 bf16 autocast as accelerate runs it) on random target states, for a head shaped for
 SmolLM2-135M and one shaped for Llama-3-8B (hidden 4096, vocab 128,256, draft vocab
 32,000). The card's bf16 matmul rate is measured in the same run; utilisation = model

@@ -9,6 +9,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# train/, data_gen/ and serve/ import as specdec.* only through the package-dir mapping of
+# an install (PYTHONPATH alone finds specdec/ but not them).
+python3 -c "import specdec.train" 2>/dev/null || \
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 for f in .gpu/*/*.part*; do [ -f "$f" ] && cp "$f" /tmp/gguf/; done
 export SMOLLM2_GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$SMOLLM2_GGUF" ] && [ -f /tmp/gguf/smollm2.gguf.part00 ] && [ -f /tmp/gguf/smollm2.gguf.part01 ]; then
