@@ -37,6 +37,7 @@ from specdec.kernels.launch import (
     require_last_dim_contiguous,
     require_launchable,
 )
+from specdec.kernels.split_k import merge_partial
 
 __all__ = [
     "DecodeConfig",
@@ -199,12 +200,7 @@ def _decode_combine_kernel(
         a_s = tl.load(
             part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0
         )
-        m_new = tl.maximum(m_i, m_s)
-        alpha = tl.exp2(m_i - m_new)
-        beta = tl.exp2(m_s - m_new)
-        l_i = l_i * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        m_i = m_new
+        m_i, l_i, acc = merge_partial(m_i, l_i, acc, m_s, l_s, a_s)
     # l_i is 0 only if no split ran (seq_len 0, outside the contract): write 0, not NaN.
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(

@@ -53,6 +53,7 @@ from specdec.kernels.launch import (
     require_last_dim_contiguous,
     require_launchable,
 )
+from specdec.kernels.split_k import merge_partial
 
 __all__ = [
     "PrefillConfig",
@@ -188,6 +189,30 @@ def _attend_tile(
 
 
 @triton.jit
+def _tile_rows(
+    tile,
+    kvh,
+    seq,
+    query_start_loc_ptr,
+    GROUP: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The rows of one (query tile, KV head, sequence) program: ``tokens_per_tile`` tokens
+    x ``group`` query heads. Returns (q_start, q_len, first_tok, tok [BLOCK_M] token index
+    in the sequence, head [BLOCK_M] query head, row_mask [BLOCK_M], row_off [BLOCK_M]
+    packed token index)."""
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_tok = tile * TOKENS_PER_TILE
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = first_tok + offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_mask = (offs_m < TOKENS_PER_TILE * GROUP) & (tok < q_len)
+    return q_start, q_len, first_tok, tok, head, row_mask, (q_start + tok).to(tl.int64)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -228,22 +253,17 @@ def _prefill_kernel(
     split = tl.program_id(0) % num_splits
     kvh = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    first_tok = tile * TOKENS_PER_TILE
+    _, q_len, first_tok, tok, head, row_mask, row_off = _tile_rows(
+        tile, kvh, seq, query_start_loc_ptr, GROUP, TOKENS_PER_TILE, BLOCK_M
+    )
     if first_tok >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len  # absolute position of query 0
 
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
-    tok = first_tok + offs_m // GROUP  # [BLOCK_M] token index within the sequence
-    head = kvh * GROUP + offs_m % GROUP  # [BLOCK_M] query head
-    row_mask = (offs_m < TOKENS_PER_TILE * GROUP) & (tok < q_len)
-    row_off = (q_start + tok).to(tl.int64)
     io_mask = row_mask[:, None] & d_mask[None, :]
     q = tl.load(
         q_ptr + row_off[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -326,12 +346,11 @@ def _prefill_combine_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Merge the split programs' partials of one (query tile, KV head, sequence)."""
-    tile = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    first_tok = tile * TOKENS_PER_TILE
+    _, q_len, first_tok, _, head, row_mask, row_off = _tile_rows(
+        tl.program_id(0), kvh, seq, query_start_loc_ptr, GROUP, TOKENS_PER_TILE, BLOCK_M
+    )
     if first_tok >= q_len:
         return
     ctx = tl.load(seq_lens_ptr + seq) - q_len
@@ -339,12 +358,7 @@ def _prefill_combine_kernel(
     split_len = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N  # as the kernel's
     ran = tl.cdiv(kv_hi, split_len)  # the splits whose programs wrote this tile
 
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    tok = first_tok + offs_m // GROUP
-    head = kvh * GROUP + offs_m % GROUP
-    row_mask = (offs_m < TOKENS_PER_TILE * GROUP) & (tok < q_len)
-    row_off = (q_start + tok).to(tl.int64)
     io_mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -356,12 +370,7 @@ def _prefill_combine_kernel(
         a_s = tl.load(
             part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0
         )
-        m_new = tl.maximum(m_i, m_s)
-        alpha = tl.exp2(m_i - m_new)
-        beta = tl.exp2(m_s - m_new)
-        l_i = l_i * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        m_i = m_new
+        m_i, l_i, acc = merge_partial(m_i, l_i, acc, m_s, l_s, a_s)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
