@@ -1,19 +1,22 @@
 """Speculative decoding through the specdec engine, against plain decoding measured in the
-same run.
+same run: the variants below on chat prompts, for checking the machinery on the GPU.
+``specdec bench`` (``specdec.bench``, which this script is a thin front end of) is the
+product version: benchmark sets, sweeps, per-prompt figures, peers.
 
 For each variant (``plain``, or a ``SpeculativeConfig``) one ``LLM`` is built, and for each
 batch size ``batch`` chat prompts (``tests/prompts.py``'s ``varied_conversations``, or
 ``--prompts FILE.jsonl``, rendered with the tokenizer's chat template; batch b takes the
 first b, cycling if fewer) are submitted together, greedy, EOS ignored, final-only outputs
-(as ``LLM.generate`` runs them). ``engine.step()`` runs until no request is unfinished.
-The timed region is the whole generation, from submitting the first request to the last
-one finishing: prefill included, so tokens/s = batch x max_tokens / seconds is what a
-user of the engine gets. On CUDA the device is synchronised at both ends.
+(as ``LLM.generate`` runs them). The timed region is the whole generation, from
+submitting the first request to the last one finishing: prefill included, so tokens/s =
+batch x max_tokens / seconds is what a user of the engine gets.
 
-Per (variant, batch): one untimed warm-up generation (max_tokens 16), then ``--repeats``
-timed ones; seconds are their median. speedup = the variant's tokens/s / plain's at the
-same batch size (plain is always measured first). Prefix caching is off, so repeats redo
-the prefill.
+The plain engine lives for the whole run. Per (variant, batch): one untimed warm-up
+generation (max_tokens 16) of each, then ``--repeats`` rounds that each time the variant
+and plain decoding, interleaved (``specdec.bench.measure``); tokens/s are medians.
+speedup = the variant's tokens/s / the tokens/s of the plain runs interleaved with it
+(``plain_tokens_per_s`` in the JSON); the ``plain`` rows report every plain run at that
+batch size. Prefix caching is off, so repeats redo the prefill.
 
 Speculation counters come from ``engine.spec_stats`` (reset before each timed run, merged
 over the timed runs). A step is one verification of one request's draft: τ = tokens
@@ -22,9 +25,9 @@ tokens. Steps where the proposer has no draft (an n-gram without a match) decode
 and are not counted. "steps" is verify steps per timed run, summed over requests.
 
 Losslessness: every timed run's greedy output ids are compared with plain decoding's
-(first timed run, same batch); "identical" is the fraction of requests whose outputs are
-equal token for token (MISMATCH flags a variant below 100%). In fp32 they must all be
-equal; in bf16, batching the target's tokens differently may rarely flip an argmax.
+(the first plain run interleaved with it); "identical" is the fraction of requests whose
+outputs are equal token for token (MISMATCH flags a variant below 100%). In fp32 they must
+all be equal; in bf16, batching the target's tokens differently may rarely flip an argmax.
 
 Variants: ``ngram-k3``/``-k5`` (prompt lookup, chains of 3/5); ``oracle-k3``/``-k5``
 (draft_model = the target itself: every draft token is accepted, so τ = K+1 except where
@@ -47,10 +50,8 @@ import gc
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,12 +63,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import common
 from prompts import varied_conversations
 
-from specdec import LLM, SamplingParams
+from specdec import LLM
+from specdec.bench.driver import Run, RunParams
+from specdec.bench.env import env_info, git_commit
+from specdec.bench.measure import Agreement, Timing, measure_engines, merged_stats
+from specdec.bench.runner import build_llm as build_bench_llm
+from specdec.bench.runner import encode
+from specdec.bench.sets.jsonl import read_prompt_file
 from specdec.config import SpeculativeConfig
-from specdec.sampling_params import RequestOutputKind
-from specdec.spec.metrics import SpecStats
 
-WARMUP_TOKENS = 16
 _TREE = {"tree": "dynamic", "top_k": 8, "num_speculative_tokens": 5, "total_tokens": 64}
 # name -> (method, SpeculativeConfig keywords other than method/model); plain is None.
 VARIANTS: dict[str, tuple[str, dict[str, Any]] | None] = {
@@ -111,7 +115,8 @@ class SpecRow:
     prompt_tokens: int  # of the whole batch
     seconds: float | None = None  # median whole generation
     tokens_per_s: float | None = None
-    speedup: float | None = None  # vs plain at the same batch size
+    speedup: float | None = None  # vs the plain runs interleaved with it
+    plain_tokens_per_s: float | None = None  # those plain runs
     tau: float | None = None  # None for plain
     tau_expected: float | None = None  # oracle variants: τ if every draft is accepted
     acceptance_rates: list[float] = field(default_factory=list)
@@ -128,60 +133,7 @@ class SpecRow:
     note: str = ""
 
 
-@dataclass
-class RunResult:
-    seconds: float
-    token_ids: list[list[int]]  # per request, in submission order
-    stats: SpecStats
-    engine_steps: int
-    graph_steps: int  # target forwards replayed from a CUDA graph (the rest ran eagerly)
-    draft_graph_steps: int  # proposals replayed from the proposer's growth graphs
-
-
 # ---------------------------------------------------------------------------- measuring
-
-
-def generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> RunResult:
-    """Submit every prompt, step until all finish; the timed region covers both."""
-    engine = llm.engine
-    params = SamplingParams(
-        temperature=0,
-        max_tokens=max_tokens,
-        ignore_eos=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,  # as LLM.generate runs requests
-    )
-    engine.spec_stats = SpecStats()
-    steps0 = engine.num_steps
-    replays0, draft_replays0 = _graph_replays(engine), _draft_graph_replays(engine)
-    results: dict[str, list[int]] = {}
-    common.synchronize(engine.runner.device)
-    t0 = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
-    common.synchronize(engine.runner.device)
-    seconds = time.perf_counter() - t0
-    return RunResult(
-        seconds=seconds,
-        token_ids=[results[i] for i in ids],
-        stats=engine.spec_stats,
-        engine_steps=engine.num_steps - steps0,
-        graph_steps=_graph_replays(engine) - replays0,
-        draft_graph_steps=_draft_graph_replays(engine) - draft_replays0,
-    )
-
-
-def _graph_replays(engine) -> int:
-    graphs = engine.runner.graphs
-    return sum(graphs.num_replays.values()) if graphs is not None else 0
-
-
-def _draft_graph_replays(engine) -> int:
-    grower = getattr(engine.proposer, "grower", None)
-    graphs = getattr(grower, "graphs", None)
-    return graphs.num_replays if graphs is not None else 0
 
 
 def expected_oracle_tau(max_tokens: int, depth: int) -> float:
@@ -197,59 +149,38 @@ def expected_oracle_tau(max_tokens: int, depth: int) -> float:
     return left / (full + 1)
 
 
-def compare(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, int | None]:
-    """(requests equal to the reference, smallest index where any differs)."""
-    same, first = 0, None
-    for out, ref in zip(outputs, reference, strict=True):
-        if out == ref:
-            same += 1
-            continue
-        at = next(
-            (i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b),
-            min(len(out), len(ref)),
-        )
-        first = at if first is None else min(first, at)
-    return same, first
-
-
-def measure_batch(
-    llm: LLM,
+def make_row(
     variant: str,
     prompts: list[list[int]],
+    runs: list[Run],
+    plain_runs: list[Run],
     opts: Options,
-    reference: dict[int, list[list[int]]],
-    plain_rate: dict[int, float],
+    spec: SpeculativeConfig | None,
 ) -> SpecRow:
-    batch = len(prompts)
-    generate(llm, prompts, min(WARMUP_TOKENS, opts.max_tokens))  # warm-up
-    runs = [generate(llm, prompts, opts.max_tokens) for _ in range(opts.repeats)]
-    if variant == "plain":
-        reference[batch] = runs[0].token_ids
-    stats = SpecStats()
-    for r in runs:
-        stats.merge(r.stats)
-    seconds = statistics.median(r.seconds for r in runs)
-    out_tokens = statistics.median(sum(len(t) for t in r.token_ids) for r in runs)
-    rate = out_tokens / seconds
-    if variant == "plain":
-        plain_rate[batch] = rate
+    """The row of ``runs`` (the variant's), against the plain runs interleaved with them."""
+    timing, plain = Timing.of(runs), Timing.of(plain_runs)
+    stats = merged_stats(runs)
+    agreement = Agreement.of(runs, plain_runs[0].token_ids)
     row = SpecRow(
         variant=variant,
-        batch_size=batch,
+        batch_size=len(prompts),
         max_tokens=opts.max_tokens,
         prompt_tokens=sum(len(p) for p in prompts),
-        seconds=seconds,
-        tokens_per_s=rate,
-        speedup=rate / plain_rate[batch] if batch in plain_rate else None,
-        engine_steps=statistics.mean(r.engine_steps for r in runs),
-        graph_steps=statistics.mean(r.graph_steps for r in runs),
-        draft_graph_steps=statistics.mean(r.draft_graph_steps for r in runs),
+        seconds=statistics.median(timing.seconds),
+        tokens_per_s=timing.tokens_per_s,
+        speedup=timing.tokens_per_s / plain.tokens_per_s,
+        plain_tokens_per_s=plain.tokens_per_s,
+        engine_steps=timing.engine_steps,
+        graph_steps=timing.graph_steps,
+        draft_graph_steps=timing.draft_graph_steps,
         spec_steps=stats.steps / len(runs),
         drafted_tokens=stats.drafted_tokens / len(runs),
         accepted_tokens=stats.accepted_tokens / len(runs),
-        all_seconds=[r.seconds for r in runs],
+        identical=agreement.identical,
+        compared=agreement.compared,
+        first_mismatch_at=agreement.first_mismatch_at,
+        all_seconds=timing.seconds,
     )
-    spec = llm.engine.config.speculative
     if spec is not None:
         row.tau = stats.tau
         rates = stats.acceptance_rates  # up to the deepest acceptance: pad to the depth
@@ -258,21 +189,7 @@ def measure_batch(
             row.tau_expected = expected_oracle_tau(opts.max_tokens, spec.tree_shape.depth)
             if spec.tree == "chain" and not math.isclose(row.tau, row.tau_expected):
                 row.note = "τ below the oracle's"
-    if batch in reference:
-        for r in runs:
-            same, first = compare(r.token_ids, reference[batch])
-            row.identical += same
-            row.compared += len(r.token_ids)
-            if first is not None:
-                row.first_mismatch_at = (
-                    first if row.first_mismatch_at is None else min(row.first_mismatch_at, first)
-                )
-        if row.identical < row.compared:
-            row.note = "; ".join(
-                x for x in (row.note, f"MISMATCH from token {row.first_mismatch_at}") if x
-            )
-    else:
-        row.note = "no plain reference"
+    row.note = "; ".join(x for x in (row.note, agreement.note) if x)
     return row
 
 
@@ -289,34 +206,26 @@ def speculative_config(variant: str, opts: Options) -> SpeculativeConfig | None:
 
 
 def build_llm(opts: Options, spec: SpeculativeConfig | None) -> LLM:
-    return LLM(
-        opts.model,
-        speculative=spec,
+    engine = dict(
         device=opts.device,
         dtype=opts.dtype,
         attention_backend=opts.attention_backend,
         enforce_eager=opts.enforce_eager,
-        enable_prefix_caching=False,
         kv_cache_memory=opts.kv_cache_memory,
         max_model_len=opts.max_model_len,
-        max_num_seqs=max(opts.batch_sizes),
-        cuda_graph_max_batch_size=max(opts.batch_sizes),
     )
+    return build_bench_llm(opts.model, engine, spec, max(opts.batch_sizes))
 
 
 def chat_prompts(llm: LLM, opts: Options) -> list[list[int]]:
     """Token ids of the prompt pool, rendered with the chat template when there is one."""
     if opts.prompts_path:
-        with open(opts.prompts_path) as f:
-            texts = [json.loads(line)["prompt"] for line in f if line.strip()]
-        if not texts:
+        convs = [list(c.messages) for c in read_prompt_file(Path(opts.prompts_path))]
+        if not convs:
             raise ValueError(f"{opts.prompts_path} holds no prompts")
-        convs = [[{"role": "user", "content": t}] for t in texts]
     else:
         convs = varied_conversations(max(opts.batch_sizes))
-    if getattr(llm.tokenizer, "chat_template", None) is None:
-        return [llm.tokenizer.encode(c[0]["content"]) for c in convs]
-    return [llm.apply_chat_template(c, add_generation_prompt=True) for c in convs]
+    return [encode(llm, c) for c in convs]
 
 
 def random_head(model: str, out_dir: Path) -> Path:
@@ -338,58 +247,72 @@ def random_head(model: str, out_dir: Path) -> Path:
 def run_variant(
     opts: Options,
     variant: str,
+    plain: LLM,
     pool: list[list[int]],
-    reference: dict[int, list[list[int]]],
-    plain_rate: dict[int, float],
-) -> tuple[list[SpecRow], LLM]:
-    llm = build_llm(opts, speculative_config(variant, opts))
-    if not pool:
-        pool += chat_prompts(llm, opts)
+    plain_runs: dict[int, list[Run]],
+) -> list[SpecRow]:
+    spec = speculative_config(variant, opts)
+    llm = build_llm(opts, spec)
+    rows = []
+    for batch in opts.batch_sizes:
+        prompts = [pool[i % len(pool)] for i in range(batch)]
+        run = RunParams(opts.max_tokens, ignore_eos=True)
+        runs = measure_engines({"plain": plain, variant: llm}, prompts, run, opts.repeats, 1)
+        plain_runs[batch] += runs["plain"]
+        rows.append(make_row(variant, prompts, runs[variant], runs["plain"], opts, spec))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    return rows
+
+
+def run(opts: Options) -> list[SpecRow]:
+    rows: list[SpecRow] = []
+    with tempfile.TemporaryDirectory(prefix="bench_spec_") as tmp:
+        if opts.head == "random":
+            opts.head = str(random_head(opts.model, Path(tmp)))
+            print(f"random EAGLE-3 head (τ ~ 1 expected) in {opts.head}", flush=True)
+        plain = build_llm(opts, None)
+        runtime = plain.engine.runner.runtime
+        env = env_info(runtime.device, runtime.dtype)
+        pool = chat_prompts(plain, opts)
         lens = sorted(len(p) for p in pool)
         print(
             f"prompts: {len(pool)}, tokens min {lens[0]} / median "
             f"{statistics.median(lens):.0f} / max {lens[-1]}",
             flush=True,
         )
-    rows = []
-    for batch in opts.batch_sizes:
-        prompts = [pool[i % len(pool)] for i in range(batch)]
-        rows.append(measure_batch(llm, variant, prompts, opts, reference, plain_rate))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
-    return rows, llm
-
-
-def run(opts: Options) -> list[SpecRow]:
-    rows: list[SpecRow] = []
-    pool: list[list[int]] = []
-    reference: dict[int, list[list[int]]] = {}
-    plain_rate: dict[int, float] = {}
-    env: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="bench_spec_") as tmp:
-        if opts.head == "random":
-            opts.head = str(random_head(opts.model, Path(tmp)))
-            print(f"random EAGLE-3 head (τ ~ 1 expected) in {opts.head}", flush=True)
         print(table([]), flush=True)
-        for variant in opts.variants:
-            llm: LLM | None = None
+        plain_runs: dict[int, list[Run]] = {b: [] for b in opts.batch_sizes}
+        for variant in opts.variants[1:]:
             try:
-                new_rows, llm = run_variant(opts, variant, pool, reference, plain_rate)
-                rows += new_rows
-                runtime = llm.engine.runner.runtime
-                env = env or common.env_info(runtime.device, runtime.dtype)
+                rows += run_variant(opts, variant, plain, pool, plain_runs)
             except Exception as e:  # report and go on: one broken variant must not hide the rest
                 print(f"variant {variant} FAILED: {type(e).__name__}: {e}"[:2000], flush=True)
                 rows.append(SpecRow(variant, 0, opts.max_tokens, 0, note=f"FAILED: {e}"[:200]))
-            del llm
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if opts.json_path:
                 write_json(opts.json_path, env, opts, rows)
+        plain_rows = []
+        for batch in opts.batch_sizes:
+            prompts = [pool[i % len(pool)] for i in range(batch)]
+            runs = (
+                plain_runs[batch]
+                or measure_engines(
+                    {"plain": plain},
+                    prompts,
+                    RunParams(opts.max_tokens, ignore_eos=True),
+                    opts.repeats,
+                    1,
+                )["plain"]
+            )
+            plain_rows.append(make_row("plain", prompts, runs, runs, opts, None))
+        rows = plain_rows + rows
+    if opts.json_path:
+        write_json(opts.json_path, env, opts, rows)
     print()
     print(table(rows))
-    if env:
-        common.print_env(env)
+    common.print_env(env)
     return rows
 
 
@@ -419,19 +342,6 @@ def table(rows: list[SpecRow]) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def write_json(path: str, env: dict[str, str], opts: Options, rows: list[SpecRow]) -> None:
     """{env, git_commit, options, rows}; written after every variant so a run cut short
     still leaves its finished figures behind."""
@@ -456,13 +366,15 @@ def parse_args(argv: list[str] | None = None) -> Options:
         "--variants",
         default=None,
         help=f"comma-separated, from {list(VARIANTS)}; default all that apply (eagle3-* "
-        "only with --head); plain is always measured, first",
+        "only with --head); plain is always measured",
     )
     p.add_argument("--head", help="EAGLE-3 head directory, or 'random' to build one")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompts", dest="prompts_path", help='JSONL file of {"prompt": ...}')
+    p.add_argument(
+        "--prompts", dest="prompts_path", help='JSONL file of {"prompt": ...} or {"messages": ...}'
+    )
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes; default 4 GiB on CUDA")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--device", default="auto")

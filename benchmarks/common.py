@@ -9,17 +9,16 @@ stream (so only the end of the timed region synchronises); elsewhere with
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from specdec.bench.env import env_info, synchronize  # noqa: F401  (re-exported)
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -78,11 +77,6 @@ def random_prompt_ids(
 
 
 # ---------------------------------------------------------------------------- timing
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_once(fn: Callable[[], object], device: torch.device) -> float:
@@ -146,36 +140,6 @@ class ResultRow:
     decode_tokens_per_s: float | None = None  # batch_size * steps / decode seconds
     prefill_tokens_per_s: float | None = None  # batch_size * prompt_len / prefill seconds
     note: str = ""
-
-
-def env_info(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
-    """Versions and hardware that a figure in BENCHMARKS.md must be recorded with."""
-    info = {
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-        "device": str(device),
-        "device_name": (
-            torch.cuda.get_device_name(device)
-            if device.type == "cuda"
-            else platform.processor() or platform.machine()
-        ),
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        info["transformers"] = "not installed"
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = "not installed"
-    return info
 
 
 def _fmt(value: float | None, digits: int) -> str:

@@ -1,0 +1,136 @@
+"""``BenchConfig``: what ``specdec bench`` measures, validated on construction; and the
+speculation configurations a sweep expands to."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from specdec.bench.sets import DEFAULT_SETS, SetOptions, get_set
+from specdec.config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """HF transformers peers measured on the same prompts and device (batch 1: HF's
+    prompt lookup and assisted generation take one sequence). All off by default."""
+
+    hf_generate: bool = False  # plain greedy generate
+    hf_prompt_lookup: int | None = None  # prompt_lookup_num_tokens
+    hf_assistant: str | None = None  # draft model for assisted generation
+
+    def __post_init__(self) -> None:
+        if self.hf_prompt_lookup is not None and self.hf_prompt_lookup < 1:
+            raise ValueError(f"hf_prompt_lookup={self.hf_prompt_lookup} must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.hf_generate or self.hf_prompt_lookup is not None or bool(self.hf_assistant)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One bench run: every speculation config × every set × every batch size.
+
+    ``batch_sizes`` are concurrencies: at most that many requests in flight, the next
+    prompt submitted as one finishes. ``num_prompts`` per set are the set's first prompts
+    that fit ``max_prompt_tokens`` (default: the context left after ``max_tokens``).
+    ``engine`` holds ``LLM`` keyword arguments (device, dtype, KV cache size, ...).
+    """
+
+    model: str = "smollm2-135m-instruct"
+    sets: tuple[str, ...] = DEFAULT_SETS
+    prompt_files: tuple[str, ...] = ()
+    num_prompts: int = 16
+    max_prompt_tokens: int | None = None
+    batch_sizes: tuple[int, ...] = (1, 8)
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    repeats: int = 3
+    warmup: int = 1
+    speculative: tuple[SpeculativeConfig, ...] = (SpeculativeConfig(method="ngram"),)
+    analysis: bool = False  # untimed passes: per-step acceptance traces, target entropy
+    peers: PeerConfig = field(default_factory=PeerConfig)
+    engine: dict[str, Any] = field(default_factory=dict)
+    set_options: SetOptions = field(default_factory=SetOptions)
+    json_path: str | None = None
+    markdown_path: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in self.sets:
+            get_set(name)  # raises naming the registered sets
+        if not self.sets and not self.prompt_files:
+            raise ValueError("no prompt sets: name --sets or pass --prompts FILE.jsonl")
+        for name, value in (
+            ("num_prompts", self.num_prompts),
+            ("max_tokens", self.max_tokens),
+            ("repeats", self.repeats),
+        ):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch_sizes={list(self.batch_sizes)} must be positive integers")
+        if not self.speculative:
+            raise ValueError("no speculation config to measure against plain decoding")
+        labels = [label(s) for s in self.speculative]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"speculation configs repeat: {labels}")
+
+
+def label(spec: SpeculativeConfig) -> str:
+    """A short unique name: ``ngram-k3``, ``eagle3-tree-t8-d5-n64``, ``eagle3-static-n12``."""
+    if spec.tree == "chain":
+        return f"{spec.method}-k{spec.num_speculative_tokens}"
+    if spec.tree == "dynamic":
+        return (
+            f"{spec.method}-tree-t{spec.top_k}-d{spec.num_speculative_tokens}-n{spec.total_tokens}"
+        )
+    return f"{spec.method}-static-n{spec.max_draft_tokens}"
+
+
+def shape_fields(spec: SpeculativeConfig) -> dict[str, Any]:
+    """The tree shape as flat report fields (depth, nodes; top_k/total for trees)."""
+    return {
+        "tree": spec.tree,
+        "depth": spec.tree_shape.depth,
+        "max_draft_tokens": spec.max_draft_tokens,
+        "top_k": spec.top_k if spec.tree == "dynamic" else None,
+        "total_tokens": spec.total_tokens if spec.tree == "dynamic" else None,
+    }
+
+
+def sweep(
+    base: SpeculativeConfig,
+    chain: list[int] | None = None,
+    top_k: list[int] | None = None,
+    depth: list[int] | None = None,
+    total_tokens: list[int] | None = None,
+) -> tuple[list[SpeculativeConfig], list[str]]:
+    """The configs a sweep names, with ``base``'s method and model: chains of each K in
+    ``chain``, then the dynamic-tree grid top_k × depth × total_tokens (a dimension not
+    given takes ``base``'s value). No sweep at all gives ``[base]``. Grid points the
+    shape rejects (top_k > total_tokens, ...) are returned as reasons, not raised."""
+    configs: list[SpeculativeConfig] = []
+    skipped: list[str] = []
+    for k in chain or ():
+        configs.append(replace(base, tree="chain", num_speculative_tokens=k))
+    if top_k or depth or total_tokens:
+        grid = itertools.product(
+            top_k or [base.top_k],
+            depth or [base.num_speculative_tokens],
+            total_tokens or [base.total_tokens],
+        )
+        for t, d, n in grid:
+            try:
+                configs.append(
+                    replace(base, tree="dynamic", top_k=t, num_speculative_tokens=d, total_tokens=n)
+                )
+            except ValueError as e:
+                skipped.append(f"top_k={t} depth={d} total_tokens={n}: {e}")
+    if not configs and not skipped:
+        configs = [base]
+    return list({label(c): c for c in configs}.values()), skipped

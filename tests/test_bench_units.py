@@ -1,0 +1,208 @@
+"""``specdec.bench`` pieces that need no model: the set registry and prompt files, sweeps,
+interleaving, summaries, the analysis helpers, and the CLI's errors."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import sys
+
+import pytest
+
+from specdec.bench import analysis, passes
+from specdec.bench.config import BenchConfig, label, sweep
+from specdec.bench.driver import RequestRecord, Run
+from specdec.bench.measure import Agreement, Timing, measure_interleaved, per_prompt_counts
+from specdec.bench.sets import SETS, SetOptions, file_set, get_set
+from specdec.bench.sets.writingbench import is_english
+from specdec.config import SpeculativeConfig
+from specdec.data_gen.package_files import PackageDataMissing
+from specdec.spec.metrics import SpecStats
+
+
+def test_registry_names_the_three_sets():
+    assert list(SETS) == ["humaneval", "gsm_symbolic", "writingbench"]
+    with pytest.raises(ValueError, match=r"unknown bench set 'mtbench'.*humaneval.*--prompts"):
+        get_set("mtbench")
+
+
+def test_builtin_sets_load_in_a_fixed_order():
+    first = next(get_set("humaneval").load(SetOptions()))
+    assert first.id == "HumanEval/0" and "has_close_elements" in first.messages[0]["content"]
+    a, b = (
+        list(itertools.islice(get_set("gsm_symbolic").load(SetOptions(seed=3)), 3)) for _ in "ab"
+    )
+    assert [c.id for c in a] == ["gsm_symbolic/3#0", "gsm_symbolic/3#1", "gsm_symbolic/3#2"]
+    assert a == b  # seeded
+    english = list(get_set("writingbench").load(SetOptions()))
+    assert len(english) == 558 and all(is_english(c.messages[0]["content"]) for c in english)
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import fails
+    with pytest.raises(PackageDataMissing, match=r"pip install 'reasoning-gym==0.1.25'"):
+        next(get_set("gsm_symbolic").load(SetOptions()))
+
+
+def test_prompt_files(tmp_path):
+    path = tmp_path / "chat.jsonl.gz"
+    lines = [
+        {"prompt": "Hi"},
+        {},  # skipped below: written as a blank line
+        {
+            "id": "x",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Why?"},
+                {"role": "assistant", "content": "Because."},
+            ],
+        },
+    ]
+    path.write_bytes(gzip.compress("\n".join(json.dumps(x) if x else "" for x in lines).encode()))
+    bench_set = file_set(path)
+    assert bench_set.name == "chat"
+    convs = list(bench_set.load(SetOptions()))
+    assert [c.messages for c in convs] == [
+        ({"role": "user", "content": "Hi"},),
+        ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}),
+    ]
+    assert convs[1].id == "x"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2 is not a"):
+        list(file_set(bad).load(SetOptions()))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        file_set(tmp_path / "missing.jsonl")
+
+
+def test_sweep_expands_chains_and_the_tree_grid():
+    base = SpeculativeConfig(method="eagle3", model="head", num_speculative_tokens=4)
+    assert sweep(base) == ([base], [])
+    configs, skipped = sweep(base, chain=[1, 3], top_k=[2, 8], total_tokens=[4, 16])
+    assert [label(c) for c in configs] == [
+        "eagle3-k1",
+        "eagle3-k3",
+        "eagle3-tree-t2-d4-n4",
+        "eagle3-tree-t8-d4-n16",
+    ]
+    assert all(c.model == "head" for c in configs)
+    # more nodes than top_k=2 can grow in 4 levels; fewer nodes than top_k=8 children
+    assert [s.split(":")[0] for s in skipped] == [
+        "top_k=2 depth=4 total_tokens=16",
+        "top_k=8 depth=4 total_tokens=4",
+    ]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="unknown bench set"):
+        BenchConfig(sets=("nope",))
+    with pytest.raises(ValueError, match="repeats=0"):
+        BenchConfig(repeats=0)
+    with pytest.raises(ValueError, match="repeat"):
+        BenchConfig(speculative=(SpeculativeConfig(), SpeculativeConfig()))
+
+
+def test_cli_errors_are_clear(capsys):
+    from specdec.cli import main
+
+    assert main(["bench", "--sets", "humaneval,nope"]) == 2
+    assert "unknown bench set 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--batch-sizes", "0,2"])
+    assert "positive integers" in capsys.readouterr().err
+
+
+def _run(seconds: float, outputs: list[list[int]], counts: list[tuple[int, int, int]]) -> Run:
+    stats = SpecStats()
+    for steps, drafted, accepted in counts:
+        for i in range(steps):  # spread the prompt's counters over its steps
+            d = drafted // steps + (i < drafted % steps)
+            a = accepted // steps + (i < accepted % steps)
+            stats.record(d, a)
+    requests = [
+        RequestRecord(out, "length", 0.1, 0.02, s, d, a)
+        for out, (s, d, a) in zip(outputs, counts, strict=True)
+    ]
+    return Run(seconds, requests, stats)
+
+
+def test_interleaving_alternates_the_order():
+    calls: list[str] = []
+
+    def contender(name):
+        def run():
+            calls.append(name)
+            return _run(1.0, [[1]], [(0, 0, 0)])
+
+        return run
+
+    runs = measure_interleaved({"a": contender("a"), "b": contender("b")}, repeats=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert [len(r) for r in runs.values()] == [3, 3]
+
+
+def test_summaries():
+    runs = [
+        _run(2.0, [[1, 2, 3], [4, 5]], [(2, 6, 3), (1, 3, 0)]),
+        _run(1.0, [[1, 2, 3], [4, 6]], [(2, 6, 4), (1, 3, 1)]),
+        _run(4.0, [[1, 2, 3], [4, 5]], [(2, 6, 3), (1, 3, 0)]),
+    ]
+    timing = Timing.of(runs)
+    assert timing.tokens_per_s == 2.5 and timing.seconds == [2.0, 1.0, 4.0]
+    assert timing.ttft_s == 0.1 and timing.tpot_s == 0.02
+    counts = per_prompt_counts(runs)
+    assert [(c.steps, c.drafted_tokens, c.accepted_tokens) for c in counts] == [
+        (6, 18, 10),
+        (3, 9, 1),
+    ]
+    assert counts[0].tau == 1 + 10 / 6
+    agreement = Agreement.of(runs, [[1, 2, 3], [4, 5]])
+    assert (agreement.identical, agreement.compared, agreement.first_mismatch_at) == (5, 6, 1)
+    assert agreement.note == "MISMATCH from token 1"
+
+
+def test_entropy_and_coverage_helpers():
+    import math
+
+    import torch
+
+    assert passes.entropy_from_top([0.0]) == 0.0
+    assert math.isclose(passes.entropy_from_top([math.log(0.5)] * 2), math.log(2))
+    # the 0.5 outside the top is one outcome: a lower bound
+    assert math.isclose(passes.entropy_from_top([math.log(0.5)]), math.log(2))
+    t2d = torch.tensor([True, False, True, False])
+    assert passes.vocab_coverage(t2d, [[0, 1], [2, 2]]) == 0.75
+    assert passes.vocab_coverage(None, [[0]]) is None
+
+
+def test_analysis_helpers():
+    # chain of 3: step at 1 accepts 2 (positions 1, 2; 3 rejected), step at 4 accepts all 3
+    steps = [[1, 3, 2], [4, 3, 3], [8, 1, 0]]
+    assert analysis.position_outcomes(steps, depth=3) == {
+        1: True,
+        2: True,
+        3: False,
+        4: True,
+        5: True,
+        6: True,
+        8: False,
+    }
+    assert analysis.rates_from_steps(steps, 3) == [2 / 3, 2 / 3, 1 / 3]
+    pairs = [(0.0, True), (0.1, True), (0.1, False), (3.0, False), (5.0, True)]
+    rates, counts = analysis.binned_acceptance(pairs, [0.0, 0.05, 1.0, 5.0])
+    assert rates == [1.0, 0.5, 0.5] and counts == [1, 2, 2]
+    from collections import Counter
+
+    assert analysis.frequency_coverage(Counter({7: 6, 8: 3, 9: 1}), [1, 2, 10]) == [
+        0.6,
+        0.9,
+        1.0,
+    ]
+
+
+def test_load_report_rejects_other_json(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match=r"not a specdec\.bench/1 report"):
+        analysis.load_report(path)
