@@ -6,15 +6,17 @@ bandwidth-bound and is shaped to read each K/V byte once.
 * One program per (KV head, sequence, split). It holds all ``group`` query heads that share
   the KV head as the rows of one tile, padded to 16 rows because ``tl.dot`` needs tile dims
   >= 16; every K/V tile it loads serves the whole group.
-* Split-K (flash-decoding): a long context is cut into splits of ``split_size`` keys so a
-  small batch still fills the GPU. Each split leaves its unnormalised partial
-  ``(m, l, acc)`` (running max in log2 units, sum of ``2**(s - m)``, weighted sum of V); a
-  second kernel combines a sequence's partials. With one split the first kernel normalises
-  and writes the output itself.
-* The grid depends only on tensor shapes and the host bound ``meta.max_seq_len``; splits
-  past a sequence's real length exit at once and the combine step reads only the
-  ``cdiv(seq_len, split_size)`` splits that ran. Nothing syncs with the host, so the call
-  can be captured in a CUDA graph.
+* Split-K (flash-decoding): a context is cut into ``num_splits`` splits so a small batch
+  still fills the GPU. The host picks ``num_splits`` from the bound ``meta.max_seq_len``;
+  each sequence's split length is computed in the kernel from its real length
+  (``cdiv(seq_len, num_splits)`` rounded up to ``block_n``), so a CUDA graph captured at
+  the longest context still spreads a short one over all its splits. Each split leaves
+  its unnormalised partial ``(m, l, acc)`` (running max in log2 units, sum of
+  ``2**(s - m)``, weighted sum of V); a second kernel combines a sequence's partials. With
+  one split the first kernel normalises and writes the output itself.
+* The grid depends only on tensor shapes and host bounds; splits past a sequence's real
+  length exit at once and the combine step reads only the splits that ran. Nothing syncs
+  with the host, so the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -83,7 +85,6 @@ def _decode_split_kernel(
     part_acc_ptr,
     part_ml_ptr,
     scale_log2,
-    split_size,
     num_splits,
     stride_qs,
     stride_qh,
@@ -107,10 +108,11 @@ def _decode_split_kernel(
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * split_size
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
     if start >= seq_len:
         return
-    end = tl.minimum(start + split_size, seq_len)
+    end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -170,7 +172,6 @@ def _decode_combine_kernel(
     part_acc_ptr,
     part_ml_ptr,
     out_ptr,
-    split_size,
     num_splits,
     stride_os,
     stride_oh,
@@ -179,11 +180,13 @@ def _decode_combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    ran = tl.cdiv(seq_len, split_size)  # splits that wrote partials (the rest exited early)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as the kernel's
+    ran = tl.cdiv(seq_len, split_len)  # splits that wrote partials (the rest exited early)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -222,9 +225,9 @@ def paged_decode(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim], q's dtype
     """Attention of each sequence's single new token over its whole paged context.
 
-    Same contract and result as ``paged_decode_ref``. ``split_size`` (keys, rounded up to a
-    multiple of ``config.block_n``) overrides the split heuristic; tests use it to force
-    many splits.
+    Same contract and result as ``paged_decode_ref``. ``split_size`` overrides the split
+    heuristic: ``cdiv(meta.max_seq_len, split_size)`` splits (each sequence then splits
+    its own length that many ways); tests use it to force many splits.
     """
     require_kv_cache(k_cache, v_cache)
     require_launchable(_decode_split_kernel, q, k_cache, meta.seq_lens, meta.block_tables)
@@ -273,7 +276,6 @@ def paged_decode(
         part_acc,
         part_ml,
         scale * _LOG2E,
-        plan.split_size,
         plan.num_splits,
         q.stride(0),
         q.stride(1),
@@ -301,7 +303,6 @@ def paged_decode(
             part_acc,
             part_ml,
             out,
-            plan.split_size,
             plan.num_splits,
             out.stride(0),
             out.stride(1),
@@ -310,5 +311,6 @@ def paged_decode(
             HEAD_DIM=head_dim,
             BLOCK_G=next_power_of_2(group),
             BLOCK_D=block_d,
+            BLOCK_N=config.block_n,
         )
     return out

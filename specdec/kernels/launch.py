@@ -97,8 +97,9 @@ def next_power_of_2(n: int) -> int:
 class SplitPlan:
     """How a kernel splits each sequence's keys across programs (split-K)."""
 
-    split_size: int  # keys per split; a multiple of block_n
-    num_splits: int  # cdiv(max_seq_len, split_size): the grid's split dimension
+    split_size: int  # keys per split at the host bound max_seq_len; a multiple of block_n
+    num_splits: int  # cdiv(max_seq_len, split_size): the grid's split dimension (kernels
+    # split each sequence's real length this many ways)
 
 
 def plan_splits(
