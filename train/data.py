@@ -20,6 +20,7 @@ import concurrent.futures
 import hashlib
 import logging
 import random
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,17 +204,19 @@ class OfflineShards:
         return pack(units, self.max_tokens, self.max_seq_len)
 
     def _tensors(self, unit: int) -> dict[str, torch.Tensor]:
-        shards = self.train_shards + self.eval_shards
-        shard = shards[unit]
-        if self._cache is None or self._cache[0] != shard["file"]:
+        shard = (self.train_shards + self.eval_shards)[unit]
+        # Read the attribute once: the prefetch thread and an evaluation may both load.
+        cached = self._cache
+        if cached is None or cached[0] != shard["file"]:
             data = (self.root / shard["file"]).read_bytes()
             if self.verify and hashlib.sha256(data).hexdigest() != shard["sha256"]:
                 raise ValueError(
                     f"{self.root / shard['file']} does not match its manifest checksum; "
                     "rerun `specdec data-gen dump` on the same output to redo it"
                 )
-            self._cache = (shard["file"], load_safetensors(data))
-        return self._cache[1]
+            cached = (shard["file"], load_safetensors(data))
+            self._cache = cached
+        return cached[1]
 
     def load(self, ref: BatchRef) -> PackedBatch:
         parts = []
@@ -252,6 +255,7 @@ class OnlineRecords:
             )
         self.train, self.eval = records[:cut], records[cut:]
         self.max_tokens, self.max_seq_len, self.seed = max_tokens, max_seq_len, seed
+        self._lock = threading.Lock()
 
     def epoch_plan(self, epoch: int) -> list[BatchRef]:
         order = shuffled(len(self.train), self.seed, epoch)
@@ -271,7 +275,8 @@ class OnlineRecords:
             parts.append((r.input_ids[:n], r.loss_mask[:n], None, None))
         batch = assemble(parts)
         lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).numpy()
-        hidden, aux = self.forward(batch.input_ids.numpy(), lengths)
+        with self._lock:  # one scratch KV cache: the prefetch thread and evaluation take turns
+            hidden, aux = self.forward(batch.input_ids.numpy(), lengths)
         # Outputs of an inference-mode forward cannot be saved for backward: copy them.
         batch.aux_hidden, batch.target_hidden = aux.clone(), hidden.clone()
         return batch

@@ -195,6 +195,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         if state.step == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
     bar.close()
+    batches.close()  # stops the prefetch thread
     head_dir = _save_head(accelerator, model, out_dir)
     log.close()
     return {"step": state.step, "head": str(head_dir), **evals}
