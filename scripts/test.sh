@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export TRITON_INTERPRET=1
-python3 -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests in every CI log, to keep the suite near 20 minutes.
+python3 -m pytest -q -p no:cacheprovider --durations=15 "$@"
