@@ -6,7 +6,9 @@ in flight, each streaming its answer. Per request it records TTFT (send → firs
 TPOT ((e2e − TTFT) / (output tokens − 1)), the gaps between chunks (ITL; with speculation a
 chunk may hold several tokens) and end-to-end latency; output tokens come from the final
 usage chunk. The report has throughput and mean/p50/p90/p99 of each latency, in ms, and
-the server's τ over the run when its /metrics has speculation counters.
+the server's τ and per-position acceptance over the run when its /metrics has speculation
+counters: specdec's own server or vLLM's (``spec_metrics.METRICS_SOURCES``), scraped before
+and after the run and reported in one form.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from specdec.serve.spec_metrics import METRICS_SOURCES, SpecCounters, read_counters
 
 DEFAULT_PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -49,8 +53,14 @@ class BenchConfig:
     seed: int = 0
     api_key: str | None = None
     timeout_s: float = 600.0
+    metrics_source: str = "auto"  # "auto" or a METRICS_SOURCES name (specdec, vllm)
 
     def __post_init__(self) -> None:
+        if self.metrics_source != "auto" and self.metrics_source not in METRICS_SOURCES:
+            raise ValueError(
+                f"metrics_source={self.metrics_source!r}; choose auto or one of "
+                f"{sorted(METRICS_SOURCES)}"
+            )
         if self.endpoint not in ("chat", "completions"):
             raise ValueError(f"endpoint={self.endpoint!r}; choose chat or completions")
         if not self.prompts:
@@ -87,7 +97,7 @@ async def run_benchmark(config: BenchConfig) -> dict:
         base_url=config.base_url, headers=headers, timeout=timeout, limits=limits
     ) as client:
         model = config.model or await _first_model(client)
-        counters_before = await _spec_counters(client)
+        counters_before = await _spec_counters(client, config.metrics_source)
         rng = random.Random(config.seed)
         gate = asyncio.Semaphore(config.concurrency or config.num_prompts)
         prompts = [config.prompts[i % len(config.prompts)] for i in range(config.num_prompts)]
@@ -104,42 +114,27 @@ async def run_benchmark(config: BenchConfig) -> dict:
                 await asyncio.sleep(rng.expovariate(config.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        counters_after = await _spec_counters(client)
+        counters_after = await _spec_counters(client, config.metrics_source)
     report = summarize(config, model, results, duration)
-    if counters_before and counters_after:
-        steps, drafted, accepted = (
-            b - a for a, b in zip(counters_before, counters_after, strict=True)
-        )
-        report["speculation"] = {
-            "steps": steps,
-            "drafted_tokens": drafted,
-            "accepted_tokens": accepted,
-            "tau": 1 + accepted / steps if steps else 0.0,
-        }
+    if counters_before and counters_after and counters_before[0] == counters_after[0]:
+        source, after = counters_after
+        report["speculation"] = after.minus(counters_before[1]).report(source)
     return report
 
 
-_SPEC_COUNTERS = (
-    "specdec_spec_decode_num_steps_total",
-    "specdec_spec_decode_num_draft_tokens_total",
-    "specdec_spec_decode_num_accepted_tokens_total",
-)
-
-
-async def _spec_counters(client) -> tuple[float, ...] | None:
-    """The server's speculation counters from /metrics (None if it has none), so the
-    report shows τ over exactly this run."""
+async def _spec_counters(client, source: str) -> tuple[str, SpecCounters] | None:
+    """The server's speculation counters from /metrics and whose names matched (None if
+    it has none), so the report shows τ over exactly this run."""
     try:
         response = await client.get("/metrics")
     except Exception:  # a server without /metrics still gets benchmarked
         return None
-    values = {}
-    for line in response.text.splitlines():
-        name, _, value = line.partition(" ")
-        values[name] = value
-    if response.status_code != 200 or not all(n in values for n in _SPEC_COUNTERS):
+    if response.status_code != 200:
         return None
-    return tuple(float(values[n]) for n in _SPEC_COUNTERS)
+    try:
+        return read_counters(response.text, source)
+    except ValueError:  # not a Prometheus exposition
+        return None
 
 
 async def _first_model(client) -> str:
@@ -261,9 +256,12 @@ def format_report(report: dict) -> str:
         )
     if report.get("speculation"):
         spec = report["speculation"]
+        rates = ", ".join(f"{r:.2f}" for r in spec["acceptance_rates"][:8])
         lines.append(
-            f"speculation: τ={spec['tau']:.2f} over {spec['steps']:.0f} verify steps "
-            f"({spec['accepted_tokens']:.0f} of {spec['drafted_tokens']:.0f} drafts accepted)"
+            f"speculation ({spec['source']} metrics): τ={spec['tau']:.2f} over "
+            f"{spec['steps']:.0f} verify steps ({spec['accepted_tokens']:.0f} of "
+            f"{spec['drafted_tokens']:.0f} draft tokens accepted); per-position acceptance "
+            f"[{rates}]"
         )
     for error in report["errors"]:
         lines.append(f"error: {error}")

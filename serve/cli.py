@@ -203,9 +203,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
     from specdec.serve.bench import BenchConfig
+    from specdec.serve.spec_metrics import METRICS_SOURCES
 
     d = BenchConfig()
-    p.add_argument("--base-url", default=d.base_url)
+    p.add_argument(
+        "--base-url", "--url", dest="base_url", default=d.base_url,
+        help="the server: specdec serve, vLLM or any OpenAI-compatible one",
+    )  # fmt: skip
     p.add_argument("--endpoint", default=d.endpoint, choices=["chat", "completions"])
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--prompts-file", help=".txt (one per line) or .jsonl with a prompt key")
@@ -221,12 +225,17 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"))
     p.add_argument("--json", dest="json_out", help="write the report to this file")
+    p.add_argument(
+        "--metrics-source", default=d.metrics_source, choices=["auto", *METRICS_SOURCES],
+        help="whose /metrics names τ is read from (default: auto, whichever are there)",
+    )  # fmt: skip
 
 
 @command("bench-serve", _bench_args)
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Load a running server (concurrency, request rate) and report throughput and
-    TTFT/TPOT/ITL/end-to-end percentiles, like vLLM's serving benchmark."""
+    TTFT/TPOT/ITL/end-to-end percentiles, like vLLM's serving benchmark, plus τ and
+    per-position acceptance from its /metrics (specdec's or vLLM's)."""
     from specdec.serve.bench import DEFAULT_PROMPTS, BenchConfig, format_report, run_benchmark
 
     config = BenchConfig(
@@ -242,6 +251,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         request_rate=args.request_rate,
         seed=args.seed,
         api_key=args.api_key,
+        metrics_source=args.metrics_source,
     )
     report = asyncio.run(run_benchmark(config))
     print(format_report(report))

@@ -258,6 +258,7 @@ COMMAND_MODULES = (
     "specdec.serve.cli",
     "specdec.train.cli",
     "specdec.bench.cli",
+    "specdec.interop.cli",
 )
 
 

@@ -50,13 +50,18 @@ Formats here:
 The token embedding is never written; a stored ``embed_tokens.weight`` (the frozen target
 embedding in SpecForge and speculators exports) is ignored on load. Loading reads
 safetensors only, never ``torch.load``.
+
+Inspection without loading (``specdec.interop``'s validator builds on these):
+``tensor_infos`` reads shapes and dtypes from the file headers, ``checkpoint_shapes`` gives
+the shape every key must have for a config, ``stored_dtype`` the dtype a lossless
+conversion keeps, ``to_speculators_key``/``from_speculators_key`` map the key layouts.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -86,6 +91,12 @@ _SPLIT_SEP = "@"
 # Stored keys we accept and drop: the frozen target embedding some exporters include.
 _IGNORED_KEYS = frozenset({"embed_tokens.weight"})
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# safetensors header dtype names -> torch dtypes (those a head can hold).
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
 # Per-tensor and per-file allowance for the safetensors JSON header inside a shard budget.
 _HEADER_PER_TENSOR, _HEADER_PER_FILE = 256, 1024
 
@@ -148,7 +159,7 @@ def save_eagle3(
     dtype = _DTYPE_NAMES.get(head.lm_head.weight.dtype, str(head.lm_head.weight.dtype))
     if format == "speculators":
         config = _speculators_config(head.config, dtype)
-        tensors = {_to_speculators_key(k): t for k, t in tensors.items()}
+        tensors = {to_speculators_key(k): t for k, t in tensors.items()}
     else:
         config = _research_config(head.config, dtype, ours=format == "specdec")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -298,11 +309,11 @@ def _speculators_config(c: Eagle3Config, dtype: str) -> dict[str, Any]:
     }
 
 
-def _to_speculators_key(key: str) -> str:
+def to_speculators_key(key: str) -> str:
     return "layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key
 
 
-def _from_speculators_key(key: str) -> str:
+def from_speculators_key(key: str) -> str:
     return "midlayer." + key.removeprefix("layers.0.") if key.startswith("layers.0.") else key
 
 
@@ -347,7 +358,7 @@ def load_eagle3(
     config = _to_config(hf, fmt, target_config, path)
     tensors = _read_tensors(path)
     if fmt == "speculators":
-        tensors = {_from_speculators_key(k): t for k, t in tensors.items()}
+        tensors = {from_speculators_key(k): t for k, t in tensors.items()}
     backend = get_attention_backend(attention) if isinstance(attention, str) else attention
     with torch.device("meta"):
         head = Eagle3Head(
@@ -514,8 +525,28 @@ def _layer_to_config(
         raise fail(str(err)) from err
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every stored tensor by key, split tensors (``<key>@<part>``) joined back."""
+@dataclass(frozen=True)
+class WeightFiles:
+    """Where a checkpoint's tensors are: its safetensors ``files`` (sorted) and the keys
+    ``split`` by rows into ``<key>@<part>`` parts (key -> number of parts; ours only)."""
+
+    files: list[Path]
+    split: dict[str, int]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One stored tensor as its file header describes it (split parts already joined)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    files: tuple[str, ...]  # the file(s) holding it
+
+
+def weight_files(directory: str | Path) -> WeightFiles:
+    """The safetensors files of a checkpoint directory (an index's, else every
+    ``*.safetensors``); raises naming any pickled weights found instead."""
+    path = Path(directory)
     index_file = path / INDEX_FILE
     split: dict[str, int] = {}
     if index_file.is_file():
@@ -535,14 +566,76 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise WeightLoadError(
             f"no safetensors weights in {path}; specdec loads only safetensors{hint}"
         )
+    return WeightFiles(files, split)
+
+
+def tensor_infos(directory: str | Path) -> dict[str, TensorInfo]:
+    """Shape, dtype and file of every stored tensor, read from the file headers only (no
+    tensor data), split tensors joined back under their key; stored keys as they are."""
+    path = Path(directory)
+    where = weight_files(path)
+    infos: dict[str, TensorInfo] = {}
+    for file in where.files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (not a dict)
+                if key in infos:
+                    raise WeightLoadError(f"{key} is stored twice in {path}; remove one copy")
+                part = handle.get_slice(key)
+                dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
+                if dtype is None:
+                    raise WeightLoadError(
+                        f"{key} in {file} has unsupported dtype {part.get_dtype()}"
+                    )
+                infos[key] = TensorInfo(tuple(part.get_shape()), dtype, (file.name,))
+    for key, parts in where.split.items():
+        names = [f"{key}{_SPLIT_SEP}{i}" for i in range(parts)]
+        missing = [n for n in names if n not in infos]
+        if missing:
+            raise WeightLoadError(f"{path}: parts {missing} of the split tensor {key} are missing")
+        pieces = [infos.pop(n) for n in names]
+        rows = sum(p.shape[0] for p in pieces)
+        files = tuple(dict.fromkeys(f for p in pieces for f in p.files))
+        infos[key] = TensorInfo((rows, *pieces[0].shape[1:]), pieces[0].dtype, files)
+    return infos
+
+
+def stored_dtype(directory: str | Path) -> torch.dtype:
+    """The floating dtype of a checkpoint's weights (the most common one among its
+    floating tensors): what a lossless import or export keeps."""
+    counts: dict[torch.dtype, int] = {}
+    for info in tensor_infos(directory).values():
+        if info.dtype.is_floating_point:
+            counts[info.dtype] = counts.get(info.dtype, 0) + 1
+    if not counts:
+        raise WeightLoadError(f"{directory} stores no floating-point weights")
+    return max(counts, key=lambda d: counts[d])
+
+
+def checkpoint_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Research-format key -> the shape a head of ``config`` stores under it (``d2t``
+    [draft_vocab], ``t2d`` [target_vocab] included): the layout ``load_eagle3`` checks."""
+    with torch.device("meta"):
+        head = Eagle3Head(config, get_attention_backend("torch"), max_positions=1)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in head.named_parameters():
+        for key, rows in head.checkpoint_layout(name):
+            shapes[key] = (rows, *param.shape[1:])
+    shapes["d2t"] = tuple(head.d2t.shape)
+    shapes["t2d"] = tuple(head.t2d.shape)
+    return shapes
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor by key, split tensors (``<key>@<part>``) joined back."""
+    where = weight_files(path)
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in where.files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (not a dict)
                 if key in tensors:
                     raise WeightLoadError(f"{key} is stored twice in {path}; remove one copy")
                 tensors[key] = handle.get_tensor(key)
-    for key, parts in split.items():
+    for key, parts in where.split.items():
         names = [f"{key}{_SPLIT_SEP}{i}" for i in range(parts)]
         missing = [n for n in names if n not in tensors]
         if missing:

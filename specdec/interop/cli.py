@@ -1,0 +1,155 @@
+"""``specdec export``, ``specdec import`` and ``specdec validate-head``, registered in
+``specdec.cli.COMMANDS``. Heavy imports wait until a command runs.
+
+    specdec export --to vllm runs/head exported/vllm      # speculators format + launch line
+    specdec export --to sglang runs/head exported/sglang  # research format, SGLang ids
+    specdec import yuhuili-head/ heads/llama --target meta-llama/Llama-3.1-8B-Instruct
+    specdec validate-head exported/vllm --for vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from specdec.cli import command
+
+_CONSUMERS = ("vllm", "sglang", "eagle", "specdec")
+_EXPORT_TARGETS = ("vllm", "sglang", "eagle")
+
+
+@contextmanager
+def _new_dir_errors() -> Iterator[None]:
+    """A non-empty output directory is bad input: a message, not a traceback."""
+    try:
+        yield
+    except FileExistsError as err:
+        raise ValueError(str(err)) from None
+
+
+def _target_arg(p: argparse.ArgumentParser, required_for: str) -> None:
+    p.add_argument(
+        "--target",
+        default=None,
+        help="the model the head drafts for: alias, HF directory or hub name (default: the "
+        f"one the head's config names; {required_for})",
+    )
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("head_dir", help="the head to export (any format specdec loads)")
+    p.add_argument("out_dir", help="a new (or empty) directory for the export")
+    p.add_argument("--to", required=True, choices=_EXPORT_TARGETS, help="the engine to load it")
+    _target_arg(p, "needed for research-format heads")
+    p.add_argument(
+        "--verifier",
+        default=None,
+        help="vllm: the target's hub name or path written into speculators_config "
+        "(default: the target; an alias becomes its HF directory)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="chain length K recorded in the config (default: the head's, else 3)",
+    )
+
+
+@command("export", _export_args)
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export an EAGLE-3 head for vLLM (speculators format) or SGLang/EAGLE (research
+    format), validated, and print the command that serves it."""
+    from specdec.interop.export import export_head
+
+    with _new_dir_errors():
+        result = export_head(
+            args.head_dir,
+            args.out_dir,
+            args.to,
+            target=args.target,
+            verifier=args.verifier,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
+    k = result.num_speculative_tokens
+    print(f"exported {args.head_dir} for {args.to} to {result.out_dir} (K={k})")
+    for finding in result.report.warnings:
+        print(f"  {finding}")
+    print(f"serve it with:\n  {result.launch}")
+    return 0
+
+
+def _import_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a published head: directory, or hub name in the local HF cache")
+    p.add_argument("out_dir", help="a new (or empty) directory for the specdec-format head")
+    _target_arg(p, "required for research-format heads, which do not record it")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="weights dtype (default: the stored one, so the import is lossless)",
+    )
+
+
+@command("import", _import_args)
+def cmd_import(args: argparse.Namespace) -> int:
+    """Import a published EAGLE-3 head (EAGLE research layout, SpecForge export, speculators)
+    into specdec's format, converting aux-layer ids to vLLM numbering."""
+    import torch
+
+    from specdec.interop.importer import import_head
+    from specdec.interop.validate import FORMAT_NAMES
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    with _new_dir_errors():
+        result = import_head(args.src, args.out_dir, target=args.target, dtype=dtype)
+    print(
+        f"imported {args.src} ({FORMAT_NAMES[result.source_format]} format, "
+        f"{str(result.dtype).removeprefix('torch.')}) for {result.target} to {result.out_dir}"
+    )
+    print(f"  aux layers: {result.aux_source}")
+    if result.dropped_keys:
+        print(f"  dropped {', '.join(result.dropped_keys)} (the target's own weights)")
+    for finding in result.warnings:
+        print(f"  {finding}")
+    return 0
+
+
+def _validate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("head_dir", help="the head directory to check")
+    p.add_argument(
+        "--for",
+        dest="consumer",
+        choices=_CONSUMERS,
+        default=None,
+        help="the engine that will load it (default: the one its format is made for)",
+    )
+    _target_arg(p, "without one, only the head's own consistency is checked")
+
+
+@command("validate-head", _validate_args)
+def cmd_validate_head(args: argparse.Namespace) -> int:
+    """Check an EAGLE-3 head directory (keys, shapes, dtypes, config fields, aux-layer id
+    conventions) for an engine; exit 1 and name each fix if it would not load there."""
+    from specdec.interop.target import local_target
+    from specdec.interop.validate import validate_head
+    from specdec.models.eagle3_formats import detect_format
+    from specdec.models.weights import WeightLoadError
+
+    consumer = args.consumer
+    if consumer is None:
+        try:
+            consumer = {"speculators": "vllm", "eagle": "sglang"}.get(
+                detect_format(args.head_dir), "specdec"
+            )
+        except (WeightLoadError, FileNotFoundError):
+            consumer = "specdec"  # the report names what is wrong
+    target = local_target(args.head_dir, args.target)
+    report = validate_head(
+        args.head_dir,
+        consumer,
+        target=target.config if target else None,
+        target_name=target.name if target else None,
+    )
+    print(report.render())
+    return 0 if report.ok else 1

@@ -1,0 +1,98 @@
+"""``import_head``: a published EAGLE-3 head -> specdec's own format, lossless.
+
+Reads any layout ``load_eagle3`` detects: the EAGLE research layout (e.g.
+yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: no aux ids, EAGLE's defaults apply), a SpecForge
+export (ids in ``eagle_config``, SGLang numbering; the frozen ``embed_tokens.weight``
+dropped), or a speculators checkpoint. The source is validated first (errors abort with
+every finding), loaded against the target in its stored dtype, and written with
+``save_eagle3(..., "specdec")``: aux ids in vLLM numbering at top level and in SGLang's in
+``eagle_config``, the target's name recorded. Exporting the result to the source's layout
+gives back the source's tensors bit for bit (tests/test_export.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specdec.interop.target import resolve_target
+from specdec.interop.validate import IGNORED_KEYS, Finding, HeadDir, validate_head
+from specdec.models import resolve_model
+from specdec.models.eagle3_formats import (
+    Eagle3Format,
+    detect_format,
+    load_eagle3,
+    save_eagle3,
+    stored_dtype,
+    tensor_infos,
+)
+
+
+class HeadImportError(ValueError):
+    """The source head is not one specdec can import (the message lists every finding)."""
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    out_dir: Path
+    source_format: Eagle3Format
+    target: str
+    dtype: torch.dtype
+    aux_layer_ids: tuple[int, ...]  # as written: vLLM numbering (entering layer i)
+    aux_source: str  # where the source kept them, in words
+    dropped_keys: list[str]  # stored keys every reader ignores (the target's embedding)
+    warnings: list[Finding]
+
+
+def import_head(
+    src: str | Path,
+    out_dir: str | Path,
+    *,
+    target: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> ImportResult:
+    """Convert the head at ``src`` (a directory, or a hub name in the local HF cache) into a
+    new specdec-format ``out_dir``. ``target`` names the model it drafts for (needed for
+    the research format, which does not record it); ``dtype`` defaults to the stored one."""
+    path = source_dir(src)
+    resolved = resolve_target(path, target)
+    report = validate_head(path, None, target=resolved.config, target_name=resolved.name)
+    if not report.ok:
+        raise HeadImportError(f"cannot import {src}:\n{report.render()}")
+    fmt = detect_format(path)
+    dtype = dtype or stored_dtype(path)
+    head = load_eagle3(path, target_config=resolved.config, dtype=dtype)
+    head.config = replace(head.config, target_name=resolved.name)
+    out = save_eagle3(head, out_dir, "specdec")
+    return ImportResult(
+        out_dir=out,
+        source_format=fmt,
+        target=resolved.name,
+        dtype=dtype,
+        aux_layer_ids=head.config.aux_layer_ids,
+        aux_source=_describe_ids(path, fmt, head.config.aux_layer_ids),
+        dropped_keys=sorted(k for k in tensor_infos(path) if k in IGNORED_KEYS),
+        warnings=report.warnings,
+    )
+
+
+def source_dir(src: str | Path) -> Path:
+    """A local directory as is; an ``org/name`` hub name through the HF cache."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path
+    if "/" in str(src) and not str(src).startswith((".", "/", "~")):
+        return resolve_model(str(src)).hf_dir
+    raise FileNotFoundError(f"{src} is neither a head directory nor a hub name (org/name)")
+
+
+def _describe_ids(path: Path, fmt: Eagle3Format, ids: tuple[int, ...]) -> str:
+    probe = HeadDir(path, json.loads((path / "config.json").read_text()), fmt)
+    if probe.top_ids is not None:
+        return f"top-level {probe.top_ids} (vLLM numbering, kept)"
+    if probe.nested_ids is not None:
+        return f"eagle_config {probe.nested_ids} (SGLang numbering) -> {list(ids)}"
+    return f"none stored: EAGLE's default layers {list(ids)}"
