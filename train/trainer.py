@@ -216,8 +216,18 @@ def evaluate(model, source: Source, accelerator) -> dict[str, Any]:
 def _source(config: TrainConfig, target: TargetIO, device: torch.device) -> Source:
     data = config.data
     if data.mode == "offline":
-        return OfflineShards(data.path, max_tokens=data.max_tokens, max_seq_len=data.max_seq_len,
-                             eval_shards=data.eval_shards, seed=data.seed)  # fmt: skip
+        shards = OfflineShards(data.path, max_tokens=data.max_tokens, max_seq_len=data.max_seq_len,
+                               eval_shards=data.eval_shards, seed=data.seed)  # fmt: skip
+        cfg, dumped = target.config, shards.manifest
+        if (dumped["hidden_size"], dumped["vocab_size"]) != (cfg.hidden_size, cfg.vocab_size):
+            raise ValueError(
+                f"{data.path} was dumped from {dumped['target']!r} (hidden "
+                f"{dumped['hidden_size']}, vocab {dumped['vocab_size']}), not a model shaped like "
+                "model.target="
+                f"{config.model.target!r} (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}); "
+                "set model.target to the dump's target"
+            )
+        return shards
     from specdec.data_gen.target import TargetForward
 
     # float32 states, as an fp32 dump would hold (autocast still runs the head in bf16).
