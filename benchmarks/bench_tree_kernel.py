@@ -17,7 +17,6 @@ import itertools
 import json
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -77,15 +76,10 @@ def make_inputs(batch: int, context: int, q: int, heads: int, kv_heads: int, dim
 
 
 def median_us(fn, device: torch.device, repeats: int) -> float:
+    if device.type != "cuda":
+        return common.measure(fn, device, warmup=3, repeats=repeats) * 1e6
     for _ in range(3):
         fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
     # Replay the launches from a CUDA graph, as the engine does: timing Python launches
     # would measure the host (tens of microseconds), not the kernel.
     iters = 20

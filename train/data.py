@@ -90,22 +90,29 @@ class Schedule:
 
     def __init__(self, source: Source) -> None:
         self.source = source
-        self._plans: dict[int, list[BatchRef]] = {}
+        self._plans: dict[int, list[BatchRef]] = {}  # the current epoch's plan only
+        self._sizes: list[int] = []  # micro-batches per epoch, for the epochs planned so far
 
     def _plan(self, epoch: int) -> list[BatchRef]:
         if epoch not in self._plans:
-            self._plans = {epoch: self.source.epoch_plan(epoch)}  # keep one epoch's plan
+            self._plans = {epoch: self.source.epoch_plan(epoch)}
             if not self._plans[epoch]:
                 raise ValueError("the training split holds no sequence of >= 2 tokens")
+            if epoch == len(self._sizes):
+                self._sizes.append(len(self._plans[epoch]))
         return self._plans[epoch]
 
     def locate(self, k: int) -> tuple[int, int]:
-        """(epoch, index in that epoch's plan) of micro-batch ``k``."""
+        """(epoch, index in that epoch's plan) of micro-batch ``k``. Earlier epochs are
+        skipped by their recorded sizes, so only a new epoch builds a plan."""
         epoch = 0
-        while k >= len(self._plan(epoch)):
-            k -= len(self._plan(epoch))
+        while True:
+            if epoch == len(self._sizes):
+                self._plan(epoch)
+            if k < self._sizes[epoch]:
+                return epoch, k
+            k -= self._sizes[epoch]
             epoch += 1
-        return epoch, k
 
     def iterate(self, start: int, rank: int, world: int) -> Iterator[tuple[int, PackedBatch]]:
         """(k, batch) for micro-batches k >= start with k % world == rank, forever; loads

@@ -22,7 +22,7 @@ from torch import nn
 
 from specdec.models import ModelConfig, load_config, resolve_model
 from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
-from specdec.train.ttt import PackedBatch, TTTOutput, ttt_forward
+from specdec.train.ttt import PackedBatch, TTTOutput, draft_rows, ttt_forward
 from specdec.train.ttt_attention import TTTAttention, TTTFlexAttention
 
 
@@ -120,8 +120,12 @@ class TTTModel(nn.Module):
         return nn.functional.embedding(ids, self.__dict__["target"].embed)
 
     def place_target(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.__dict__["target"] = self.__dict__["target"].to(device, dtype)
+        target = self.__dict__["target"].to(device, dtype)
+        self.__dict__["target"] = target
+        # The label rows are fixed for the run (the vocab map never changes in training).
+        self.__dict__["label_weight"] = draft_rows(self.head, target.lm_head)
 
     def forward(self, batch: PackedBatch) -> TTTOutput:
         target: TargetIO = self.__dict__["target"]
-        return ttt_forward(self.head, batch, target.lm_head, steps=self.steps, decay=self.decay)
+        return ttt_forward(self.head, batch, target.lm_head, steps=self.steps, decay=self.decay,
+                           label_weight=self.__dict__.get("label_weight"))  # fmt: skip

@@ -136,13 +136,16 @@ def ttt_forward(
     *,
     steps: int = 7,
     decay: float = 0.8,
+    label_weight: torch.Tensor | None = None,  # [draft_vocab, hidden]: its kept-id rows
 ) -> TTTOutput:
-    """The TTT objective: weighted loss and per-step accuracy (module docstring)."""
+    """The TTT objective: weighted loss and per-step accuracy (module docstring).
+    ``label_weight`` (``draft_rows(head, target_lm_head)``) saves gathering the kept rows
+    on every call; callers that train for many steps pass it once computed."""
     n = batch.num_tokens
-    kept = head.d2t + torch.arange(head.d2t.shape[0], device=head.d2t.device)  # [draft_vocab]
     with torch.no_grad():
         target_top = _argmax_logits(batch.target_hidden, target_lm_head)  # [n] target ids
-        label_weight = target_lm_head.index_select(0, kept)  # [draft_vocab, hidden]
+        if label_weight is None:
+            label_weight = draft_rows(head, target_lm_head)
         usable = batch.loss_mask & head.t2d[target_top]  # [n]
     device = batch.input_ids.device
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -171,6 +174,12 @@ def ttt_forward(
     return TTTOutput(
         total, torch.stack(losses), torch.stack(corrects), torch.stack(counts), leading, valid0
     )
+
+
+def draft_rows(head, target_lm_head: torch.Tensor) -> torch.Tensor:  # [draft_vocab, hidden]
+    """The target lm_head's rows of the head's kept ids (draft id order)."""
+    kept = head.d2t + torch.arange(head.d2t.shape[0], device=head.d2t.device)
+    return target_lm_head.index_select(0, kept.to(target_lm_head.device))
 
 
 def _argmax_logits(
