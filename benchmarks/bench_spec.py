@@ -52,6 +52,7 @@ import math
 import statistics
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,6 +287,7 @@ def run(opts: Options) -> list[SpecRow]:
             try:
                 rows += run_variant(opts, variant, plain, pool, plain_runs)
             except Exception as e:  # report and go on: one broken variant must not hide the rest
+                traceback.print_exc()
                 print(f"variant {variant} FAILED: {type(e).__name__}: {e}"[:2000], flush=True)
                 rows.append(SpecRow(variant, 0, opts.max_tokens, 0, note=f"FAILED: {e}"[:200]))
             gc.collect()

@@ -5,7 +5,10 @@ synchronises the device before and after, so a phase's figure is its own host wo
 the device work it launched. Synchronising changes the overlap the real loop has, so the
 sum is an upper bound of a step; the split is what matters. Greedy decoding of
 ``--batch`` chat prompts, ``--max-tokens`` each, after one warm-up generation; medians per
-step over the timed generation.
+step over the timed generation. ``--spec`` and ``--batch`` take lists: one engine per
+spec, every batch size on it. "graphed" counts target forwards replayed from a CUDA graph
+and whole proposals replayed from the proposer's growth graphs; ``--kernels N`` adds the
+N costliest device kernels of the timed generation (torch profiler, unsynchronised run).
 """
 
 from __future__ import annotations
@@ -21,65 +24,85 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from bench_spec import random_head
+from common import parse_int_list, parse_str_list
 from prompts import varied_conversations
 
 from specdec import LLM, SamplingParams
+from specdec.bench.driver import draft_graph_replays, graph_replays
 from specdec.config import SpeculativeConfig
+from specdec.spec.metrics import SpecStats
 
-
-def random_head(model: str) -> str:
-    from specdec.attention import get_attention_backend
-    from specdec.models import load_config, resolve_model
-    from specdec.models.eagle3_formats import save_eagle3
-    from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
-
-    torch.manual_seed(0)
-    config = Eagle3Config.for_target(load_config(resolve_model(model)), 4096)
-    head = Eagle3Head(config, get_attention_backend("torch"))
-    out = tempfile.mkdtemp(prefix="random_head_")
-    save_eagle3(head, out)
-    return out
+SPECS = {
+    "none": None,
+    "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3},
+    "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
+    "eagle3-tree": {
+        "method": "eagle3",
+        "tree": "dynamic",
+        "num_speculative_tokens": 5,
+        "top_k": 8,
+        "total_tokens": 64,
+    },
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--spec", default="none", help="none | eagle3-k3 | eagle3-tree | ngram-k3")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--spec", type=parse_str_list, default=["none"], help=" | ".join(SPECS))
+    p.add_argument("--batch", type=parse_int_list, default=[1])
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--kernels", type=int, default=0, help="also list the N costliest kernels")
+    p.add_argument(
+        "--plain-first",
+        action="store_true",
+        help="build a plain engine first and keep it alive (as bench_spec's runs do)",
+    )
     a = p.parse_args()
-    specs = {
-        "none": None,
-        "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3},
-        "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
-        "eagle3-tree": {
-            "method": "eagle3",
-            "tree": "dynamic",
-            "num_speculative_tokens": 5,
-            "top_k": 8,
-            "total_tokens": 64,
-        },
-    }
-    spec = specs[a.spec]
-    if spec is not None and spec["method"] == "eagle3":
-        spec = {**spec, "model": random_head(a.model)}
-    llm = LLM(
+    unknown = [s for s in a.spec if s not in SPECS]
+    if unknown:
+        p.error(f"unknown --spec {unknown[0]!r}; choose from {', '.join(SPECS)}")
+    plain = build(a, None) if a.plain_first else None
+    with tempfile.TemporaryDirectory() as tmp:
+        head = None
+        for name in a.spec:
+            spec = SPECS[name]
+            if spec is not None and spec["method"] == "eagle3":
+                head = head or str(random_head(a.model, Path(tmp)))
+                spec = {**spec, "model": head}
+            llm = build(a, spec)
+            for batch in a.batch:
+                profile(llm, name, batch, a.max_tokens, a.kernels)
+            del llm
+    del plain
+
+
+def build(a: argparse.Namespace, spec: dict | None) -> LLM:
+    return LLM(
         a.model,
         speculative=SpeculativeConfig(**spec) if spec else None,
         max_model_len=2048,
-        max_num_seqs=max(a.batch, 1),
-        cuda_graph_max_batch_size=max(a.batch, 1),
+        max_num_seqs=max(a.batch),
+        cuda_graph_max_batch_size=max(a.batch),
         kv_cache_memory=2 << 30,
         enable_prefix_caching=False,
     )
+
+
+def profile(llm: LLM, name: str, batch: int, max_tokens: int, kernels: int) -> None:
     engine = llm.engine
     tok = engine.tokenizer
     prompts = [
         list(tok.apply_chat_template(c, add_generation_prompt=True)["input_ids"])
-        for c in varied_conversations(a.batch)
+        for c in varied_conversations(batch)
     ]
     times: dict[str, list[float]] = defaultdict(list)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    if kernels and torch.cuda.is_available():
+        print_kernels(llm, prompts, params, kernels)
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -92,7 +115,8 @@ def main() -> None:
 
         return wrapper
 
-    for obj, name in [
+    originals = []
+    for obj, attr in [
         (engine, "_propose"),
         (engine.runner, "prepare"),
         (engine.runner, "execute"),
@@ -101,22 +125,40 @@ def main() -> None:
         (engine, "_observe"),
         (engine.runner, "move_kv"),
         (engine.scheduler, "schedule"),
+        (engine, "step"),
     ]:
-        setattr(obj, name, timed(name, getattr(obj, name)))
-    engine.step = timed("step (total)", engine.step)
-    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    times.clear()
+        originals.append((obj, attr))
+        setattr(obj, attr, timed("step (total)" if attr == "step" else attr, getattr(obj, attr)))
+    replays, draft_replays = graph_replays(engine), draft_graph_replays(engine)
+    engine.spec_stats = SpecStats()
     llm.generate(prompts, params, use_tqdm=False)
+    for obj, attr in originals:  # instance attributes shadowing the methods
+        delattr(obj, attr)
     steps = len(times["step (total)"])
-    print(f"spec={a.spec} batch={a.batch} steps={steps} tau={engine.spec_stats.tau:.2f}")
+    print(
+        f"spec={name} batch={batch} steps={steps} tau={engine.spec_stats.tau:.2f} "
+        f"graphed: target {graph_replays(engine) - replays}/{steps}, "
+        f"proposals {draft_graph_replays(engine) - draft_replays}"
+    )
     print("| phase | calls | median ms | total ms |")
     print("|---|---:|---:|---:|")
-    for name, values in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+    for phase, values in sorted(times.items(), key=lambda kv: -sum(kv[1])):
         print(
-            f"| {name} | {len(values)} | {statistics.median(values) * 1e3:.3f} | "
+            f"| {phase} | {len(values)} | {statistics.median(values) * 1e3:.3f} | "
             f"{sum(values) * 1e3:.1f} |"
         )
+
+
+def print_kernels(llm: LLM, prompts, params, top: int) -> None:
+    """The ``top`` device kernels by total time over one generation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=top, max_name_column_width=60
+    )
+    print(table)
 
 
 if __name__ == "__main__":

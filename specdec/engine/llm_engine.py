@@ -74,6 +74,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
 
+    @torch.inference_mode()
     def _capture_graphs(self) -> None:
         """Target graphs for decode and verify steps, then the proposer's draft steps for
         batches a verify step can hold (GPU path only)."""

@@ -82,7 +82,10 @@ def load_model(
     """Build the ``CausalLM`` for ``model`` with weights in ``dtype`` on ``device``.
 
     The module is constructed on the meta device (no random init, no memory), materialized
-    empty on ``device``, then filled from the memory-mapped shards. Returns it in eval mode.
+    empty on ``device``, then filled from the memory-mapped shards. Returns it in eval mode
+    and frozen: a loaded target or draft model only runs inference (the trainer's target
+    included), and a parameter that requires grad would make any forward outside
+    ``inference_mode`` (graph capture warm-ups) try to record autograd history.
     """
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model, cache_dir)
     config = load_config(resolved)
@@ -93,7 +96,7 @@ def load_model(
     lm.tie_weights()  # to_empty may replace the shared parameter with two copies
     lm.rotary.build_cache()
     load_safetensors_weights(lm, resolved.hf_dir)
-    return lm.eval()
+    return lm.eval().requires_grad_(False)
 
 
 def load_config(model: str | ResolvedModel, cache_dir: str | Path | None = None) -> ModelConfig:

@@ -69,6 +69,7 @@ class Eagle3Proposer(Proposer):
             embed=runner.model.embed,
             max_positions=runner.max_model_len,
         )
+        self.head.eval().requires_grad_(False)  # drafting only; see load_model
         self.aux_layer_ids = tuple(self.head.config.aux_layer_ids)
         c = self.head.config
         shape = (runner.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
