@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.spec.ngram import NgramConfig, ngram_propose
+from specdec.spec.ngram import NgramConfig, NgramIndex, ngram_propose
 
 
 def propose(tokens, k=3, min_n=2, max_n=3):
@@ -36,3 +36,24 @@ def test_config_validation_names_the_value():
         NgramConfig(3, 3, 2)
     with pytest.raises(ValueError, match="num_speculative_tokens=0"):
         NgramConfig(0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_incremental_index_equals_full_scan(seed):
+    """The proposer's incremental index drafts exactly what a full scan drafts, step after
+    step of a growing sequence (small alphabet: many repeats, overlaps and periodic runs)."""
+    rng = np.random.default_rng(seed)
+    config = NgramConfig(int(rng.integers(1, 6)), int(rng.integers(1, 3)), int(rng.integers(3, 5)))
+    index = NgramIndex(config)
+    tokens = rng.integers(0, 4, size=int(rng.integers(1, 6))).tolist()
+    for _ in range(60):
+        expected = ngram_propose(np.array(tokens, dtype=np.int64), config).tolist()
+        assert index.propose(tokens) == expected
+        tokens += rng.integers(0, 4, size=int(rng.integers(1, 5))).tolist()
+
+
+def test_incremental_index_refuses_a_different_sequence():
+    index = NgramIndex(NgramConfig())
+    index.propose([1, 2, 3, 1, 2])
+    with pytest.raises(ValueError, match="does not extend"):
+        index.propose([1, 2])

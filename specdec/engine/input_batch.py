@@ -14,7 +14,7 @@ import torch
 from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.tree_mask import TreeMask, build_tree_mask
 from specdec.engine.scheduler import ScheduledRequest
-from specdec.spec.tree import DraftTree
+from specdec.spec.tree import DraftTree, cat_on
 
 _NO_TREE = torch.empty(0, dtype=torch.int64)
 
@@ -175,8 +175,8 @@ def build_step_inputs(
     if tree_list:
         rows = packed64[3 * n + num_logits :]
         # Trees may live on the host (ngram, root-only) or the device (model proposers).
-        tokens = torch.cat([t.token_ids.to(device, non_blocking=True) for t in tree_list])
-        depths = torch.cat([t.depths.to(device, non_blocking=True) for t in tree_list])
+        tokens = cat_on(device, [t.token_ids for t in tree_list])
+        depths = cat_on(device, [t.depths for t in tree_list])
         packed64[:n].index_copy_(0, rows, tokens)
         packed64[n : 2 * n].index_add_(0, rows, depths)
     packed32 = _to_device(

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from specdec.engine.sampler import SamplingMetadata, probs_from_logits
-from specdec.spec.tree import DraftTree
+from specdec.spec.tree import DraftTree, cat_on
 
 # Divisor floor: Exp(1) draws of exactly 0 (as in the sampler) and emptied distributions.
 _TINY = torch.finfo(torch.float32).tiny
@@ -118,7 +118,7 @@ def _layout(trees: list[DraftTree], rows: torch.Tensor, name: str) -> _Layout:
     device = rows.device
     shift = np.repeat(offsets[:-1], [t.num_nodes for t in trees])  # each node's tree start
     # Trees may live on the host (ngram, root-only) or on the proposer's device.
-    local = torch.cat([t.parents.to(device, non_blocking=True) for t in trees])  # [total]
+    local = cat_on(device, [t.parents for t in trees])  # [total]
     parents = local + torch.from_numpy(shift).to(device, non_blocking=True)
     parent_list = parents.tolist()  # sync: structure
     children: list[list[int]] = [[] for _ in parent_list]
@@ -129,7 +129,7 @@ def _layout(trees: list[DraftTree], rows: torch.Tensor, name: str) -> _Layout:
         offsets=offsets,
         parents=parents,
         parent_list=parent_list,
-        token_ids=torch.cat([t.token_ids.to(device, non_blocking=True) for t in trees]),
+        token_ids=cat_on(device, [t.token_ids for t in trees]),
         children=children,
     )
 
@@ -169,8 +169,8 @@ def greedy_accept_batch(
     device = target_logits.device
     shift = torch.from_numpy(np.repeat(offsets[:-1], counts)).to(device, non_blocking=True)
     # Trees may live on the host (ngram, root-only) or on the proposer's device.
-    parents = torch.cat([t.parents.to(device, non_blocking=True) for t in trees]) + shift
-    tokens = torch.cat([t.token_ids.to(device, non_blocking=True) for t in trees])
+    parents = cat_on(device, [t.parents for t in trees]) + shift
+    tokens = cat_on(device, [t.token_ids for t in trees])
     best = target_logits.argmax(dim=-1)  # [total]
     is_root = parents == torch.arange(total, device=device)
     on_path = (tokens == best[parents]) | is_root  # roots pass: their own parent

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.spec.ngram import NgramConfig, ngram_propose
+from specdec.spec.ngram import NgramConfig, NgramIndex
 from specdec.spec.proposer import Proposer
 from specdec.spec.tree import DraftTree
 
@@ -35,6 +34,11 @@ class NgramProposer(Proposer):
                 f"tree={config.tree!r}, use tree='chain'"
             )
         self.ngram = NgramConfig(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+        # One incremental index per request: a step costs O(new tokens), not O(length).
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def release(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
 
     def propose(self, requests, max_draft_tokens):
         trees: list[DraftTree | None] = []
@@ -42,7 +46,10 @@ class NgramProposer(Proposer):
             if limit < 1:
                 trees.append(None)
                 continue
-            tokens = np.asarray(request.all_token_ids, dtype=np.int64)
-            drafts = ngram_propose(tokens, self.ngram)[:limit]
-            trees.append(chain_tree(int(tokens[-1]), drafts.tolist()) if drafts.size else None)
+            index = self._indexes.get(request.request_id)
+            if index is None:
+                index = self._indexes[request.request_id] = NgramIndex(self.ngram)
+            tokens = request.all_token_ids
+            drafts = index.propose(tokens)[:limit]
+            trees.append(chain_tree(tokens[-1], drafts) if drafts else None)
         return trees

@@ -28,7 +28,7 @@ Building never reads a device value on the host: every size is fixed by the shap
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -191,6 +191,25 @@ class DraftTree:
         """Each node's position in the sequence. ``prefix_len`` counts the tokens before
         the root, so it is the root's own position; siblings share a position."""
         return self.depths + prefix_len
+
+
+def cat_on(device: torch.device, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` on ``device`` for tensors that live on the host or on
+    ``device`` (trees from the ngram proposer and root-only trees are host-side, a model
+    proposer's are not): every host part travels in one copy, not one copy each, since a
+    step concatenates a field of every tree in the batch."""
+    if device.type == "cpu":
+        return torch.cat(list(parts))
+    host = [i for i, t in enumerate(parts) if t.device.type == "cpu"]
+    if not host:
+        return torch.cat(list(parts))
+    moved = torch.cat([parts[i] for i in host]).to(device, non_blocking=True)
+    if len(host) == len(parts):
+        return moved
+    out = list(parts)
+    for i, part in zip(host, moved.split([parts[i].shape[0] for i in host]), strict=True):
+        out[i] = part
+    return torch.cat(out)
 
 
 def root_only_tree(root: int) -> DraftTree:
