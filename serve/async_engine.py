@@ -59,6 +59,9 @@ class EngineSnapshot:
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_at_least: tuple[int, ...] = ()  # [k-1]: steps accepting >= k tokens
+    spec_exit_requests: int = 0  # requests that opted into SpecExit
+    spec_exit_exits: int = 0  # thinking cut short
+    spec_exit_tokens_saved: float = 0.0  # the head's remaining-tokens estimate at exits
 
     @property
     def kv_usage(self) -> float:
@@ -299,6 +302,7 @@ class AsyncLLMEngine:
         engine = self.engine
         pool = engine.kv_manager.pool
         spec = engine.spec_stats
+        exits = engine.spec_exit.stats if engine.spec_exit is not None else None
         return EngineSnapshot(
             num_running=engine.scheduler.num_running,
             num_waiting=engine.scheduler.num_waiting,
@@ -313,6 +317,9 @@ class AsyncLLMEngine:
             spec_drafted_tokens=spec.drafted_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
             spec_accepted_at_least=tuple(spec.accepted_at_least),
+            spec_exit_requests=exits.requests if exits else 0,
+            spec_exit_exits=exits.exits if exits else 0,
+            spec_exit_tokens_saved=exits.tokens_saved if exits else 0.0,
         )
 
 

@@ -40,6 +40,7 @@ _SERVER_FLAGS = {
     "serve_log_level": "log_level",
     "max_waiting_requests": "max_waiting_requests",
     "max_tokens_limit": "max_tokens_limit",
+    "spec_exit_by_default": "spec_exit_by_default",
 }
 
 
@@ -93,6 +94,18 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="largest max_tokens a request may ask for (default: the context length)",
     )
+    g.add_argument(
+        "--spec-exit",
+        help="SpecExit settings as JSON or a .yaml/.json file of SpecExitParams fields "
+        "(confidence_above, progress_above, remaining_below, smoothing, alpha, think_start, "
+        "think_end, delimiters, ...): the defaults a request's spec_exit overrides",
+    )
+    g.add_argument(
+        "--spec-exit-by-default",
+        action=argparse.BooleanOptionalAction,
+        help="requests that leave spec_exit out opt in too (needs a head with SpecExit "
+        "channels; default: off)",
+    )
     # Every flag defaults to None, meaning "not given": the config (ServeConfig's defaults,
     # or --config) supplies the value, so a given flag always wins, even one that repeats
     # a default.
@@ -113,6 +126,7 @@ def serve_config_from_args(args: argparse.Namespace):
     from specdec.config import SpeculativeConfig
     from specdec.engine.llm import build_engine_config
     from specdec.serve.config import DEFAULT_DRAFT_METHOD, DEFAULT_DRAFT_MODEL, ServeConfig
+    from specdec.spec.spec_exit import SpecExitParams
 
     given = {d for d in args.serve_flags if getattr(args, d) is not None}
     base = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
@@ -154,6 +168,9 @@ def serve_config_from_args(args: argparse.Namespace):
             server[name] = getattr(args, dest)
     if "api_key" not in given and os.environ.get("SPECDEC_API_KEY"):
         server["api_key"] = os.environ["SPECDEC_API_KEY"]
+    if "spec_exit" in given:
+        settings = _json_or_file(args.spec_exit, "--spec-exit")
+        server["spec_exit"] = SpecExitParams.from_dict(settings, base=server["spec_exit"])
     return ServeConfig(engine=engine, **server)
 
 
@@ -161,22 +178,26 @@ def _as_fields(spec) -> dict[str, Any]:
     return {f.name: getattr(spec, f.name) for f in fields(spec)}
 
 
-def _load_spec_fields(value: str) -> dict[str, Any]:
-    """``--spec-config``: inline JSON, or a .json/.yaml file; keys must be fields."""
+def _json_or_file(value: str, flag: str) -> Any:
+    """A flag's value: inline JSON, or a .json/.yaml file."""
     import yaml
-
-    from specdec.config import SpeculativeConfig
 
     path = Path(value)
     if value.lstrip().startswith("{"):
         try:
-            data = json.loads(value)
+            return json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--spec-config is not valid JSON ({e})") from None
-    elif path.is_file():
-        data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
-    else:
-        raise ValueError(f"--spec-config {value!r} is neither inline JSON nor an existing file")
+            raise ValueError(f"{flag} is not valid JSON ({e})") from None
+    if path.is_file():
+        return yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+    raise ValueError(f"{flag} {value!r} is neither inline JSON nor an existing file")
+
+
+def _load_spec_fields(value: str) -> dict[str, Any]:
+    """``--spec-config``: inline JSON, or a .json/.yaml file; keys must be fields."""
+    from specdec.config import SpeculativeConfig
+
+    data = _json_or_file(value, "--spec-config")
     known = {f.name for f in fields(SpeculativeConfig)}
     if not isinstance(data, dict) or set(data) - known:
         extra = sorted(set(data) - known) if isinstance(data, dict) else data

@@ -14,7 +14,13 @@ from jinja2 import TemplateError
 
 from specdec.sampling_params import SamplingParams
 from specdec.serve.errors import APIError
-from specdec.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from specdec.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    SpecExitBody,
+)
+from specdec.spec.spec_exit import SpecExitParams
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +134,26 @@ def resolve_max_tokens(
     return min(default, limit)
 
 
+def resolve_spec_exit(
+    asked: bool | SpecExitBody | None, defaults: SpecExitParams, by_default: bool
+) -> SpecExitParams | None:
+    """A request's SpecExit settings: ``true`` takes the server's, an object overrides
+    them field by field, ``false`` opts out, absent follows ``by_default``."""
+    if asked is None:
+        return defaults if by_default else None
+    if isinstance(asked, bool):
+        return defaults if asked else None
+    try:
+        return SpecExitParams.from_dict(asked.model_dump(exclude_unset=True), base=defaults)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="spec_exit") from None
+
+
 def sampling_params(
-    body: SamplingFields, max_tokens: int | None, logprobs: int | None
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    spec_exit: SpecExitParams | None = None,
 ) -> SamplingParams:
     """The engine's params for a request; its own validation errors become 400s."""
     try:
@@ -145,6 +169,7 @@ def sampling_params(
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            spec_exit=spec_exit,
         )
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e)) from None

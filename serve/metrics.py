@@ -19,6 +19,10 @@ read at scrape time from the engine thread's latest ``EngineSnapshot``. Names (a
   one request with a draft; ``spec_decode_mean_acceptance_length`` is τ = 1 +
   accepted / steps (bonus token included); ``spec_decode_acceptance_rate{position="k"}``
   is a_k, the fraction of steps that accepted at least k draft tokens.
+- ``spec_exit_requests`` / ``spec_exit_triggered`` / ``spec_exit_think_tokens_saved``:
+  SpecExit (docs/spec_exit.md): requests that opted in, exits triggered (thinking cut
+  short), and the think tokens saved as the draft head estimated them (its remaining
+  signal at each exit; an estimate, not a count).
 """
 
 from __future__ import annotations
@@ -95,6 +99,17 @@ class _EngineCollector(Collector):
             hits = s.spec_accepted_at_least[k - 1] if k <= len(s.spec_accepted_at_least) else 0
             rates.add_metric([str(k)], hits / s.spec_steps if s.spec_steps else 0.0)
         yield rates
+        yield _counter(
+            "spec_exit_requests", "Requests that opted into SpecExit.", s.spec_exit_requests
+        )
+        yield _counter(
+            "spec_exit_triggered", "SpecExit exits (thinking cut short).", s.spec_exit_exits
+        )
+        yield _counter(
+            "spec_exit_think_tokens_saved",
+            "Think tokens saved by SpecExit, as the draft head estimated at each exit.",
+            s.spec_exit_tokens_saved,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -2,9 +2,11 @@
 
 Shapes follow OpenAI's completions and chat.completions APIs so the official clients work
 unchanged; a few vLLM extensions (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``) are accepted too. Bounds that the engine would otherwise reject deep
-inside a step (``top_k`` fits int64, ``logprobs`` <= 20, finite floats) are enforced here,
-so a request body can never reach the engine in a state that would fail a whole batch.
+``stop_token_ids``) are accepted too, and specdec's own ``spec_exit`` (SpecExit opt-in,
+docs/spec_exit.md: ``true``, or an object overriding the server's settings). Bounds that
+the engine would otherwise reject deep inside a step (``top_k`` fits int64, ``logprobs``
+<= 20, finite floats) are enforced here, so a request body can never reach the engine in a
+state that would fail a whole batch.
 
 Request models allow unknown fields (OpenAI adds parameters often; like vLLM, the server
 ignores ones it does not know and logs them). Parameters that OpenAI defines but specdec
@@ -34,6 +36,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # one last chunk with usage and no choices
 
 
+class SpecExitBody(BaseModel):
+    """A request's SpecExit overrides (``SpecExitParams`` fields; unset ones keep the
+    server's). Unknown keys are errors: a typo must not silently change the policy."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    confidence_above: float | None = None
+    progress_above: float | None = None
+    remaining_below: float | None = None
+    smoothing: str | None = None
+    alpha: float | None = None
+    beta: float | None = None
+    window: int | None = None
+    think_start: str | None = None
+    think_end: str | None = None
+    delimiters: Annotated[list[str], Field(min_length=1, max_length=16)] | None = None
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -58,6 +78,9 @@ class SamplingFields(_Request):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    spec_exit: bool | SpecExitBody | None = Field(
+        None, description="SpecExit: true, false, or settings (default: the server's)"
+    )
 
 
 class CompletionRequest(SamplingFields):
@@ -122,10 +145,23 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class SpecExitUsage(BaseModel):
+    exits: int  # times thinking was cut short
+    think_tokens_saved_estimate: float  # the draft head's remaining-tokens signal at exits
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    spec_exit: SpecExitUsage | None = None  # requests that opted into SpecExit only
+
+    @model_serializer(mode="wrap")
+    def _drop_spec_exit_unless_set(self, handler):
+        out = handler(self)
+        if out.get("spec_exit") is None:
+            out.pop("spec_exit", None)
+        return out
 
 
 class ModelCard(BaseModel):

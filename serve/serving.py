@@ -34,6 +34,7 @@ from specdec.serve.inputs import (
     completion_prompt_ids,
     refuse_unsupported,
     resolve_max_tokens,
+    resolve_spec_exit,
     sampling_params,
 )
 from specdec.serve.metrics import ServerMetrics
@@ -51,6 +52,7 @@ from specdec.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    SpecExitUsage,
     TopLogprob,
     Usage,
 )
@@ -102,7 +104,9 @@ class OpenAIServing:
         asked, default = max_tokens
         limit = self.config.max_tokens_limit
         resolved = resolve_max_tokens(asked, default, len(prompt_ids), self.max_model_len, limit)
-        params = sampling_params(body, resolved, logprobs)
+        cfg = self.config
+        spec_exit = resolve_spec_exit(body.spec_exit, cfg.spec_exit, cfg.spec_exit_by_default)
+        params = sampling_params(body, resolved, logprobs, spec_exit)
         try:
             return await self.engine.add_request(request_id, prompt_ids, params)
         except QueueFullError as e:
@@ -142,7 +146,17 @@ class OpenAIServing:
 
     def _usage(self, out: RequestOutput) -> Usage:
         n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-        return Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+        m = out.metrics
+        spec_exit = None
+        if m.spec_exits is not None:  # the request opted into SpecExit
+            saved = m.spec_exit_tokens_saved or 0.0
+            spec_exit = SpecExitUsage(exits=m.spec_exits, think_tokens_saved_estimate=saved)
+        return Usage(
+            prompt_tokens=n_in,
+            completion_tokens=n_out,
+            total_tokens=n_in + n_out,
+            spec_exit=spec_exit,
+        )
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -259,6 +259,7 @@ COMMAND_MODULES = (
     "specdec.train.cli",
     "specdec.bench.cli",
     "specdec.interop.cli",
+    "specdec.bench.reasoning_cli",
 )
 
 

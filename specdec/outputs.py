@@ -35,6 +35,10 @@ class RequestMetrics:
     spec_steps: int = 0
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # SpecExit (None unless the request opted in): exits triggered (thinking cut short),
+    # and the think tokens they saved by the draft head's estimate (its remaining signal).
+    spec_exits: int | None = None
+    spec_exit_tokens_saved: float | None = None
 
     @property
     def tau(self) -> float:

@@ -12,6 +12,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from specdec.spec.spec_exit import SpecExitParams
+
 # Most top logprobs a request may ask for per token (the OpenAI API's limit).
 MAX_LOGPROBS = 20
 
@@ -51,6 +53,10 @@ class SamplingParams:
     (unless ``ignore_eos``), at any id in ``stop_token_ids``, or when the output text
     contains a string from ``stop``. Neither EOS, stop token ids nor stop strings end a
     request that has fewer than ``min_tokens`` output tokens.
+
+    ``spec_exit`` opts the request into SpecExit (docs/spec_exit.md): with an EAGLE-3 head
+    that has exit channels, its thinking may end early at a step boundary (the output then
+    differs from plain decoding by design). None: the output is plain decoding's.
     """
 
     temperature: float = 1.0  # 0 (anything < GREEDY_TEMPERATURE_EPS) means greedy argmax
@@ -67,6 +73,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    spec_exit: SpecExitParams | None = None
 
     def __post_init__(self) -> None:
         self._validate_sampling()
@@ -83,6 +90,10 @@ class SamplingParams:
                     f"logprobs={self.logprobs} is invalid; use 0..{MAX_LOGPROBS} "
                     "(0 returns only the sampled token's logprob), or None for none"
                 )
+        if self.spec_exit is not None and not isinstance(self.spec_exit, SpecExitParams):
+            raise TypeError(
+                f"spec_exit={self.spec_exit!r} is invalid; pass SpecExitParams(...) or None"
+            )
 
     def _validate_sampling(self) -> None:
         if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature):

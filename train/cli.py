@@ -1,8 +1,10 @@
-"""``specdec train-draft``: train an EAGLE-3 head (registered in ``specdec.cli.COMMANDS``).
+"""``specdec train-draft``: train an EAGLE-3 head; ``specdec train-sft``: fine-tune a target
+on chat records (the reasoning target's recipe). Registered in ``specdec.cli.COMMANDS``.
 
     specdec train-draft --config configs/train/smollm2.yaml data.path=out/dump optim.lr=3e-4
     accelerate launch --config_file configs/accelerate/zero2.yaml -m specdec.cli \\
         train-draft --config configs/train/smollm2.yaml
+    specdec train-sft --config configs/train/smollm2_reasoning_sft.yaml
 """
 
 from __future__ import annotations
@@ -32,5 +34,21 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from specdec.train.trainer import train
 
     result = train(config)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+@command("train-sft", _args)
+def cmd_train_sft(args: argparse.Namespace) -> int:
+    """Fine-tune a target model on chat records (assistant-token loss, packed)."""
+    from specdec.train.sft_config import SFTConfig
+
+    config = SFTConfig.load(args.config, args.overrides)
+    if args.print_config:
+        print(json.dumps(config.to_dict(), indent=2))
+        return 0
+    from specdec.train.sft import train_sft
+
+    result = train_sft(config)
     print(json.dumps(result, indent=2))
     return 0

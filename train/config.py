@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 import yaml
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 def _require(ok: bool, message: str) -> None:
@@ -68,6 +71,41 @@ class TTTSection:
 
 
 @dataclass
+class SpecExitSection:
+    """SpecExit channels on the head (docs/spec_exit.md); ``signals`` empty: off. Labels
+    come from each sequence's think span (``think_start``/``think_end``, one token each)
+    and, for confidence, a dump's optional ``spec_exit_confidence`` [n] tensor."""
+
+    signals: tuple[str, ...] = ()  # any of confidence, progress, remaining
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+    confidence_weight: float = 1.0
+    progress_weight: float = 1.0
+    remaining_weight: float = 1.0
+    remaining_loss: str = "huber"  # huber | mse, on log1p(tokens)
+    # Train only the channels, on top of a trained head (model.init_head), frozen.
+    freeze_draft: bool = False
+
+    def __post_init__(self) -> None:
+        from specdec.models.exit_signals import canonical_signals
+
+        try:
+            self.signals = canonical_signals(self.signals)
+        except ValueError as err:
+            raise ValueError(f"spec_exit.signals: {err}") from None
+        _at_least("spec_exit", self, 0, "confidence_weight", "progress_weight",
+                  "remaining_weight")  # fmt: skip
+        _choice("spec_exit", "remaining_loss", self.remaining_loss, ("huber", "mse"))
+        _require(not self.freeze_draft or bool(self.signals),
+                 "spec_exit.freeze_draft=true trains only the exit channels; set "
+                 "spec_exit.signals too")  # fmt: skip
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {s: getattr(self, f"{s}_weight") for s in self.signals}
+
+
+@dataclass
 class OptimSection:
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -103,17 +141,13 @@ class RunSection:
         _at_least("run", self, 1, "save_every", "keep_last", "eval_every", "log_every")
 
 
-@dataclass
-class TrainConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    ttt: TTTSection = field(default_factory=TTTSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    run: RunSection = field(default_factory=RunSection)
+class SectionedConfig:
+    """A run config made of section dataclasses (``TrainConfig``, the SFT recipe's
+    ``SFTConfig``): strict YAML loading, overrides and ``to_dict`` for every subclass."""
 
     # ---- loading ------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+    def from_dict(cls, data: dict[str, Any]) -> Self:
         """Nested dict (a YAML file) -> config; unknown sections or keys raise."""
         sections = {f.name: f for f in fields(cls)}
         unknown = set(data) - set(sections)
@@ -136,7 +170,7 @@ class TrainConfig:
         return cls(**built)
 
     @classmethod
-    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> Self:
         """The YAML file (or the defaults) with ``section.key=value`` overrides applied;
         values parse as YAML (``optim.lr=3e-4``, ``model.aux_layer_ids=[2,15,27]``)."""
         data: dict[str, Any] = {}
@@ -158,6 +192,16 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class TrainConfig(SectionedConfig):
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    ttt: TTTSection = field(default_factory=TTTSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    run: RunSection = field(default_factory=RunSection)
+    spec_exit: SpecExitSection = field(default_factory=SpecExitSection)
 
 
 def _coerce(section: str, section_cls: type, values: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,10 @@ size.
   needs them (a background thread reads ahead), checksummed against the manifest.
 - ``OnlineRecords`` keeps only token ids (data_gen's regenerate records) and runs the
   target inside the loop to get the aux and final hidden states of each micro-batch.
+
+With a ``labeler`` (``spec_exit_labels.ExitLabeler``) each batch also carries SpecExit
+labels (``PackedBatch.exit_targets``) from its sequences' think spans; a dump shard may
+add per-position confidence labels as ``spec_exit_confidence`` [n] float32 (NaN: none).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
+from specdec.train.spec_exit_labels import ExitLabeler
 from specdec.train.ttt import PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -149,11 +154,24 @@ def assemble(
     )
 
 
+CONFIDENCE_KEY = "spec_exit_confidence"  # optional dump tensor [n] float32, NaN = unknown
+
+
+def _with_exit_targets(
+    batch: PackedBatch, labeler: ExitLabeler | None, confidence: np.ndarray | None = None
+) -> PackedBatch:
+    if labeler is not None:
+        targets = labeler.targets(batch.input_ids.numpy(), batch.cu_seqlens.numpy(), confidence)
+        batch.exit_targets = torch.from_numpy(targets)
+    return batch
+
+
 class OfflineShards:
     """data_gen dump shards (see ``specdec.data_gen.dump``), streamed."""
 
     def __init__(self, root: str | Path, *, max_tokens: int, max_seq_len: int,
-                 eval_shards: int, seed: int, verify: bool = True) -> None:  # fmt: skip
+                 eval_shards: int, seed: int, verify: bool = True,
+                 labeler: ExitLabeler | None = None) -> None:  # fmt: skip
         from specdec.data_gen.shards import load_manifest
 
         self.root = Path(root)
@@ -177,6 +195,7 @@ class OfflineShards:
         self.train_shards, self.eval_shards = shards[:cut], shards[cut:]
         self.max_tokens, self.max_seq_len, self.seed = max_tokens, max_seq_len, seed
         self.verify = verify
+        self.labeler = labeler
         self._lengths: dict[str, list[int]] = {}
         self._cache: tuple[str, dict[str, torch.Tensor]] | None = None
 
@@ -226,7 +245,7 @@ class OfflineShards:
         return cached[1]
 
     def load(self, ref: BatchRef) -> PackedBatch:
-        parts = []
+        parts, confidence = [], []
         for unit, record in ref.items:
             t = self._tensors(unit)
             lo, hi = int(t["cu_seqlens"][record]), int(t["cu_seqlens"][record + 1])
@@ -235,7 +254,12 @@ class OfflineShards:
                 t["input_ids"][lo:hi].numpy(), t["loss_mask"][lo:hi].numpy(),
                 t["aux_hidden_states"][lo:hi], t["hidden_states"][lo:hi],
             ))  # fmt: skip
-        return assemble(parts)
+            conf = t.get(CONFIDENCE_KEY)
+            confidence.append(
+                conf[lo:hi].float().numpy() if conf is not None else np.full(hi - lo, np.nan)
+            )
+        conf_all = np.concatenate(confidence).astype(np.float32) if confidence else None
+        return _with_exit_targets(assemble(parts), self.labeler, conf_all)
 
 
 class OnlineRecords:
@@ -243,7 +267,8 @@ class OnlineRecords:
     and final hidden states of each micro-batch inside the training loop."""
 
     def __init__(self, root: str | Path, target_forward, *, max_tokens: int, max_seq_len: int,
-                 eval_records: int, seed: int, vocab_size: int) -> None:  # fmt: skip
+                 eval_records: int, seed: int, vocab_size: int,
+                 labeler: ExitLabeler | None = None) -> None:  # fmt: skip
         from specdec.data_gen.dump import load_records
         from specdec.data_gen.records import SkipCounts
 
@@ -262,6 +287,7 @@ class OnlineRecords:
             )
         self.train, self.eval = records[:cut], records[cut:]
         self.max_tokens, self.max_seq_len, self.seed = max_tokens, max_seq_len, seed
+        self.labeler = labeler
         self._lock = threading.Lock()
 
     def epoch_plan(self, epoch: int) -> list[BatchRef]:
@@ -286,4 +312,4 @@ class OnlineRecords:
             hidden, aux = self.forward(batch.input_ids.numpy(), lengths)
         # Outputs of an inference-mode forward cannot be saved for backward: copy them.
         batch.aux_hidden, batch.target_hidden = aux.clone(), hidden.clone()
-        return batch
+        return _with_exit_targets(batch, self.labeler)

@@ -8,6 +8,10 @@ hidden states into labels.
 
 Init (EAGLE-3's): the head's lm_head rows are the target's lm_head rows of the kept ids;
 everything else is PyTorch's default init.
+
+SpecExit (docs/spec_exit.md): a head built with ``exit_signals`` has exit channels, trained
+by the ``SpecExitLoss`` term next to TTT, or alone (``freeze_draft``: every other
+parameter frozen, TTT still computed, without gradients, for its figures).
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
 from specdec.models import ModelConfig, load_config, resolve_model
 from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
+from specdec.models.weights import read_tensors
+from specdec.train.spec_exit_loss import SpecExitLoss
 from specdec.train.ttt import PackedBatch, TTTOutput, draft_rows, ttt_forward
 from specdec.train.ttt_attention import TTTAttention, TTTFlexAttention
 
@@ -41,11 +46,7 @@ class TargetIO:
         resolved = resolve_model(target)
         config = load_config(resolved)
         directory = Path(resolved.hf_dir)
-        wanted = {"model.embed_tokens.weight": None, "lm_head.weight": None}
-        for path in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                for key in wanted.keys() & set(f.keys()):
-                    wanted[key] = f.get_tensor(key)
+        wanted = read_tensors(directory, ["model.embed_tokens.weight", "lm_head.weight"])
         embed = wanted["model.embed_tokens.weight"]
         if embed is None:
             raise ValueError(f"{directory} has no model.embed_tokens.weight")
@@ -91,11 +92,16 @@ def build_head(
     t2d: torch.Tensor,
     aux_layer_ids: tuple[int, ...],
     attention: TTTAttention,
+    exit_signals: tuple[str, ...] = (),
 ) -> Eagle3Head:
-    """A fresh head for ``target`` with the draft vocabulary (d2t, t2d) and EAGLE-3's
-    lm_head init."""
+    """A fresh head for ``target`` with the draft vocabulary (d2t, t2d), EAGLE-3's
+    lm_head init and SpecExit channels for ``exit_signals`` (none by default)."""
     config = Eagle3Config.for_target(
-        target.config, d2t.shape[0], aux_layer_ids=aux_layer_ids, target_name=target_name
+        target.config,
+        d2t.shape[0],
+        aux_layer_ids=aux_layer_ids,
+        target_name=target_name,
+        exit_signals=exit_signals,
     )
     head = Eagle3Head(config, attention)
     head.set_vocab_map(d2t, t2d)
@@ -107,12 +113,30 @@ def build_head(
 
 class TTTModel(nn.Module):
     """``forward(batch) -> TTTOutput``: the whole unrolled objective in one module call,
-    as DDP and DeepSpeed want (one forward per backward)."""
+    as DDP and DeepSpeed want (one forward per backward). With ``exit_loss`` the SpecExit
+    term joins the loss on batches that carry ``exit_targets``; ``freeze_draft`` leaves
+    only the exit channels trainable (module docstring)."""
 
-    def __init__(self, head: Eagle3Head, target: TargetIO, *, steps: int, decay: float) -> None:
+    def __init__(
+        self,
+        head: Eagle3Head,
+        target: TargetIO,
+        *,
+        steps: int,
+        decay: float,
+        exit_loss: SpecExitLoss | None = None,
+        freeze_draft: bool = False,
+    ) -> None:
         super().__init__()
+        if (exit_loss is not None or freeze_draft) and head.spec_exit is None:
+            raise ValueError("exit_loss/freeze_draft need a head with SpecExit channels")
         self.head = head
         self.steps, self.decay = steps, decay
+        self.exit_loss = exit_loss
+        self.freeze_draft = freeze_draft
+        if freeze_draft:
+            for name, param in head.named_parameters():
+                param.requires_grad_(name.startswith("spec_exit."))
         self.__dict__["target"] = target  # frozen, unregistered (module docstring)
         head.bind_embedding(self._embed)
 
@@ -127,5 +151,16 @@ class TTTModel(nn.Module):
 
     def forward(self, batch: PackedBatch) -> TTTOutput:
         target: TargetIO = self.__dict__["target"]
-        return ttt_forward(self.head, batch, target.lm_head, steps=self.steps, decay=self.decay,
-                           label_weight=self.__dict__.get("label_weight"))  # fmt: skip
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_draft):
+            out = ttt_forward(
+                self.head,
+                batch,
+                target.lm_head,
+                steps=self.steps,
+                decay=self.decay,
+                label_weight=self.__dict__.get("label_weight"),
+            )
+        if self.exit_loss is not None and batch.exit_targets is not None:
+            out.exit = self.exit_loss(self.head, batch)
+            out.loss = out.loss + out.exit.loss
+        return out

@@ -29,6 +29,8 @@ from specdec.train import checkpoint
 from specdec.train.config import TrainConfig
 from specdec.train.data import OfflineShards, OnlineRecords, Schedule, Source
 from specdec.train.model import TargetIO, TTTModel, attention_backend, build_head, load_vocab
+from specdec.train.spec_exit_labels import ExitLabeler
+from specdec.train.spec_exit_loss import SpecExitLoss
 from specdec.train.ttt import TTTOutput
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ class Tally:
     valid: torch.Tensor | float = 0.0
     leading: torch.Tensor | float = 0.0  # sum of leading-correct runs over step-0 valid
     valid0: torch.Tensor | float = 0.0
+    exit_loss: torch.Tensor | float = 0.0  # [k]: SpecExit loss_s * labelled_s, summed
+    exit_count: torch.Tensor | float = 0.0  # [k]: labelled positions per signal
     batches: int = 0
     tokens: int = 0
 
@@ -58,23 +62,30 @@ class Tally:
         self.valid = self.valid + out.step_valid
         self.leading = self.leading + out.leading_correct[out.valid0].sum()
         self.valid0 = self.valid0 + out.valid0.sum()
+        if out.exit is not None:
+            self.exit_loss = self.exit_loss + out.exit.signal_losses * out.exit.signal_counts
+            self.exit_count = self.exit_count + out.exit.signal_counts
         self.batches += 1
         self.tokens += tokens
 
-    def summary(self, accelerator, prefix: str) -> dict[str, Any]:
-        """Figures over every process (a collective call: all processes must call it)."""
+    def summary(self, accelerator, prefix: str, signals: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Figures over every process (a collective call: all processes must call it);
+        ``signals``: the head's SpecExit signals, reported as ``exit_loss_<signal>``."""
         device = accelerator.device
         t = [torch.as_tensor(x, dtype=torch.float64, device=device).reshape(-1) for x in (
             self.loss, self.step_loss, self.correct, self.valid, self.leading, self.valid0,
             float(self.batches), float(self.tokens),
         )]  # fmt: skip
+        for sums in (self.exit_loss, self.exit_count):  # same sizes on every process
+            values = torch.as_tensor(sums, dtype=torch.float64, device=device).reshape(-1)
+            t.append(values if values.numel() == len(signals) else values.new_zeros(len(signals)))
         sizes = [x.numel() for x in t]
         flat = accelerator.reduce(torch.cat(t), reduction="sum").tolist()
         parts, i = [], 0
         for n in sizes:
             parts.append(flat[i : i + n])
             i += n
-        loss, step_loss, correct, valid, leading, valid0, batches, tokens = parts
+        loss, step_loss, correct, valid, leading, valid0, batches, tokens, exit_sum, exit_n = parts
         out: dict[str, Any] = {
             f"{prefix}loss": loss[0] / max(batches[0], 1),
             f"{prefix}tokens": int(tokens[0]),
@@ -83,6 +94,8 @@ class Tally:
         for k, (s, c, v) in enumerate(zip(step_loss, correct, valid, strict=False)):
             out[f"{prefix}loss_{k}"] = s / v if v else float("nan")
             out[f"{prefix}acc_{k}"] = c / v if v else float("nan")
+        for name, s, n in zip(signals, exit_sum, exit_n, strict=True):
+            out[f"{prefix}exit_loss_{name}"] = s / n if n else float("nan")
         return out
 
 
@@ -123,11 +136,22 @@ def train(config: TrainConfig) -> dict[str, Any]:
             f"model.draft_vocab_size={config.model.draft_vocab_size} but the vocab file keeps "
             f"{d2t.shape[0]} ids; rebuild it with that size or drop the setting"
         )
+    exit_cfg = config.spec_exit
+    if exit_cfg.freeze_draft and not config.model.init_head:
+        raise ValueError(
+            "spec_exit.freeze_draft=true trains SpecExit channels on top of a trained head; "
+            "set model.init_head to that head's directory"
+        )
     head = build_head(target, config.model.target, d2t, t2d, aux_ids,
-                      attention_backend(config.ttt.attention, device))  # fmt: skip
+                      attention_backend(config.ttt.attention, device),
+                      exit_signals=exit_cfg.signals)  # fmt: skip
     if config.model.init_head:
         _load_init_head(head, config.model.init_head, target)
-    model = TTTModel(head, target, steps=config.ttt.steps, decay=config.ttt.decay)
+    exit_loss = None
+    if exit_cfg.signals:
+        exit_loss = SpecExitLoss(exit_cfg.weights, exit_cfg.remaining_loss)
+    model = TTTModel(head, target, steps=config.ttt.steps, decay=config.ttt.decay,
+                     exit_loss=exit_loss, freeze_draft=exit_cfg.freeze_draft)  # fmt: skip
     model.place_target(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
@@ -156,7 +180,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     tally, t0 = Tally(), time.perf_counter()
     evals: dict[str, Any] = {}
     if state.step == 0:  # the fresh head's figures: the baseline every later eval beats
-        log.write(0, evaluate(model, source, accelerator))
+        log.write(0, evaluate(model, source, accelerator, exit_cfg.signals))
     kill_after = int(os.environ.get(KILL_ENV, "0"))
     model.train()
     while state.step < optim_cfg.max_steps:
@@ -176,7 +200,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         state.consumed += optim_cfg.grad_accum * world
         bar.update(1)
         if state.step % run.log_every == 0 or state.step == optim_cfg.max_steps:
-            figures = tally.summary(accelerator, "train/")
+            figures = tally.summary(accelerator, "train/", exit_cfg.signals)
             seconds = time.perf_counter() - t0
             figures["train/tokens_per_s"] = figures["train/tokens"] / max(seconds, 1e-9)
             figures["lr"] = scheduler.get_last_lr()[0]
@@ -187,7 +211,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                             tok_s=f"{figures['train/tokens_per_s']:,.0f}")  # fmt: skip
             tally, t0 = Tally(), time.perf_counter()
         if state.step % run.eval_every == 0 or state.step == optim_cfg.max_steps:
-            evals = evaluate(model, source, accelerator)
+            evals = evaluate(model, source, accelerator, exit_cfg.signals)
             log.write(state.step, evals)
             model.train()
         if state.step % run.save_every == 0 or state.step == optim_cfg.max_steps:
@@ -201,8 +225,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
     return {"step": state.step, "head": str(head_dir), **evals}
 
 
-def evaluate(model, source: Source, accelerator) -> dict[str, Any]:
-    """Held-out loss_i, acc_i and simulated τ (each process takes every world-th batch)."""
+def evaluate(model, source: Source, accelerator, signals: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Held-out loss_i, acc_i, simulated τ and SpecExit losses of ``signals`` (each
+    process takes every world-th batch)."""
     plan = source.eval_plan()
     tally = Tally()
     model.eval()
@@ -210,14 +235,27 @@ def evaluate(model, source: Source, accelerator) -> dict[str, Any]:
         for ref in plan[accelerator.process_index :: accelerator.num_processes]:
             batch = source.load(ref).to(accelerator.device)
             tally.add(model(batch), batch.num_tokens)
-    return tally.summary(accelerator, "eval/")
+    return tally.summary(accelerator, "eval/", signals)
+
+
+def _exit_labeler(config: TrainConfig) -> ExitLabeler | None:
+    """SpecExit labels from think spans, markers resolved with the target's tokenizer."""
+    cfg = config.spec_exit
+    if not cfg.signals:
+        return None
+    from specdec.models import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(config.model.target))
+    return ExitLabeler.for_tokenizer(tokenizer, cfg.signals, cfg.think_start, cfg.think_end)
 
 
 def _source(config: TrainConfig, target: TargetIO, device: torch.device) -> Source:
     data = config.data
+    labeler = _exit_labeler(config)
     if data.mode == "offline":
         shards = OfflineShards(data.path, max_tokens=data.max_tokens, max_seq_len=data.max_seq_len,
-                               eval_shards=data.eval_shards, seed=data.seed)  # fmt: skip
+                               eval_shards=data.eval_shards, seed=data.seed,
+                               labeler=labeler)  # fmt: skip
         cfg, dumped = target.config, shards.manifest
         if (dumped["hidden_size"], dumped["vocab_size"]) != (cfg.hidden_size, cfg.vocab_size):
             raise ValueError(
@@ -237,7 +275,8 @@ def _source(config: TrainConfig, target: TargetIO, device: torch.device) -> Sour
     )  # fmt: skip
     return OnlineRecords(data.path, forward, max_tokens=data.max_tokens,
                          max_seq_len=data.max_seq_len, eval_records=data.eval_records,
-                         seed=data.seed, vocab_size=target.config.vocab_size)  # fmt: skip
+                         seed=data.seed, vocab_size=target.config.vocab_size,
+                         labeler=labeler)  # fmt: skip
 
 
 def _vocab_path(config: TrainConfig) -> Path:
@@ -262,7 +301,16 @@ def _load_init_head(head, directory: str, target: TargetIO) -> None:
             f"model.init_head has a {init.config.draft_vocab_size}-token draft vocab; the run's "
             f"vocab file keeps {head.config.draft_vocab_size}"
         )
-    head.load_state_dict(init.state_dict())
+    have, want = init.config.exit_signals, head.config.exit_signals
+    if have and have != want:
+        raise ValueError(
+            f"model.init_head has SpecExit channels {list(have)}; set spec_exit.signals="
+            f"{list(have)} to keep training them (the run asks for {list(want)})"
+        )
+    # A trained head without channels: its weights, and fresh channels on top.
+    missing, _ = head.load_state_dict(init.state_dict(), strict=not (want and not have))
+    if any(not k.startswith("spec_exit.") for k in missing):
+        raise ValueError(f"model.init_head lacks {missing}; it is not a head for this run")
 
 
 def _save_head(accelerator, model, out_dir: Path) -> Path:

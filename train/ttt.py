@@ -27,11 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from specdec.train.ttt_attention import TTTCache, TTTMeta
+
+if TYPE_CHECKING:
+    from specdec.train.spec_exit_loss import ExitLossOutput
 
 
 @dataclass
@@ -44,17 +48,22 @@ class PackedBatch:
     aux_hidden: torch.Tensor  # [n, 3 * hidden]: the target's aux residual streams
     target_hidden: torch.Tensor  # [n, hidden]: the target's final-normed hidden states
     cu_seqlens: torch.Tensor  # [num_seqs + 1] int64: sequence boundaries
+    # [n, num_signals] float32: SpecExit labels (spec_exit_labels), NaN = none; None: off
+    exit_targets: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
     def to(self, device: torch.device | str) -> PackedBatch:
+        exit_targets = self.exit_targets
         return PackedBatch(
             *(t.to(device, non_blocking=True) for t in (
                 self.input_ids, self.loss_mask, self.aux_hidden, self.target_hidden,
                 self.cu_seqlens,
-            ))
+            )),
+            exit_targets=exit_targets.to(device, non_blocking=True) if exit_targets is not None
+            else None,
         )  # fmt: skip
 
 
@@ -92,6 +101,7 @@ class TTTOutput:
     step_valid: torch.Tensor  # [steps] int64: valid positions
     leading_correct: torch.Tensor  # [n] int64: correct steps in a row from step 0
     valid0: torch.Tensor  # [n] bool: positions valid at step 0
+    exit: ExitLossOutput | None = None  # the SpecExit term, when trained (included in loss)
 
     @property
     def step_acc(self) -> list[float]:

@@ -25,6 +25,8 @@ from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.spec.acceptance import accept_batch, greedy_accept_batch
 from specdec.spec.metrics import SpecStats
 from specdec.spec.proposer import make_proposer
+from specdec.spec.spec_exit import SpecExitState
+from specdec.spec.spec_exit_runtime import SpecExitRuntime
 from specdec.spec.tree import DraftTree, root_only_tree
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class _RequestState:
     pending_delta: list[str] = field(default_factory=list)
     num_sent_tokens: int = 0  # output tokens already carried by a DELTA output
     spec_stats: SpecStats = field(default_factory=SpecStats)
+    spec_exit: SpecExitState | None = None  # the request opted into SpecExit
 
 
 class LLMEngine:
@@ -66,6 +69,9 @@ class LLMEngine:
         self.lookahead = self.proposer.lookahead_slots if self.proposer is not None else 0
         if self.proposer is not None:
             self.runner.aux_layer_ids = self.proposer.aux_layer_ids
+        # SpecExit (docs/spec_exit.md) needs a proposer whose trees carry exit signals.
+        signals = self.proposer.exit_signals if self.proposer is not None else ()
+        self.spec_exit = SpecExitRuntime(self.tokenizer, signals) if signals else None
         self._capture_graphs()
         self.spec_stats = SpecStats()
         # Give decoding rows without a draft a root-only tree when some row has one, so
@@ -119,6 +125,14 @@ class LLMEngine:
         else:
             text, token_ids = None, [int(t) for t in prompt]
         self._validate(token_ids, params)
+        spec_exit = None
+        if params.spec_exit is not None:
+            if self.spec_exit is None:
+                raise ValueError(
+                    "spec_exit needs an EAGLE-3 draft head with SpecExit channels; this "
+                    "engine's speculation has none (leave spec_exit out)"
+                )
+            spec_exit = self.spec_exit.start(params.spec_exit, token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:  # until the context runs out
             max_tokens = self.max_model_len - len(token_ids)
@@ -142,6 +156,7 @@ class LLMEngine:
             ),
             generator=generator,
             logprobs=[] if params.logprobs is not None else None,
+            spec_exit=spec_exit,
         )
         self.scheduler.add_request(request)
         return request_id
@@ -218,9 +233,13 @@ class LLMEngine:
         logprobs: dict[int, TokenLogprobs] = {}
         plain = [i for i, r in enumerate(inputs.sampled_rows) if r not in trees]
         if plain:
-            rows = torch.tensor([offsets[i] for i in plain], device=logits.device)
+            if len(plain) == logits.shape[0]:  # every logits row: a plain step, no gather
+                plain_logits = logits
+            else:
+                rows = torch.tensor([offsets[i] for i in plain], device=logits.device)
+                plain_logits = logits[rows]
             tokens, lps = self._sample(
-                [self._state_of(sched, inputs, i) for i in plain], logits[rows]
+                [self._state_of(sched, inputs, i) for i in plain], plain_logits
             )
             for j, i in enumerate(plain):
                 emitted[i] = [tokens[j]]
@@ -230,6 +249,8 @@ class LLMEngine:
         accepted: dict[int, list[int]] = {}
         if spec:
             accepted = self._verify(sched, inputs, trees, spec, logits, offsets, emitted)
+            if self.spec_exit is not None:
+                self._apply_spec_exit(sched, inputs, trees, spec, emitted, accepted)
         if aux is not None:
             self._observe(sched, inputs, starts, accepted, aux)
         now = time.monotonic()
@@ -374,6 +395,30 @@ class LLMEngine:
             inputs.sampled_rows[i]: r.accepted_nodes for i, r in zip(spec, results, strict=True)
         }
 
+    def _apply_spec_exit(self, sched, inputs, trees, spec, emitted, accepted) -> None:
+        """SpecExit after acceptance (docs/spec_exit.md): an opted-in request whose step
+        emitted a step delimiter inside its think span while its signals passed keeps the
+        tokens through the delimiter and gets the think-end token next. Rolled back with
+        the cut: the later emitted tokens, their accepted nodes (``_observe`` then reports
+        only kept tokens) and the computed tokens past them (their K/V is stale)."""
+        rows = [i for i in spec if self._state_of(sched, inputs, i).spec_exit is not None]
+        if not rows:
+            return
+        values = self.spec_exit.read_signals([trees[inputs.sampled_rows[i]] for i in rows])
+        for i, step_values in zip(rows, values, strict=True):
+            state = self._state_of(sched, inputs, i)
+            request, row = state.request, inputs.sampled_rows[i]
+            cut = state.spec_exit.step(request.output_token_ids, emitted[i], step_values)
+            if cut is None:
+                continue
+            root = request.num_computed_tokens - 1 - len(accepted[row])  # its cache index
+            emitted[i] = [*emitted[i][: cut.keep], cut.token]
+            # A cut at the bonus token keeps every accepted node: the bonus and the forced
+            # token are then both uncomputed, and the next step computes them together.
+            accepted[row] = accepted[row][: cut.keep]
+            request.num_computed_tokens = root + 1 + len(accepted[row])
+            self.spec_exit.stats.record(cut)
+
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Rows below ``min_tokens`` must not produce EOS or a stop token id: mask them
         (in place, so the sampled distribution is the target's renormalised over the rest)."""
@@ -474,6 +519,8 @@ class LLMEngine:
                 spec_steps=state.spec_stats.steps,
                 spec_drafted_tokens=state.spec_stats.drafted_tokens,
                 spec_accepted_tokens=state.spec_stats.accepted_tokens,
+                spec_exits=state.spec_exit.num_exits if state.spec_exit else None,
+                spec_exit_tokens_saved=state.spec_exit.tokens_saved if state.spec_exit else None,
             ),
             text_delta=text_delta,
         )

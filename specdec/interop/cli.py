@@ -73,6 +73,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     k = result.num_speculative_tokens
     print(f"exported {args.head_dir} for {args.to} to {result.out_dir} (K={k})")
+    if result.dropped:
+        dropped = ", ".join(result.dropped)
+        print(f"  dropped {dropped} (SpecExit channels; {args.to} does not run them)")
     for finding in result.report.warnings:
         print(f"  {finding}")
     print(f"serve it with:\n  {result.launch}")

@@ -29,7 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specdec.interop.validate import FORMAT_NAMES, Check, Finding, HeadDir
-from specdec.models.eagle3_formats import INDEX_FILE, SINGLE_FILE, Eagle3Format, load_eagle3
+from specdec.models.eagle3_formats import (
+    EXIT_PREFIX,
+    INDEX_FILE,
+    SINGLE_FILE,
+    Eagle3Format,
+    load_eagle3,
+)
 from specdec.models.eagle3_head import default_aux_layer_ids
 from specdec.models.weights import WeightLoadError
 
@@ -191,6 +197,25 @@ def _eagle_default_ids(head: HeadDir) -> list[Finding]:
     ]
 
 
+def _no_exit_channels(consumer: str, error: bool, why: str) -> Check:
+    """SpecExit channels (``spec_exit.*``, specdec's own) are dropped by the export."""
+
+    def check(head: HeadDir) -> list[Finding]:
+        keys = sorted(k for k in head.tensors if k.startswith(EXIT_PREFIX))
+        if not keys:
+            return []
+        return [
+            Finding(
+                "error" if error else "warning",
+                "weights",
+                f"store SpecExit channels {keys}; {why}",
+                f"export it: specdec export --to {consumer} {head.path} OUT_DIR (drops them)",
+            )
+        ]
+
+    return check
+
+
 def _specdec_loads(head: HeadDir) -> list[Finding]:
     """The decisive check: specdec builds the head against the real target."""
     if head.target is None or head.head is None:
@@ -253,6 +278,11 @@ CONSUMERS: dict[str, Consumer] = {
                 _reads_format("vllm", "vLLM", ("speculators", "specdec", "eagle")),
                 _plain_shards,
                 _vllm_ids,
+                _no_exit_channels(
+                    "vllm",
+                    True,
+                    "vLLM's weight loader refuses weights it has no parameter for",
+                ),
             ),
             launch=_vllm_launch,
         ),
@@ -267,6 +297,11 @@ CONSUMERS: dict[str, Consumer] = {
                 _sglang_ids,
                 _untied,
                 _has_draft_vocab,
+                _no_exit_channels(
+                    "sglang",
+                    False,
+                    "SGLang skips keys it does not know, so the head drafts without them",
+                ),
             ),
             launch=_sglang_launch,
         ),
@@ -280,6 +315,7 @@ CONSUMERS: dict[str, Consumer] = {
                 _single_file,
                 _eagle_default_ids,
                 _has_draft_vocab,
+                _no_exit_channels("eagle", True, "EAGLE's head has no such weights"),
             ),
             launch=_eagle_launch,
         ),

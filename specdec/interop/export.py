@@ -6,6 +6,10 @@ vLLM gets the speculators format, SGLang and EAGLE the research one with the aux
 SGLang's numbering. The output is then validated for that consumer against the target;
 an export that would not load there raises with every finding.
 
+A head's SpecExit channels (docs/spec_exit.md) run only in specdec: the export drops them
+(``ExportResult.dropped``, and ``specdec_dropped`` in the safetensors metadata), and the
+exported head drafts exactly as the original does.
+
 The speculators config names a *verifier* (the target vLLM pairs the head with when it is
 served on its own). It defaults to the head's target name; a specdec alias is replaced by
 its resolved HF directory, since vLLM cannot resolve specdec aliases.
@@ -19,7 +23,7 @@ from pathlib import Path
 from specdec.interop.consumers import EXPORT_TARGETS, LaunchSpec, get_consumer
 from specdec.interop.target import resolve_target
 from specdec.interop.validate import ValidationReport, validate_head
-from specdec.models.eagle3_formats import load_eagle3, save_eagle3, stored_dtype
+from specdec.models.eagle3_formats import dropped_keys, load_eagle3, save_eagle3, stored_dtype
 from specdec.models.eagle3_head import TreeDefaults
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
@@ -32,7 +36,8 @@ class ExportError(ValueError):
 @dataclass(frozen=True)
 class ExportResult:
     """``out_dir`` holds the head for ``consumer``; ``launch`` is the command that serves it
-    (with ``target`` as written there, K = ``num_speculative_tokens``)."""
+    (with ``target`` as written there, K = ``num_speculative_tokens``); ``dropped`` names
+    the stored keys the consumer cannot run (the SpecExit channels), left out."""
 
     out_dir: Path
     consumer: str
@@ -40,6 +45,7 @@ class ExportResult:
     num_speculative_tokens: int
     report: ValidationReport
     launch: str
+    dropped: tuple[str, ...] = ()
 
 
 def export_head(
@@ -66,6 +72,7 @@ def export_head(
         tree = TreeDefaults("chain", num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS)
     k = tree.num_speculative_tokens
     head.config = replace(head.config, target_name=verifier or resolved.portable_name, tree=tree)
+    dropped = tuple(dropped_keys(head, consumer.writes))
     out = save_eagle3(head, out_dir, consumer.writes)
     report = validate_head(out, to, target=resolved.config, target_name=resolved.name)
     if not report.ok:
@@ -75,4 +82,4 @@ def export_head(
     launch = (
         consumer.launch(LaunchSpec(resolved.portable_name, str(out), k)) if consumer.launch else ""
     )
-    return ExportResult(out, to, resolved.portable_name, k, report, launch)
+    return ExportResult(out, to, resolved.portable_name, k, report, launch, dropped)

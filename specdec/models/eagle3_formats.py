@@ -47,6 +47,12 @@ Formats here:
 - ``"eagle"`` writes one ``model.safetensors`` and only the fields the research tools read.
 - ``"speculators"`` writes one ``model.safetensors`` with ``layers.0.*`` keys.
 
+SpecExit channels (``Eagle3Config.exit_signals``) exist only in ours: config.json lists
+them as ``spec_exit_signals`` and the weights add ``spec_exit.weight`` [k, 3H] and
+``spec_exit.bias`` [k]. ``"eagle"`` and ``"speculators"`` have no place for them, so
+``save_eagle3`` drops them there (``dropped_keys`` says which) and records that in the
+safetensors metadata (``specdec_dropped``), which every reader ignores.
+
 The token embedding is never written; a stored ``embed_tokens.weight`` (the frozen target
 embedding in SpecForge and speculators exports) is ignored on load. Loading reads
 safetensors only, never ``torch.load``.
@@ -88,6 +94,7 @@ SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _SPLIT_SEP = "@"
+EXIT_PREFIX = "spec_exit."  # stored keys of the SpecExit channels (ours only)
 # Stored keys we accept and drop: the frozen target embedding some exporters include.
 _IGNORED_KEYS = frozenset({"embed_tokens.weight"})
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -156,6 +163,11 @@ def save_eagle3(
         )
     out.mkdir(parents=True, exist_ok=True)
     tensors = _checkpoint_tensors(head)
+    metadata = {"format": "pt"}
+    dropped = dropped_keys(head, format)
+    if dropped:  # other engines run the head without its SpecExit channels
+        tensors = {k: t for k, t in tensors.items() if k not in dropped}
+        metadata["specdec_dropped"] = "SpecExit channels " + ", ".join(head.config.exit_signals)
     dtype = _DTYPE_NAMES.get(head.lm_head.weight.dtype, str(head.lm_head.weight.dtype))
     if format == "speculators":
         config = _speculators_config(head.config, dtype)
@@ -166,8 +178,16 @@ def save_eagle3(
     if format == "specdec":
         _write_shards(tensors, out, max_shard_bytes)
     else:
-        save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+        save_file(tensors, str(out / SINGLE_FILE), metadata=metadata)
     return out
+
+
+def dropped_keys(head: Eagle3Head, format: Eagle3Format) -> list[str]:
+    """Research-format keys of ``head`` that ``format`` cannot hold: its SpecExit
+    channels, outside our own format."""
+    if format == "specdec":
+        return []
+    return [name for name, _ in head.named_parameters() if name.startswith(EXIT_PREFIX)]
 
 
 def _checkpoint_tensors(head: Eagle3Head) -> dict[str, torch.Tensor]:
@@ -276,6 +296,8 @@ def _research_config(c: Eagle3Config, dtype: str, *, ours: bool) -> dict[str, An
         config["eagle_aux_hidden_state_layer_ids"] = list(c.aux_layer_ids)
         config["target_model"] = c.target_name
         config["tree_defaults"] = asdict(c.tree) if c.tree else None
+        if c.exit_signals:
+            config["spec_exit_signals"] = list(c.exit_signals)
     return config
 
 
@@ -435,7 +457,14 @@ def _research_to_config(hf: dict[str, Any], target: ModelConfig, path: Path) -> 
     except (TypeError, ValueError) as err:
         raise WeightLoadError(f"{path}: tree_defaults {hf['tree_defaults']}: {err}") from err
     return _layer_to_config(
-        hf, hf, target, path, ids=ids, target_name=hf.get("target_model") or "", tree=tree
+        hf,
+        hf,
+        target,
+        path,
+        ids=ids,
+        target_name=hf.get("target_model") or "",
+        tree=tree,
+        exit_signals=tuple(hf.get("spec_exit_signals") or ()),
     )
 
 
@@ -470,6 +499,7 @@ def _layer_to_config(
     ids: tuple[int, ...] | None,
     target_name: str,
     tree: TreeDefaults | None,
+    exit_signals: tuple[str, ...] = (),
 ) -> Eagle3Config:
     """An ``Eagle3Config`` from HF Llama fields (``layer``) and EAGLE-3 fields (``top``),
     checked against ``target``; ``ids`` None means the target's default aux layers."""
@@ -518,6 +548,7 @@ def _layer_to_config(
             target_name=target_name,
             tree=tree,
             norm_before_residual=bool(top.get("norm_before_residual", False)),
+            exit_signals=exit_signals,
         )
     except KeyError as err:
         raise fail(f"missing field {err}") from err

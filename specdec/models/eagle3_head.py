@@ -16,6 +16,11 @@ engine can give it its own paged cache. The forward is free of host syncs.
 Weights are stored fused as in ``llama.py`` (``qkv_proj``, ``gate_up_proj``);
 ``checkpoint_layout`` names the research-format keys (``midlayer.*``) each parameter is
 assembled from. Reading and writing checkpoints lives in ``eagle3_formats.py``.
+
+Optional SpecExit channels (``config.exit_signals``, docs/spec_exit.md): ``spec_exit``, a
+``Linear(3H -> k)`` with bias over the same aux states ``fc`` reads — ``fc`` widened by k
+output rows, kept as its own module so a head without channels is exactly EAGLE-3 and the
+channels can be trained, frozen or dropped on their own (``exit_signals`` activates them).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import nn
 from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
 from specdec.models.config import ModelConfig, validate_decoder_shape
+from specdec.models.exit_signals import activate, canonical_signals
 from specdec.models.llama import MLP, Attention, KVCache, RMSNorm
 from specdec.models.rope import (
     RotaryEmbedding,
@@ -88,6 +94,8 @@ class Eagle3Config:
     residual stream *entering* those target layers, vLLM's convention), ``rope_scaling`` a
     complete variant from ``rope.ROPE_TYPES`` or None. ``norm_before_residual`` (a
     speculators option, off in EAGLE-3 proper) makes the residual ``hidden_norm(h)``.
+    ``exit_signals`` names the SpecExit channels (``exit_signals.SIGNAL_ORDER`` order,
+    normalised on construction; empty: none).
     """
 
     hidden_size: int
@@ -105,9 +113,11 @@ class Eagle3Config:
     target_name: str = ""
     tree: TreeDefaults | None = None
     norm_before_residual: bool = False
+    exit_signals: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         validate_decoder_shape(self, ("draft_vocab_size",))
+        object.__setattr__(self, "exit_signals", canonical_signals(self.exit_signals))
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size="
@@ -134,6 +144,7 @@ class Eagle3Config:
         aux_layer_ids: tuple[int, ...] | None = None,
         target_name: str = "",
         tree: TreeDefaults | None = None,
+        exit_signals: tuple[str, ...] = (),
     ) -> Eagle3Config:
         """A head shaped like one layer of ``model_config`` (same widths, heads, norm eps
         and RoPE), reading the default aux layers unless ``aux_layer_ids`` is given."""
@@ -159,6 +170,7 @@ class Eagle3Config:
             aux_layer_ids=tuple(ids),
             target_name=target_name,
             tree=tree,
+            exit_signals=exit_signals,
         )
 
 
@@ -279,6 +291,10 @@ class Eagle3Head(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config, attention)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.spec_exit: nn.Linear | None = None  # SpecExit channels (module docstring)
+        if config.exit_signals:
+            width = NUM_AUX_LAYERS * config.hidden_size
+            self.spec_exit = nn.Linear(width, len(config.exit_signals), bias=True)
         self.rotary = RotaryEmbedding.for_config(config, max_positions or config.max_context_len)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
@@ -299,6 +315,24 @@ class Eagle3Head(nn.Module):
         aux_hidden: torch.Tensor,  # [n, 3 * hidden]: entering aux layers low | mid | high
     ) -> torch.Tensor:  # [n, hidden]
         return self.fc(aux_hidden)
+
+    def exit_logits(
+        self,
+        aux_hidden: torch.Tensor,  # [n, 3 * hidden]: what ``fuse`` reads
+    ) -> torch.Tensor:  # [n, len(config.exit_signals)]: raw channel values
+        if self.spec_exit is None:
+            raise RuntimeError(
+                "this head has no SpecExit channels (config.exit_signals is empty); train "
+                "them with the spec_exit section of the train config"
+            )
+        return self.spec_exit(aux_hidden)
+
+    def exit_signals(
+        self,
+        aux_hidden: torch.Tensor,  # [n, 3 * hidden]
+    ) -> torch.Tensor:  # [n, len(config.exit_signals)] float32, activated
+        """The SpecExit signals at each row (``exit_signals.activate``); device ops only."""
+        return activate(self.config.exit_signals, self.exit_logits(aux_hidden))
 
     def forward(
         self,

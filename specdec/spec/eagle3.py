@@ -16,6 +16,11 @@ own tensors). Draft-step entries are provisional: the next catch-up rewrites tho
 positions with the target's real aux states, so only positions below the target's
 computed tokens count as done. Aux states for prefix-cache hits are never observed; the
 head then relies on what the shared blocks hold (drafts may be worse, never wrong).
+
+A head with SpecExit channels also reads its signals from the catch-up's aux states: each
+tree carries (``exit_signals``) their mean over the catch-up rows — the tokens the target
+verified in the request's previous step (after a prefill or another long catch-up, its
+last ``catch_up_width`` rows) — computed in the same capturable function as the tree.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class Eagle3Proposer(Proposer):
         )
         self.head.eval().requires_grad_(False)  # drafting only; see load_model
         self.aux_layer_ids = tuple(self.head.config.aux_layer_ids)
+        self.exit_signals = self.head.config.exit_signals
         c = self.head.config
         shape = (runner.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         self.kv_cache = (
@@ -136,7 +142,12 @@ class Eagle3Proposer(Proposer):
         ]
         out, logits = self._forward(chunks, self.head.fuse(torch.cat(aux)))
         inputs = GrowInputs.build(group, [end for _, end in spans], (), self.device)
-        return self._grow_tree(shape, inputs, out, logits, None)
+        grown = self._grow_tree(shape, inputs, out, logits, None)
+        if self.exit_signals:  # [batch, k]: each request's last `width` catch-up rows
+            grown.exit_signals = torch.stack(
+                [self.head.exit_signals(a[-width:]).mean(0) for a in aux]
+            )
+        return grown
 
     def _padded_inputs(
         self, group: list[Request], spans: list[tuple[int, int]], aux: list[torch.Tensor]
@@ -177,7 +188,21 @@ class Eagle3Proposer(Proposer):
             x.input_ids, hidden, x.positions, self.kv_cache, x.meta, logits_indices=x.last_rows
         )
         root_out = out.index_select(0, x.last_rows)  # [batch, hidden]
-        return self._grow_tree(shape, inputs, root_out, logits, max_seq_len)
+        grown = self._grow_tree(shape, inputs, root_out, logits, max_seq_len)
+        if self.exit_signals:
+            grown.exit_signals = self._mean_exit_signals(aux, last)
+        return grown
+
+    def _mean_exit_signals(
+        self,
+        aux: torch.Tensor,  # [batch, width, 3 * hidden]: right-padded catch-ups
+        last: torch.Tensor,  # [batch] int64: each catch-up's last real row
+    ) -> torch.Tensor:  # [batch, len(exit_signals)] float32
+        """SpecExit signals averaged over each catch-up's real rows (device ops only)."""
+        batch, width, _ = aux.shape
+        values = self.head.exit_signals(aux.flatten(0, 1)).view(batch, width, -1)
+        real = torch.arange(width, device=aux.device)[None, :] <= last[:, None]  # [batch, width]
+        return (values * real[:, :, None]).sum(1) / (last + 1)[:, None].float()
 
     def _grow_tree(
         self,

@@ -51,6 +51,9 @@ class Proposer(ABC):
     # Target layers whose entering residual stream this proposer reads (EAGLE-3); the
     # engine then passes every computed token's aux states to ``observe``.
     aux_layer_ids: tuple[int, ...] = ()
+    # SpecExit signals its trees carry in ``DraftTree.exit_signals`` (an EAGLE-3 head with
+    # exit channels; specdec.spec.spec_exit); empty: none, and requests cannot opt in.
+    exit_signals: tuple[str, ...] = ()
 
     def group_by_shape(
         self, rows: Sequence[int], max_draft_tokens: Sequence[int], rooms: Sequence[int]

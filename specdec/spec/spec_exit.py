@@ -1,0 +1,312 @@
+"""SpecExit: end a reasoning model's thinking once the draft head says the answer is settled.
+
+An EAGLE-3 head with exit channels (``Eagle3Config.exit_signals``) reads, next to each draft
+tree, signals about the think span the request is in (``specdec.models.exit_signals``):
+confidence, progress, remaining tokens. Per request, the policy here smooths them over
+steps and, after a step's acceptance, decides whether to cut (docs/spec_exit.md):
+
+- only for a request that opted in (``SamplingParams.spec_exit``);
+- only inside a think span: after the think-start token, before the think-end token
+  (from the prompt on: a chat template may open the span);
+- only at a step delimiter (``"\\n\\n"`` by default) among the tokens the step emitted
+  (its accepted drafts and the bonus token, all the target's own), never mid-step;
+- only when every enabled signal's smoothed value passes its threshold.
+
+Then the step keeps its tokens through the first such delimiter and the think-end token
+is forced next (``ExitCut``); the engine discards the rest and rolls back their K/V.
+
+A step's signals are those its proposal read: the mean over the tokens the target verified
+in the request's previous step, so the decision trails the text by one step. Smoothing
+(``SMOOTHERS``) runs over steps inside a span and restarts when a span opens; a step whose
+tree carries no signals leaves it unchanged. Everything here is plain Python: the engine
+hands in token ids, token texts and host floats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """How a signal passes: ``compare(smoothed, limit)`` with the limit in ``param``."""
+
+    param: str  # the SpecExitParams field holding the limit (None disables the signal)
+    compare: Callable[[float, float], bool]
+
+
+THRESHOLDS: dict[str, Threshold] = {
+    "confidence": Threshold("confidence_above", operator.gt),
+    "progress": Threshold("progress_above", operator.gt),
+    "remaining": Threshold("remaining_below", operator.lt),
+}
+
+
+@dataclass(frozen=True)
+class SpecExitParams:
+    """One request's SpecExit settings (per-request opt-in; the server has defaults).
+
+    A signal is *enabled* when its threshold is set and the draft head predicts it; every
+    enabled signal must pass. ``smoothing`` picks a ``SMOOTHERS`` entry: ``ewma`` (weight
+    ``alpha`` on the newest step), ``momentum`` (bias-corrected moving average with decay
+    ``beta``) or ``window`` (mean of the last ``window`` steps). ``think_start`` and
+    ``think_end`` must each be one token of the served model's vocabulary; a token whose
+    text ends one of ``delimiters`` (joined with the tokens before it) ends a step.
+    """
+
+    confidence_above: float | None = 0.8  # probability, in [0, 1]
+    progress_above: float | None = 0.3  # fraction of the span, in [0, 1]
+    remaining_below: float | None = 200.0  # thinking tokens still to come
+    smoothing: str = "ewma"
+    alpha: float = 0.1
+    beta: float = 0.9
+    window: int = 8
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+    delimiters: tuple[str, ...] = ("\n\n",)
+
+    _UNIT_RANGE: ClassVar[tuple[str, ...]] = ("confidence_above", "progress_above")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "delimiters", tuple(self.delimiters))
+        limits = {t.param: getattr(self, t.param) for t in THRESHOLDS.values()}
+        for name, value in limits.items():
+            if value is None:
+                continue
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"spec_exit.{name}={value!r} must be a finite number or null")
+            if name in self._UNIT_RANGE and not 0 <= value <= 1:
+                raise ValueError(f"spec_exit.{name}={value} must be in [0, 1] (or null)")
+            if value < 0:
+                raise ValueError(f"spec_exit.{name}={value} must be >= 0 (or null)")
+        if all(v is None for v in limits.values()):
+            raise ValueError(
+                f"spec_exit sets no threshold ({', '.join(limits)} are all null); set one, "
+                "or leave spec_exit out to never exit early"
+            )
+        if self.smoothing not in SMOOTHERS:
+            raise ValueError(
+                f"spec_exit.smoothing={self.smoothing!r}; choose one of {' | '.join(SMOOTHERS)}"
+            )
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"spec_exit.alpha={self.alpha} must be in (0, 1]")
+        if not 0 <= self.beta < 1:
+            raise ValueError(f"spec_exit.beta={self.beta} must be in [0, 1)")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"spec_exit.window={self.window!r} must be an int >= 1 (steps)")
+        for name in ("think_start", "think_end"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"spec_exit.{name} must be a non-empty string (one token)")
+        if self.think_start == self.think_end:
+            raise ValueError(f"spec_exit.think_start and think_end are both {self.think_end!r}")
+        if not self.delimiters or not all(isinstance(d, str) and d for d in self.delimiters):
+            raise ValueError(
+                f"spec_exit.delimiters={list(self.delimiters)!r} must hold one or more "
+                'non-empty strings, e.g. ["\\n\\n"]'
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], base: SpecExitParams | None = None) -> SpecExitParams:
+        """``base`` (default: the defaults) with the keys of ``data`` replaced; unknown
+        keys are errors naming the known ones."""
+        if not isinstance(data, dict):
+            raise ValueError(f"spec_exit must be a mapping of settings, got {data!r}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"unknown spec_exit keys {unknown}; known: {known}")
+        return dataclasses.replace(base or cls(), **data)
+
+    def enabled(self, predicted: Sequence[str]) -> tuple[str, ...]:
+        """Signals of ``predicted`` (the head's) that have a threshold here."""
+        return tuple(s for s in predicted if getattr(self, THRESHOLDS[s].param) is not None)
+
+    def passes(self, signal: str, value: float) -> bool:
+        threshold = THRESHOLDS[signal]
+        return threshold.compare(value, getattr(self, threshold.param))
+
+
+# ---------------------------------------------------------------- smoothing
+
+
+class Smoother(ABC):
+    """Per-signal smoothing over steps; ``update`` takes one step's values and returns the
+    smoothed ones (same order)."""
+
+    def __init__(self, params: SpecExitParams) -> None:
+        self.params = params
+
+    @abstractmethod
+    def update(self, values: Sequence[float]) -> list[float]: ...
+
+
+class EWMA(Smoother):
+    """s_1 = x_1; s_t = alpha * x_t + (1 - alpha) * s_{t-1}."""
+
+    def __init__(self, params: SpecExitParams) -> None:
+        super().__init__(params)
+        self.value: list[float] | None = None
+
+    def update(self, values: Sequence[float]) -> list[float]:
+        a = self.params.alpha
+        prev = self.value
+        self.value = list(values) if prev is None else [
+            a * x + (1 - a) * s for x, s in zip(values, prev, strict=True)
+        ]  # fmt: skip
+        return self.value
+
+
+class Momentum(Smoother):
+    """m_t = beta * m_{t-1} + (1 - beta) * x_t from m_0 = 0, reported as m_t / (1 -
+    beta^t) (bias-corrected, as Adam's first moment): no seed value dominates early."""
+
+    def __init__(self, params: SpecExitParams) -> None:
+        super().__init__(params)
+        self.moment: list[float] | None = None
+        self.steps = 0
+
+    def update(self, values: Sequence[float]) -> list[float]:
+        b = self.params.beta
+        prev = self.moment or [0.0] * len(values)
+        self.moment = [b * m + (1 - b) * x for x, m in zip(values, prev, strict=True)]
+        self.steps += 1
+        return [m / (1 - b**self.steps) for m in self.moment]
+
+
+class WindowMean(Smoother):
+    """Mean of the last ``window`` steps (fewer before that many)."""
+
+    def __init__(self, params: SpecExitParams) -> None:
+        super().__init__(params)
+        self.recent: deque[list[float]] = deque(maxlen=params.window)
+
+    def update(self, values: Sequence[float]) -> list[float]:
+        self.recent.append(list(values))
+        return [sum(col) / len(self.recent) for col in zip(*self.recent, strict=True)]
+
+
+SMOOTHERS: dict[str, type[Smoother]] = {"ewma": EWMA, "momentum": Momentum, "window": WindowMean}
+
+
+# ---------------------------------------------------------------- one request
+
+
+@dataclass(frozen=True)
+class ExitCut:
+    """A decided exit: keep the step's first ``keep`` emitted tokens (through the
+    delimiter), then emit ``token`` (the think-end token). ``saved`` is the smoothed
+    remaining-tokens signal at the exit (0 when the head does not predict it)."""
+
+    keep: int
+    token: int
+    saved: float
+
+
+@dataclass
+class SpecExitState:
+    """One opted-in request: where its think span stands and its smoothed signals.
+
+    ``num_scanned`` output tokens have been folded into ``in_think`` and ``tail`` (the
+    last characters of the text, enough to match the longest delimiter); ``step`` first
+    folds in the tokens appended since (plain steps included), so the state always
+    describes the request's text before the step being judged.
+    """
+
+    params: SpecExitParams
+    signals: tuple[str, ...]  # the head's signals, in the order trees carry them
+    enabled: tuple[str, ...]  # the thresholded subset (non-empty)
+    think_start_id: int
+    think_end_id: int
+    text_of: Callable[[int], str]  # a token id's text
+    in_think: bool = False
+    tail: str = ""
+    num_scanned: int = 0
+    smoother: Smoother | None = None  # created when a span opens
+    smoothed: list[float] | None = None
+    num_exits: int = 0
+    tokens_saved: float = 0.0  # sum of ``ExitCut.saved``
+    _max_delim: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._max_delim = max(len(d) for d in self.params.delimiters)
+
+    def scan_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Open the span if the prompt's last think marker is a start (a template's
+        ``<think>``); delimiters in the prompt never count."""
+        for token in prompt_ids:
+            if token == self.think_start_id:
+                self._open()
+            elif token == self.think_end_id:
+                self.in_think = False
+
+    def step(
+        self,
+        output_ids: Sequence[int],  # the request's output tokens before this step's
+        emitted: Sequence[int],  # the tokens this step emitted (accepted drafts + bonus)
+        values: Sequence[float] | None,  # the step's signals (``signals`` order) or None
+    ) -> ExitCut | None:
+        """Fold in new output, smooth the step's signals, and decide (module docstring).
+        Pure with respect to ``emitted``: they are folded in at the next call, after the
+        engine appended what it kept."""
+        for token in output_ids[self.num_scanned :]:
+            self._fold(token)
+        self.num_scanned = len(output_ids)
+        if values is not None and self.in_think and self.smoother is not None:
+            self.smoothed = self.smoother.update(values)
+        cut_at = self._first_delimiter(emitted)
+        if cut_at is None or self.smoothed is None:
+            return None
+        smoothed = dict(zip(self.signals, self.smoothed, strict=True))
+        if not all(self.params.passes(s, smoothed[s]) for s in self.enabled):
+            return None
+        cut = ExitCut(cut_at + 1, self.think_end_id, float(smoothed.get("remaining", 0.0)))
+        self.num_exits += 1
+        self.tokens_saved += cut.saved
+        return cut
+
+    def _first_delimiter(self, emitted: Sequence[int]) -> int | None:
+        """Index of the first emitted token that ends a delimiter inside a span that was
+        already open before this step (a span opened by this step has no signals yet)."""
+        if not self.in_think:
+            return None
+        tail = self.tail
+        for j, token in enumerate(emitted):
+            if token == self.think_end_id or token == self.think_start_id:
+                return None
+            tail = (tail + self.text_of(token))[-self._max_delim :]
+            if tail.endswith(self.params.delimiters):
+                return j
+        return None
+
+    def _fold(self, token: int) -> None:
+        if token == self.think_start_id:
+            self._open()
+        elif token == self.think_end_id:
+            self.in_think = False
+        self.tail = (self.tail + self.text_of(token))[-self._max_delim :]
+
+    def _open(self) -> None:
+        self.in_think = True
+        self.smoother = SMOOTHERS[self.params.smoothing](self.params)
+        self.smoothed = None
+
+
+@dataclass
+class SpecExitStats:
+    """Engine-wide SpecExit counts: requests that opted in, exits triggered, and the think
+    tokens those exits saved by the head's own estimate (its remaining signal at exit)."""
+
+    requests: int = 0
+    exits: int = 0
+    tokens_saved: float = 0.0
+
+    def record(self, cut: ExitCut) -> None:
+        self.exits += 1
+        self.tokens_saved += cut.saved

@@ -1,0 +1,76 @@
+"""The engine's side of SpecExit: resolving a request's settings against the served model
+and the draft head, reading the signals trees carry, and counting exits.
+
+``SpecExitRuntime`` exists only when the proposer's trees carry exit signals (an EAGLE-3
+head with SpecExit channels). The policy itself is ``specdec.spec.spec_exit``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec.spec.spec_exit import SpecExitParams, SpecExitState, SpecExitStats
+from specdec.spec.tree import DraftTree
+
+
+class SpecExitRuntime:
+    """Per engine: the tokenizer (think markers, token texts, cached per token id), the
+    head's signal names, and ``stats``."""
+
+    def __init__(self, tokenizer, signals: tuple[str, ...]) -> None:
+        if not signals:
+            raise ValueError("SpecExitRuntime needs a proposer whose trees carry exit signals")
+        self.tokenizer = tokenizer
+        self.signals = signals
+        self.stats = SpecExitStats()
+        self._texts: dict[int, str] = {}
+
+    def start(self, params: SpecExitParams, prompt_ids: Sequence[int]) -> SpecExitState:
+        """A request's state; raises ValueError (the request is refused) when no enabled
+        signal remains or a think marker is not one token of this model."""
+        enabled = params.enabled(self.signals)
+        if not enabled:
+            raise ValueError(
+                f"spec_exit thresholds none of the signals this draft head predicts "
+                f"({', '.join(self.signals)}); set a threshold for one of them"
+            )
+        state = SpecExitState(
+            params,
+            self.signals,
+            enabled,
+            self._one_token("think_start", params.think_start),
+            self._one_token("think_end", params.think_end),
+            self.text_of,
+        )
+        state.scan_prompt(prompt_ids)
+        self.stats.requests += 1
+        return state
+
+    def _one_token(self, name: str, text: str) -> int:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(
+                f"spec_exit.{name}={text!r} is {len(ids)} tokens {ids} in this model's "
+                "vocabulary; it must be a single token (the reasoning model's think marker)"
+            )
+        return int(ids[0])
+
+    def text_of(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
+
+    @staticmethod
+    def read_signals(trees: Sequence[DraftTree]) -> list[list[float] | None]:
+        """Each tree's exit signals on the host (one device-to-host copy for all; None for
+        a tree without them, e.g. a root-only tree)."""
+        rows = [i for i, t in enumerate(trees) if t.exit_signals is not None]
+        out: list[list[float] | None] = [None] * len(trees)
+        if rows:
+            values = torch.stack([trees[i].exit_signals for i in rows]).tolist()
+            for i, v in zip(rows, values, strict=True):
+                out[i] = v
+        return out
