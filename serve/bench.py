@@ -23,6 +23,10 @@ import numpy as np
 
 from specdec.serve.spec_metrics import METRICS_SOURCES, SpecCounters, read_counters
 
+# The report's schema tag: ``specdec.bench.analysis.load_report`` reads these reports too
+# (τ and per-position acceptance of a served model, specdec's or vLLM's).
+SERVE_SCHEMA = "specdec.bench-serve/1"
+
 DEFAULT_PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "Write a Python function that checks whether a number is prime.",
@@ -218,7 +222,9 @@ def summarize(config: BenchConfig, model: str, results: list[RequestResult], dur
     settings = {k: v for k, v in asdict(config).items() if k not in ("prompts", "api_key")}
     settings["request_rate"] = str(config.request_rate)  # JSON has no inf
     return {
+        "schema": SERVE_SCHEMA,
         "model": model,
+        "base_url": config.base_url,
         "settings": settings,
         "duration_s": duration,
         "completed": len(ok),

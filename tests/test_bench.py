@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from notebook_runner import NOTEBOOKS, ROOT, figures, run_notebook
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SETS = ["humaneval", "gsm_symbolic", "writingbench"]
 # Figures each notebook draws on the ngram report (no dynamic trees, no draft vocabulary).
 MIN_FIGURES = {"acceptance": 4, "tree_shapes": 2, "entropy": 2, "vocab_coverage": 1}
@@ -143,19 +142,8 @@ def test_traces_match_the_engine_counters(report):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_and_draws(path, bench_json, monkeypatch):
-    import nbclient  # dev extras: CI runs every notebook
-    import nbformat
-
-    book = nbformat.read(path, as_version=4)
-    code = [c for c in book.cells if c.cell_type == "code"]
-    assert all(not c.outputs and c.execution_count is None for c in code), "commit it clean"
-    monkeypatch.setenv("SPECDEC_BENCH_JSON", str(bench_json))
-    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend draws PNGs
-    nbclient.NotebookClient(book, timeout=300, kernel_name="python3").execute()
-    outputs = [o for c in code for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    figures = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(figures) >= MIN_FIGURES[path.stem]
+    outputs = run_notebook(path, bench_json, monkeypatch)
+    assert len(figures(outputs)) >= MIN_FIGURES[path.stem]
 
 
 def test_export_prompts_selects_the_same_prompts(report, tmp_path):

@@ -166,3 +166,22 @@ def test_vllm_tau_is_within_10_percent_of_specdec(runs):
     assert specdec_tau > 2.0, detail  # a head worth comparing
     assert abs(vllm_tau - specdec_tau) <= 0.1 * specdec_tau, detail
     assert len(bench["speculation"]["acceptance_rates"]) == K
+
+
+def test_acceptance_notebook_reads_the_vllm_report(runs, tmp_path, monkeypatch):
+    """specdec's acceptance analysis on vLLM's own counters: the served row has vLLM's τ
+    and a_k, and the notebook draws them."""
+    from notebook_runner import ROOT, figures, run_notebook
+
+    from specdec.bench import analysis
+
+    path = tmp_path / "vllm_bench.json"
+    path.write_text(json.dumps(runs["bench"]))
+    report = analysis.load_report(path)
+    spec = runs["bench"]["speculation"]
+    [(key, tau)] = analysis.taus(report).items()
+    assert key[0] == analysis.SERVED_SET and key[1].startswith("vllm: ")
+    assert tau == spec["tau"]
+    assert analysis.acceptance_curves(report)[key] == spec["acceptance_rates"]
+    outputs = run_notebook(ROOT / "notebooks" / "acceptance.ipynb", path, monkeypatch)
+    assert len(figures(outputs)) >= 2

@@ -5,6 +5,8 @@ vLLM server is in test_vllm.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specdec.serve.async_engine import EngineSnapshot
@@ -123,3 +125,51 @@ def test_no_counters_and_unknown_sources():
     assert set(METRICS_SOURCES) == {"specdec", "vllm"}
     with pytest.raises(ValueError, match="unknown metrics source 'sglang'"):
         read_counters("", "sglang")
+
+
+def _serve_report(speculation: dict | None) -> dict:
+    """A bench-serve report of 4 requests at concurrency 2 (the shape ``summarize`` writes)."""
+    from specdec.serve.bench import SERVE_SCHEMA
+
+    stats = {"mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": 1.0}
+    report = {
+        "schema": SERVE_SCHEMA, "model": "smollm2", "base_url": "http://127.0.0.1:8000",
+        "settings": {"concurrency": 2, "num_prompts": 4}, "duration_s": 1.0, "completed": 4,
+        "failed": 0, "errors": [], "total_input_tokens": 40, "total_output_tokens": 80,
+        "request_throughput": 4.0, "output_throughput": 80.0,
+        **{k: stats for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
+    }  # fmt: skip
+    if speculation is not None:
+        report["speculation"] = speculation
+    return report
+
+
+def test_serve_report_reads_like_a_bench_report(tmp_path, monkeypatch):
+    """The acceptance analysis reads a vLLM server's bench-serve report: the same τ and
+    a_k as the counters give, in the bench report's form, and the notebook draws them."""
+    from notebook_runner import ROOT, figures, run_notebook
+
+    from specdec.bench import analysis
+
+    _, before = read_counters(vllm_exposition(0, 0, 0, [0, 0, 0]))
+    source, after = read_counters(vllm_exposition(40, 120, 70, [35, 25, 10]))
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps(_serve_report(after.minus(before).report(source))))
+    report = analysis.load_report(path)
+    key = (analysis.SERVED_SET, "vllm: smollm2")
+    assert analysis.taus(report) == {key: pytest.approx(2.75)}
+    assert analysis.acceptance_curves(report)[key] == pytest.approx([35 / 40, 25 / 40, 10 / 40])
+    outputs = run_notebook(ROOT / "notebooks" / "acceptance.ipynb", path, monkeypatch)
+    assert len(figures(outputs)) >= 2  # a_k and τ
+
+
+def test_serve_report_without_speculation_is_refused(tmp_path):
+    from specdec.bench import analysis
+
+    path = tmp_path / "plain.json"
+    path.write_text(json.dumps(_serve_report(None)))
+    with pytest.raises(ValueError, match="no speculation counters"):
+        analysis.load_report(path)
+    path.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(ValueError, match="bench-serve --url URL --json PATH"):
+        analysis.load_report(path)

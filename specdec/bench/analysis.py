@@ -1,6 +1,12 @@
 """Pure functions over a bench report (the JSON ``specdec bench --json`` writes), for the
 acceptance-rate notebooks in notebooks/: they load a report, call these, and plot.
 
+``load_report`` also reads a ``specdec bench-serve --json`` report of a running server —
+specdec's own or vLLM's — and presents it in the same form: one set ("served"), one
+config (the server's source and model), τ and a_k from the server's counters over the
+run. A server reports no per-prompt figures or step traces, so only the acceptance
+notebook's τ and a_k figures apply to it.
+
 Nothing here runs a model; every function takes the report as a dict (``load_report``)
 so a notebook can read a report from another machine.
 """
@@ -17,20 +23,68 @@ from specdec.bench.report import SCHEMA
 Report = dict[str, Any]
 
 
+SERVED_SET = "served"
+
+
 def load_report(path: str | Path) -> Report:
-    """A bench JSON report; raises when the file is not one (or of another schema)."""
+    """A bench JSON report, or a bench-serve report in the same form (``from_serve_report``);
+    raises when the file is neither."""
+    from specdec.serve.bench import SERVE_SCHEMA
+
     report = json.loads(Path(path).read_text())
-    if report.get("schema") != SCHEMA:
+    schema = report.get("schema")
+    if schema == SERVE_SCHEMA:
+        return from_serve_report(report, path)
+    if schema != SCHEMA:
         raise ValueError(
-            f"{path} is not a {SCHEMA} report (schema {report.get('schema')!r}); write one "
-            "with: specdec bench --json PATH"
+            f"{path} is not a {SCHEMA} or {SERVE_SCHEMA} report (schema {schema!r}); write "
+            "one with: specdec bench --json PATH, or specdec bench-serve --url URL --json PATH"
         )
     return report
 
 
+def from_serve_report(serve: Report, path: str | Path = "<report>") -> Report:
+    """A bench-serve report as a bench report: set ``SERVED_SET``, one row labelled
+    "<metrics source>: <model>" at the run's concurrency, with the server's τ and a_k.
+    Raises when the server exposed no speculation counters (nothing to analyse)."""
+    spec = serve.get("speculation")
+    if not spec:
+        raise ValueError(
+            f"{path}: the server reported no speculation counters over the run (plain "
+            "decoding, or a /metrics without spec-decode counters); nothing to analyse"
+        )
+    settings = serve.get("settings", {})
+    concurrency = settings.get("concurrency") or settings.get("num_prompts") or 1
+    row = {
+        "set": SERVED_SET,
+        "label": f"{spec['source']}: {serve['model']}",
+        "batch_size": concurrency,
+        "tau": spec["tau"],
+        "acceptance_rates": list(spec["acceptance_rates"]),
+        "steps": spec["steps"],
+        "drafted_tokens": spec["drafted_tokens"],
+        "accepted_tokens": spec["accepted_tokens"],
+        "tokens_per_s": serve["output_throughput"],
+        "speedup": None,  # a server run has no plain baseline next to it
+        "per_prompt": [],
+    }
+    return {
+        "schema": SCHEMA,
+        "source": "bench-serve",
+        "command": f"specdec bench-serve --url {serve.get('base_url', '?')} ({path})",
+        "git_commit": None,
+        "env": {"device_name": f"{spec['source']} server at {serve.get('base_url', '?')}"},
+        "config": settings,
+        "sets": {SERVED_SET: {}},
+        "rows": [row],
+        "traces": [],
+    }
+
+
 def measured_rows(report: Report) -> list[dict[str, Any]]:
-    """Rows that finished (failed configs carry no figures)."""
-    return [r for r in report["rows"] if r["speedup"] is not None]
+    """Rows that finished (failed configs carry no figures; served rows have τ but no
+    speedup)."""
+    return [r for r in report["rows"] if r["speedup"] is not None or r.get("tau") is not None]
 
 
 def set_names(report: Report) -> list[str]:
