@@ -96,6 +96,19 @@ def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarr
     return d2t, t2d
 
 
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32000, 65536)
+
+
+def coverage_by_size(counts: np.ndarray) -> dict[str, float]:
+    """Share of loss tokens a draft vocabulary of the ``COVERAGE_SIZES`` most frequent
+    tokens covers (sizes below the target vocabulary; keys are strings for JSON)."""
+    total = int(counts.sum())
+    if not total:
+        return {}
+    cumulative = np.cumsum(np.sort(counts)[::-1])  # [vocab]
+    return {str(n): float(cumulative[n - 1] / total) for n in COVERAGE_SIZES if n < counts.shape[0]}
+
+
 def run_vocab(config: VocabConfig) -> dict:
     """Count, build and save ``vocab.safetensors`` atomically; returns its metadata."""
     vocab_size = config.target_vocab_size
@@ -114,6 +127,8 @@ def run_vocab(config: VocabConfig) -> dict:
         "loss_tokens": total,
         "distinct_tokens": int((counts > 0).sum()),
         "coverage": float(counts[t2d].sum() / total) if total else 0.0,
+        # What other sizes would cover: the figure the draft vocabulary size is chosen by.
+        "coverage_by_size": coverage_by_size(counts),
     }
     tensors = {
         "d2t": torch.from_numpy(d2t),

@@ -272,3 +272,13 @@ def test_vocab_map_round_trip_ascending_and_padded():
     assert all(t2d[i + d2t[i]] for i in range(8)) and np.all(np.diff(kept) > 0)
     with pytest.raises(ValueError, match="exceeds the target vocabulary"):
         build_vocab_map(counts, 101)
+
+
+def test_coverage_by_size_counts_the_most_frequent_tokens():
+    from specdec.data_gen.vocab import coverage_by_size
+
+    counts = np.zeros(5000, dtype=np.int64)
+    counts[:1024] = 3  # 3,072 of 4,096 loss tokens in the 1,024 most frequent ids
+    counts[1024:2048] = 1
+    assert coverage_by_size(counts) == {"1024": 0.75, "2048": 1.0, "4096": 1.0}
+    assert coverage_by_size(np.zeros(10, dtype=np.int64)) == {}
