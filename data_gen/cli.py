@@ -3,12 +3,15 @@ pipeline, one resumable stage per subcommand. Under ``torchrun`` / ``accelerate 
 each rank takes its share of the shards (RANK / WORLD_SIZE).
 
 ``specdec data-gen reasoning-traces``: worked ``<think>`` solutions of reasoning-gym tasks
-(the reasoning target's SFT data and its held-out evaluation set; data_gen/reasoning)."""
+(the reasoning target's SFT data and its held-out evaluation set; data_gen/reasoning).
+``specdec data-gen exit-labels``: SpecExit confidence labels of a target's own reasoning
+(an answer forced at each step boundary, scored by the task's verifier)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from specdec.cli import _add_engine_args, _engine_kwargs, command
@@ -100,6 +103,46 @@ def _traces_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list-tasks", action="store_true", help="print the tasks and exit")
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def _escaped(text: str) -> str:
+    """``\\n``, ``\\t``, ``\\r`` and ``\\\\`` decoded, so ``'\\n\\n'`` on a command line
+    is two newlines (other text, non-ASCII included, stays as it is)."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
+
+
+def _marker(text: str) -> str | tuple[int, ...]:
+    """A think marker: a JSON list of token ids, or text (escapes decoded)."""
+    if text.lstrip().startswith("["):
+        try:
+            ids = json.loads(text)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"not a JSON list of token ids: {text!r}") from None
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise argparse.ArgumentTypeError(f"not a JSON list of token ids: {text!r}")
+        return tuple(ids)
+    return _escaped(text)
+
+
+def _exit_labels_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", "-i", required=True,
+                   help="regenerate directory (or JSONL file) of reasoning records")  # fmt: skip
+    p.add_argument("--output", "-o", required=True, help="directory for labels-*.jsonl")
+    p.add_argument("--items", help="traces JSONL naming each record id's task/seed/params")
+    p.add_argument("--think-start", type=_marker, default="<think>",
+                   help="text or a JSON list of token ids")  # fmt: skip
+    p.add_argument("--think-end", type=_marker, default="</think>")
+    p.add_argument("--delimiters", type=_escaped, nargs="+", default=["\n\n"],
+                   help="step boundaries (backslash escapes decoded)")  # fmt: skip
+    p.add_argument("--answer-prefix", type=_escaped, default="\n\n",
+                   help="text forced after the end marker ('' leaves it to the model)")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=32, help="per probe answer")
+    p.add_argument("--records-per-shard", type=int, default=256, help="one generate per shard")
+    p.add_argument("--no-verify", action="store_true", help="resume without re-hashing shards")
+    _add_engine_args(p)
+
+
 SUBCOMMANDS = {
     "prompts": (_prompts_args, "build the prompt mix: dedup, decontaminate, shard"),
     "regenerate": (_regenerate_args, "answer every conversation with the target"),
@@ -108,6 +151,7 @@ SUBCOMMANDS = {
     "merge": (_dir_args, "write a stage directory's manifest once all shards exist"),
     "verify": (_dir_args, "check every shard of a manifest against its sha256"),
     "reasoning-traces": (_traces_args, "worked <think> solutions of reasoning-gym tasks"),
+    "exit-labels": (_exit_labels_args, "SpecExit confidence labels: forced answers, verified"),
 }
 
 
@@ -289,6 +333,31 @@ def _traces(args) -> int:
     return 0
 
 
+def _exit_labels(args) -> int:
+    from specdec.data_gen.reasoning.confidence import ExitLabelsConfig, run_exit_labels
+
+    config = ExitLabelsConfig(
+        input=args.input,
+        output=args.output,
+        model=args.model,
+        items=args.items,
+        engine=_engine_kwargs(args),
+        think_start=args.think_start,
+        think_end=args.think_end,
+        delimiters=tuple(args.delimiters),
+        answer_prefix=args.answer_prefix,
+        max_tokens=args.max_tokens,
+        records_per_shard=args.records_per_shard,
+        verify=not args.no_verify,
+    )
+    stats = run_exit_labels(config)
+    print(
+        f"{stats['probes']:,} forced answers scored in {stats['seconds']:.1f} s, "
+        f"{stats['shards_written']} shards written"
+    )
+    return _report(stats["manifest"])
+
+
 def _report(manifest: dict | None) -> int:
     if manifest is None:
         print("this rank's shards are done; the manifest is written when every rank's are")
@@ -306,4 +375,5 @@ STAGES = {
     "merge": _merge,
     "verify": _verify,
     "reasoning-traces": _traces,
+    "exit-labels": _exit_labels,
 }

@@ -9,6 +9,10 @@ shard (``hidden-00000.safetensors``) holds a run of whole conversations:
     hidden_states      [num_tokens, hidden] dtype   after the final norm: the target's
                                              logits are lm_head(hidden_states)
     cu_seqlens         [num_records + 1] int64   conversation boundaries
+    spec_exit_confidence [num_tokens] float32    only when some input record carries
+                                             SpecExit confidence labels (``data-gen
+                                             exit-labels``): the label at each labelled
+                                             token, NaN elsewhere (and in every shard)
 
 and, in its metadata, one JSON string under ``specdec`` (record ids, target, dtype). The
 manifest names the target, aux layer ids, dtype and every shard's sha256. Plan:
@@ -34,6 +38,7 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from specdec.data_gen.dump_plan import (
+    CONFIDENCE_KEY,
     DumpGroup,
     TokenRecord,
     parse_token_record,
@@ -92,7 +97,11 @@ def load_records(root: str, vocab_size: int, max_seq_len: int, skipped: SkipCoun
 
 
 def shard_bytes_of(
-    records: list[TokenRecord], aux: torch.Tensor, hidden: torch.Tensor, meta: dict[str, str]
+    records: list[TokenRecord],
+    aux: torch.Tensor,
+    hidden: torch.Tensor,
+    meta: dict[str, str],
+    confidence: bool = False,  # store CONFIDENCE_KEY (NaN for records without labels)
 ) -> bytes:
     lengths = [len(r.input_ids) for r in records]
     tensors = {
@@ -102,6 +111,11 @@ def shard_bytes_of(
         "hidden_states": hidden,
         "cu_seqlens": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
     }
+    if confidence:
+        unlabelled = [np.full(len(r.input_ids), np.nan, dtype=np.float32) for r in records]
+        labels = [r.confidence if r.confidence is not None else u
+                  for r, u in zip(records, unlabelled, strict=True)]  # fmt: skip
+        tensors[CONFIDENCE_KEY] = torch.from_numpy(np.concatenate(labels))
     # One metadata key: safetensors writes the metadata map in hash order, which varies
     # between processes, and shards must be byte-identical across runs.
     info = json.dumps({**meta, "record_ids": [r.id for r in records]}, sort_keys=True)
@@ -128,6 +142,7 @@ def run_dump(config: DumpConfig, rank: RankInfo | None = None) -> dict[str, Any]
     per_token = (len(aux_ids) + 1) * hidden_size * elem + 4 + 1  # + int32 id + bool mask
     shards = plan_shards([len(r.input_ids) for r in records], per_token, config.shard_bytes)
     groups = plan_groups(shards, config.batch_tokens)
+    confidence = any(r.confidence is not None for r in records)
     header = {
         "stage": "dump",
         "target": config.model,
@@ -146,6 +161,7 @@ def run_dump(config: DumpConfig, rank: RankInfo | None = None) -> dict[str, Any]
             "aux_hidden_states": f"[num_tokens, {len(aux_ids) * hidden_size}] {config.dtype}",
             "hidden_states": f"[num_tokens, {hidden_size}] {config.dtype} (final-normed)",
             "cu_seqlens": "[num_records + 1] int64",
+            **({CONFIDENCE_KEY: "[num_tokens] float32 (NaN: no label)"} if confidence else {}),
         },
         "input_skipped": skipped.as_dict(prefix=""),
     }
@@ -156,7 +172,9 @@ def run_dump(config: DumpConfig, rank: RankInfo | None = None) -> dict[str, Any]
                 # The forward batches and backend decide the exact float bits.
                 [config.batch_tokens, config.device, config.attention_backend],
                 [
+                    # Labels join the digest only when there are some: older dumps keep theirs.
                     (r.id, r.input_ids.tolist(), r.loss_mask.tolist())
+                    + ((r.confidence_labels(),) if confidence else ())
                     for r in records[s.start : s.end]
                 ],
             ]
@@ -193,6 +211,7 @@ def _dump_groups(config, rank, store, records, todo: list[DumpGroup], pending, h
     writers = ShardWriters(config.num_writers, buffers)
     meta = {"format": "specdec.data_gen.hidden.v1", "target": config.model, "dtype": config.dtype}
     digests = json.loads((store.root / "plan.json").read_text())["digests"]
+    confidence = CONFIDENCE_KEY in header["tensors"]
     total = sum(g.num_tokens for g in todo)
     bar = tqdm(total=total, desc=f"dump {Path(config.output).name}", unit="tok", unit_scale=True)
     t0 = time.perf_counter()
@@ -216,7 +235,9 @@ def _dump_groups(config, rank, store, records, todo: list[DumpGroup], pending, h
                 rows = sum(len(records[i].input_ids) for i in range(shard.start, shard.end))
                 if shard.index in pending:
                     writes.append(
-                        _shard_write(store, shard, records, buf, row, rows, meta, digests)
+                        _shard_write(
+                            store, shard, records, buf, row, rows, meta, digests, confidence
+                        )
                     )
                 row += rows
             if writes:
@@ -236,10 +257,13 @@ def _dump_groups(config, rank, store, records, todo: list[DumpGroup], pending, h
     }
 
 
-def _shard_write(store, shard, records, buf: HostBuffers, row: int, rows: int, meta, digests):
+def _shard_write(
+    store, shard, records, buf: HostBuffers, row: int, rows: int, meta, digests, confidence: bool
+):
     def write() -> None:
         recs = records[shard.start : shard.end]
-        data = shard_bytes_of(recs, buf.aux[row : row + rows], buf.hidden[row : row + rows], meta)
+        aux, hidden = buf.aux[row : row + rows], buf.hidden[row : row + rows]
+        data = shard_bytes_of(recs, aux, hidden, meta, confidence)
         counts = {
             "records": len(recs),
             "tokens": rows,

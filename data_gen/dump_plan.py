@@ -16,6 +16,11 @@ import numpy as np
 
 from specdec.data_gen.records import SkipCounts
 
+# A record's SpecExit confidence labels (``data-gen exit-labels``), sparse: {"positions":
+# [token index into input_ids, ...], "labels": [0..1, ...]} (extra keys, e.g. the probes'
+# "answers", are ignored). The dump stores them dense under the same name, NaN elsewhere.
+CONFIDENCE_KEY = "spec_exit_confidence"
+
 
 @dataclass
 class TokenRecord:
@@ -24,6 +29,42 @@ class TokenRecord:
     id: str
     input_ids: np.ndarray  # [num_tokens] int32
     loss_mask: np.ndarray  # [num_tokens] bool
+    confidence: np.ndarray | None = None  # [num_tokens] float32, NaN where unlabelled
+
+    def confidence_labels(self) -> list[list[float]] | None:
+        """The labelled (position, label) pairs, for digests (None: no labels)."""
+        if self.confidence is None:
+            return None
+        positions = np.flatnonzero(~np.isnan(self.confidence))
+        return [[int(p), float(self.confidence[p])] for p in positions]
+
+
+def parse_confidence(value: object, num_tokens: int) -> np.ndarray:
+    """A record's sparse ``CONFIDENCE_KEY`` → [num_tokens] float32, NaN where unlabelled.
+    Raises ValueError naming what is wrong."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{CONFIDENCE_KEY} must be an object of positions and labels")
+    positions, labels = value.get("positions"), value.get("labels")
+    if not isinstance(positions, list) or not isinstance(labels, list):
+        raise ValueError(f"{CONFIDENCE_KEY} needs lists 'positions' and 'labels'")
+    if len(positions) != len(labels):
+        raise ValueError(
+            f"{CONFIDENCE_KEY} has {len(positions)} positions but {len(labels)} labels"
+        )
+    out = np.full(num_tokens, np.nan, dtype=np.float32)
+    if not positions:
+        return out
+    try:
+        pos = np.asarray(positions, dtype=np.int64)
+        lab = np.asarray(labels, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{CONFIDENCE_KEY} positions must be ints, labels numbers") from None
+    if pos.min() < 0 or pos.max() >= num_tokens:
+        raise ValueError(f"{CONFIDENCE_KEY} position outside the record's {num_tokens} tokens")
+    if not ((lab >= 0) & (lab <= 1)).all():
+        raise ValueError(f"{CONFIDENCE_KEY} labels must lie in [0, 1]")
+    out[pos] = lab
+    return out
 
 
 @dataclass(frozen=True)
@@ -54,8 +95,8 @@ def parse_token_record(
     obj: dict, vocab_size: int, max_seq_len: int, skipped: SkipCounts
 ) -> TokenRecord | None:
     """A regenerated record → ``TokenRecord``, or None (counted) when it is unusable:
-    malformed, empty, longer than ``max_seq_len``, ids outside the vocabulary, or no
-    assistant token to learn from."""
+    malformed, empty, longer than ``max_seq_len``, ids outside the vocabulary, no
+    assistant token to learn from, or malformed SpecExit confidence labels."""
     ids, mask = obj.get("input_ids"), obj.get("loss_mask")
     if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
         skipped.add("bad_structure")
@@ -78,7 +119,14 @@ def parse_token_record(
     if not m.any():
         skipped.add("no_loss_tokens")
         return None
-    return TokenRecord(str(obj.get("id", "")), arr.astype(np.int32), m.astype(bool))
+    confidence = None
+    if obj.get(CONFIDENCE_KEY) is not None:
+        try:
+            confidence = parse_confidence(obj[CONFIDENCE_KEY], len(arr))
+        except ValueError:
+            skipped.add("bad_spec_exit_confidence")
+            return None
+    return TokenRecord(str(obj.get("id", "")), arr.astype(np.int32), m.astype(bool), confidence)
 
 
 def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> list[DumpShard]:

@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from specdec.sampling_params import MAX_LOGPROBS
 
 _INT64_MAX = 2**63 - 1
+# A think marker given as token ids (SpecExit; docs/spec_exit.md).
+_MarkerIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=64)]
 
 
 class _Request(BaseModel):
@@ -49,8 +51,8 @@ class SpecExitBody(BaseModel):
     alpha: float | None = None
     beta: float | None = None
     window: int | None = None
-    think_start: str | None = None
-    think_end: str | None = None
+    think_start: str | _MarkerIds | None = None  # text (any number of tokens) or ids
+    think_end: str | _MarkerIds | None = None
     delimiters: Annotated[list[str], Field(min_length=1, max_length=16)] | None = None
 
 

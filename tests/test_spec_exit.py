@@ -36,7 +36,7 @@ def state(params: SpecExitParams | None = None, prompt=(9, START)) -> SpecExitSt
 def test_exit_cuts_at_the_first_delimiter_inside_the_span():
     s = state()
     cut = s.step([], [4, DELIM, 5, DELIM], PASSING)
-    assert cut is not None and (cut.keep, cut.token, cut.saved) == (2, END, 10.0)
+    assert cut is not None and (cut.keep, cut.tokens, cut.saved) == (2, (END,), 10.0)
     assert (s.num_exits, s.tokens_saved) == (1, 10.0)
 
 

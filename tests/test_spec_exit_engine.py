@@ -2,15 +2,18 @@
 
 The exits are forced: the draft head's exit channels are constant (zero weights, biases
 at confidence = progress = 0.95, remaining = 10 tokens), or, for the oracle draft model,
-a stub attaches those signals to every tree. The think markers are two single tokens of
-SmolLM2's vocabulary standing in for ``<think>``/``</think>``, and the delimiter is the
-text of a token plain greedy decoding emits, so the step boundary is known in advance.
+a stub attaches those signals to every tree. The think markers are either two single
+tokens of SmolLM2's vocabulary standing in for a Qwen3-style ``<think>``/``</think>``, or
+SmolLM2's own plain-text ``<think>``/``</think>`` (three tokens each, the reasoning
+target's); the delimiter is the text of a token plain greedy decoding emits, so the step
+boundary is known in advance.
 
 Checked: the output is plain greedy decoding up to and including the delimiter, then the
-think-end token, then plain greedy decoding of *that* sequence (so the cut's K/V rollback
-is right, for a cut inside the accepted drafts and for one at the bonus token); no exit
-outside a think span, without a delimiter, or without opting in (those outputs equal
-plain decoding, in the same batch).
+think-end marker's tokens (all k of them), then plain greedy decoding of *that* sequence
+(so the cut's K/V rollback and the k-token catch-up are right, for a cut inside the
+accepted drafts and for one at the bonus token); a marker budget cut short by max_tokens
+forces what fits; no exit outside a think span, without a delimiter, or without opting in
+(those outputs equal plain decoding, in the same batch).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from specdec.spec.spec_exit import SpecExitParams
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
 
 THINK_START, THINK_END = "<filename>", "<gh_stars>"  # ids 6 and 7 in SmolLM2's vocabulary
+OPEN_IDS, CLOSE_IDS = [44, 17400, 46], [9617, 17400, 46]  # SmolLM2's "<think>", "</think>"
 PROMPT = [1, 504, 3458, 282, 253, 1345, 30]
 SIGNALS = ("confidence", "progress", "remaining")
 SIGNAL_VALUES = [0.95, 0.95, 10.0]  # what the forced channels read: every default passes
@@ -110,17 +114,51 @@ def pick_delimiter(llm: LLM, tokens: list[int], avoid_bonus: int | None = None):
     raise AssertionError(f"no usable delimiter in {text}")
 
 
-def exit_params(delim: str) -> SpecExitParams:
+def exit_params(delim: str, multi: bool = False) -> SpecExitParams:
+    if multi:  # the defaults: SmolLM2's plain-text markers
+        return SpecExitParams(delimiters=(delim,))
     return SpecExitParams(think_start=THINK_START, think_end=THINK_END, delimiters=(delim,))
 
 
-def check_exit(plain: LLM, prompt: list[int], out: list[int], expected: list[int], k: int):
-    """Plain tokens through the delimiter, the think-end token, then plain decoding of
-    the cut sequence (proof that no discarded token's K/V survived)."""
-    end = plain.tokenizer.encode(THINK_END, add_special_tokens=False)[0]
+def check_exit(
+    plain: LLM, prompt: list[int], out: list[int], expected: list[int], k: int,
+    end: list[int] | None = None,
+):  # fmt: skip
+    """Plain tokens through the delimiter, the think-end marker's tokens, then plain
+    decoding of the cut sequence (proof that no discarded token's K/V survived and that
+    the forced tokens' K/V was computed)."""
+    end = end or plain.tokenizer.encode(THINK_END, add_special_tokens=False)
+    cut = k + 1 + len(end)
     assert out[: k + 1] == expected[: k + 1]
-    assert out[k + 1] == end, "the think-end token must follow the delimiter at once"
-    assert out[k + 2 :] == generate(plain, [prompt + out[: k + 2]], greedy(len(out) - k - 2))[0]
+    assert out[k + 1 : cut] == end, "the think-end marker must follow the delimiter at once"
+    assert out[cut:] == generate(plain, [prompt + out[:cut]], greedy(len(out) - cut))[0]
+
+
+def oracle_llm(target_dir: Path, k_draft: int = 4) -> LLM:
+    """The target as its own draft model (every draft accepted), with a stub that puts
+    passing exit signals on every tree."""
+    spec = SpeculativeConfig(method="draft_model", model=str(target_dir),
+                             num_speculative_tokens=k_draft)  # fmt: skip
+    llm = make_llm(target_dir, speculative=spec)
+    engine = llm.engine
+    engine.proposer.exit_signals = SIGNALS
+    engine.spec_exit = SpecExitRuntime(engine.tokenizer, SIGNALS)
+    propose = engine.proposer.propose
+
+    def propose_with_signals(requests, limits):
+        trees = propose(requests, limits)
+        for tree in trees:
+            if tree is not None:
+                tree.exit_signals = torch.tensor(SIGNAL_VALUES)
+        return trees
+
+    engine.proposer.propose = propose_with_signals
+    return llm
+
+
+def assert_pool_free(llm: LLM) -> None:
+    pool = llm.engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
 
 
 def test_head_channels_force_the_think_end(target_dir, exit_head_dir, plain):
@@ -138,8 +176,7 @@ def test_head_channels_force_the_think_end(target_dir, exit_head_dir, plain):
     assert out.metrics.spec_steps > 0
     stats = llm.engine.spec_exit.stats
     assert (stats.requests, stats.exits, stats.tokens_saved) == (1, 1, pytest.approx(10))
-    pool = llm.engine.kv_manager.pool
-    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert_pool_free(llm)
 
 
 def test_cut_inside_accepted_drafts_rolls_back_their_kv(target_dir, plain):
@@ -148,22 +185,8 @@ def test_cut_inside_accepted_drafts_rolls_back_their_kv(target_dir, plain):
     and their K/V rolled back. Signals come from a stub on the proposer. In the same
     batch, a request without a think span and one that did not opt in decode plainly."""
     k_draft = 4
-    spec = SpeculativeConfig(method="draft_model", model=str(target_dir),
-                             num_speculative_tokens=k_draft)  # fmt: skip
-    llm = make_llm(target_dir, speculative=spec)
+    llm = oracle_llm(target_dir, k_draft)
     engine = llm.engine
-    engine.proposer.exit_signals = SIGNALS
-    engine.spec_exit = SpecExitRuntime(engine.tokenizer, SIGNALS)
-    propose = engine.proposer.propose
-
-    def propose_with_signals(requests, limits):
-        trees = propose(requests, limits)
-        for tree in trees:
-            if tree is not None:
-                tree.exit_signals = torch.tensor(SIGNAL_VALUES)
-        return trees
-
-    engine.proposer.propose = propose_with_signals
     thinking = PROMPT + plain.tokenizer.encode(THINK_START, add_special_tokens=False)
     expected = generate(plain, [thinking, PROMPT], greedy())
     # Step s >= 1 emits output indices 5s-4 .. 5s; index 5s is its bonus token.
@@ -177,8 +200,7 @@ def test_cut_inside_accepted_drafts_rolls_back_their_kv(target_dir, plain):
     m = outs[0].metrics
     assert m.spec_accepted_tokens == m.spec_drafted_tokens >= m.spec_steps  # an oracle
     assert engine.spec_exit.stats.exits == 1
-    pool = engine.kv_manager.pool
-    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert_pool_free(llm)
 
 
 def test_requests_that_cannot_opt_in_are_refused(target_dir, exit_head_dir, plain):
@@ -186,6 +208,101 @@ def test_requests_that_cannot_opt_in_are_refused(target_dir, exit_head_dir, plai
         plain.generate([PROMPT], greedy(spec_exit=SpecExitParams()), use_tqdm=False)
     spec = SpeculativeConfig(method="eagle3", model=str(exit_head_dir), num_speculative_tokens=2)
     llm = make_llm(target_dir, speculative=spec)
-    with pytest.raises(ValueError, match=r"'<think>' is 3 tokens .* must be a single token"):
-        llm.generate([PROMPT], greedy(spec_exit=SpecExitParams()), use_tqdm=False)
+    vocab = len(llm.tokenizer)
+    with pytest.raises(ValueError, match=rf"think_end=\[9617, {vocab}\] holds id {vocab} outside"):
+        llm.generate([PROMPT], greedy(spec_exit=SpecExitParams(think_end=(9617, vocab))),
+                     use_tqdm=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"think_end=\[46\] ends think_start=\[44, 17400, 46\]"):
+        llm.generate([PROMPT], greedy(spec_exit=SpecExitParams(think_end=(46,))), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------- multi-token markers
+
+
+def test_multi_token_think_end_is_forced_whole_after_accepted_drafts(target_dir, plain):
+    """SmolLM2's plain-text markers (3 tokens each; the prompt opens the span, as a chat
+    template may): the delimiter lands among accepted drafts, all three ``</think>``
+    tokens follow it, and the next step computes their K/V as one chunk before drafting
+    resumes. In the same batch: a span the prompt already closed, a start marker the
+    prompt only begins, and a request that did not opt in all decode plainly."""
+    llm = oracle_llm(target_dir, k_draft=4)
+    thinking = PROMPT + OPEN_IDS
+    closed = PROMPT + OPEN_IDS + [504] + CLOSE_IDS
+    partial = PROMPT + OPEN_IDS[:2]
+    prompts = [thinking, closed, partial]
+    expected = generate(plain, prompts, greedy())
+    assert expected[2][0] != OPEN_IDS[2]  # else the output would complete the marker
+    # Each request's own delimiter, one its plain output meets: only the span can stop it.
+    delims = [pick_delimiter(plain, e, avoid_bonus=5) for e in expected]
+    k = delims[0][0]
+    params = [greedy(spec_exit=exit_params(d, multi=True)) for _, d in delims]
+    outs = llm.generate([*prompts, thinking], [*params, greedy()], use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    check_exit(plain, thinking, tokens[0], expected[0], k, end=CLOSE_IDS)
+    assert tokens[1:] == [*expected[1:], expected[0]]
+    assert [o.metrics.spec_exits for o in outs] == [1, 0, 0, None]
+    assert outs[0].metrics.spec_accepted_tokens == outs[0].metrics.spec_drafted_tokens
+    assert_pool_free(llm)
+
+
+def test_multi_token_think_end_after_a_bonus_cut(target_dir, exit_head_dir, plain):
+    """The eagle3 head's own channels; its random drafts are mostly rejected, so the cut
+    usually falls on the bonus token: bonus and marker (4 tokens) are computed together."""
+    thinking = PROMPT + OPEN_IDS
+    expected = generate(plain, [thinking], greedy())[0]
+    k, delim = pick_delimiter(plain, expected)
+    spec = SpeculativeConfig(method="eagle3", model=str(exit_head_dir), num_speculative_tokens=2)
+    llm = make_llm(target_dir, speculative=spec)
+    out = llm.generate([thinking], greedy(spec_exit=exit_params(delim, multi=True)),
+                       use_tqdm=False)[0]  # fmt: skip
+    check_exit(plain, thinking, out.outputs[0].token_ids, expected, k, end=CLOSE_IDS)
+    assert out.metrics.spec_exits == 1
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("room", [1, 2, 3])
+def test_forced_marker_never_exceeds_max_tokens(target_dir, plain, room):
+    """With ``room`` < 3 tokens of budget left after the delimiter, the marker's first
+    ``room`` tokens are emitted and the request ends there (force what fits); with 3 the
+    whole marker fits and the request ends right after it."""
+    llm = oracle_llm(target_dir)
+    thinking = PROMPT + OPEN_IDS
+    expected = generate(plain, [thinking], greedy())[0]
+    k, delim = pick_delimiter(plain, expected, avoid_bonus=5)
+    params = greedy(k + 1 + room, spec_exit=exit_params(delim, multi=True))
+    out = llm.generate([thinking], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[: k + 1] + CLOSE_IDS[:room]
+    assert out.outputs[0].finish_reason == "length"
+    assert out.metrics.spec_exits == 1
+    assert_pool_free(llm)
+
+
+def test_eval_reasoning_accepts_spec_exit_for_the_smollm2_markers(
+    target_dir, exit_head_dir, tmp_path, smollm2_tokenizer
+):
+    """``specdec eval-reasoning --spec-exit`` on a model whose markers are plain text
+    (the reasoning target's tokenizer): the run is accepted, and reports the exits."""
+    pytest.importorskip("reasoning_gym")
+    from specdec.cli import main
+    from specdec.data_gen.decontam import Decontaminator
+    from specdec.data_gen.reasoning.generate import TracesConfig, run_traces
+
+    items = tmp_path / "eval.jsonl"
+    run_traces(
+        TracesConfig(output=str(items), split="eval", tasks=("gcd",), num_per_task=2),
+        decontaminator=Decontaminator({"none": ["nothing to match here at all"]}),
+        tokenizer=smollm2_tokenizer,
+    )
+    args = ["eval-reasoning", "--model", str(target_dir), "--traces", str(items),
+            "--out", str(tmp_path / "report"), "--max-tokens", "6",
+            "--spec-exit", '{"confidence_above": 0.9, "delimiters": ["\\n\\n", "."]}',
+            "--draft", "eagle3", "--draft-model", str(exit_head_dir),
+            "--num-speculative-tokens", "2", "--device", "cpu", "--dtype", "float32",
+            "--kv-cache-memory", str(16 << 20), "--max-model-len", "256"]  # fmt: skip
+    assert main(args) == 0
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["overall"]["items"] == 2
+    assert report["sampling"]["spec_exit"]["think_end"] == "</think>"
+    assert report["sampling"]["spec_exit"]["confidence_above"] == 0.9
+    assert report["spec_exit"]["exits"] >= 0

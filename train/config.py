@@ -73,12 +73,14 @@ class TTTSection:
 @dataclass
 class SpecExitSection:
     """SpecExit channels on the head (docs/spec_exit.md); ``signals`` empty: off. Labels
-    come from each sequence's think span (``think_start``/``think_end``, one token each)
-    and, for confidence, a dump's optional ``spec_exit_confidence`` [n] tensor."""
+    come from each sequence's think span (``think_start``/``think_end``: text resolved
+    with the target's tokenizer, any number of tokens, or a list of token ids) and, for
+    confidence, the records' ``spec_exit_confidence`` (``data-gen exit-labels``; a dump
+    carries them as a per-token tensor)."""
 
     signals: tuple[str, ...] = ()  # any of confidence, progress, remaining
-    think_start: str = "<think>"
-    think_end: str = "</think>"
+    think_start: str | tuple[int, ...] = "<think>"
+    think_end: str | tuple[int, ...] = "</think>"
     confidence_weight: float = 1.0
     progress_weight: float = 1.0
     remaining_weight: float = 1.0

@@ -14,8 +14,11 @@ size.
   target inside the loop to get the aux and final hidden states of each micro-batch.
 
 With a ``labeler`` (``spec_exit_labels.ExitLabeler``) each batch also carries SpecExit
-labels (``PackedBatch.exit_targets``) from its sequences' think spans; a dump shard may
-add per-position confidence labels as ``spec_exit_confidence`` [n] float32 (NaN: none).
+labels (``PackedBatch.exit_targets``) from its sequences' think spans. Confidence labels
+come from ``data-gen exit-labels`` records (``spec_exit_confidence``: positions and labels):
+offline, the dump stores them as a ``spec_exit_confidence`` [n] float32 shard tensor (NaN:
+none); online, ``load_records`` reads them from the records themselves. Either way the
+same parser (``dump_plan.parse_confidence``) turns them into one value per token.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 
+from specdec.data_gen.dump_plan import CONFIDENCE_KEY
 from specdec.train.spec_exit_labels import ExitLabeler
 from specdec.train.ttt import PackedBatch
 
@@ -152,9 +156,6 @@ def assemble(
         target_hidden=torch.cat([p[3] for p in parts]) if parts[0][3] is not None else None,
         cu_seqlens=cu,
     )
-
-
-CONFIDENCE_KEY = "spec_exit_confidence"  # optional dump tensor [n] float32, NaN = unknown
 
 
 def _with_exit_targets(
@@ -302,14 +303,17 @@ class OnlineRecords:
 
     def load(self, ref: BatchRef) -> PackedBatch:
         recs = [(self.train if unit == 0 else self.eval)[i] for unit, i in ref.items]
-        parts = []
+        parts, confidence = [], []
         for r in recs:
             n = clip(len(r.input_ids), self.max_tokens, self.max_seq_len)
             parts.append((r.input_ids[:n], r.loss_mask[:n], None, None))
+            confidence.append(
+                r.confidence[:n] if r.confidence is not None else np.full(n, np.nan, np.float32)
+            )
         batch = assemble(parts)
         lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).numpy()
         with self._lock:  # one scratch KV cache: the prefetch thread and evaluation take turns
             hidden, aux = self.forward(batch.input_ids.numpy(), lengths)
         # Outputs of an inference-mode forward cannot be saved for backward: copy them.
         batch.aux_hidden, batch.target_hidden = aux.clone(), hidden.clone()
-        return _with_exit_targets(batch, self.labeler)
+        return _with_exit_targets(batch, self.labeler, np.concatenate(confidence))

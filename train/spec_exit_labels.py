@@ -3,13 +3,14 @@ confidence labels), whatever produced the trace.
 
 Alignment (the serving head's): the channels at position ``t`` read the target's aux
 states after token ``x[t]``, i.e. what the head knows once ``x[t]`` is written. A think
-span is ``(start, end)``: ``x[start]`` is the think-start token, ``x[end]`` the think-end
-token, and the ``L = end - start - 1`` tokens between them are the thinking. At every
-``t`` in ``[start, end)`` (the head has read the start token, the end token is still to
-come):
+span is ``(start, end)``: ``x[start]`` is the think-start marker's last token, ``x[end]``
+the think-end marker's first token (markers are token sequences, ``think_markers``; one
+token each in Qwen3, three in the SmolLM2 reasoning target), and the ``L = end - start -
+1`` tokens between them are the thinking. At every ``t`` in ``[start, end)`` (the head has
+read the whole start marker, the end marker is still to come):
 
-- ``progress[t] = (t - start) / L``: thinking written so far (0 after the start token,
-  1 when the next token is the end token);
+- ``progress[t] = (t - start) / L``: thinking written so far (0 after the start marker,
+  1 when the end marker comes next);
 - ``remaining[t] = end - 1 - t``: thinking tokens still to come (``L`` .. 0);
 - ``confidence[t]``: given per position by the caller (e.g. 1 if an answer forced after
   ``x[t]`` is already correct by the task's verifier, or the fraction of several forced
@@ -28,12 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from specdec.models.exit_signals import canonical_signals
+from specdec.spec.think_markers import Marker, as_marker, check_markers, find_marker, resolve_marker
 
 
 @dataclass(frozen=True)
 class ThinkSpan:
-    start: int  # index of the think-start token
-    end: int  # index of the think-end token
+    start: int  # index of the think-start marker's last token
+    end: int  # index of the think-end marker's first token
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
@@ -67,19 +69,21 @@ class ReasoningRecord:
 
 
 def find_think_span(
-    token_ids: Sequence[int] | np.ndarray, think_start_id: int, think_end_id: int
+    token_ids: Sequence[int] | np.ndarray,
+    think_start: int | Sequence[int],  # a marker's ids (one int: a one-token marker)
+    think_end: int | Sequence[int],
 ) -> ThinkSpan | None:
-    """The first think-start token and the first think-end token after it; None when
-    there is no start or the span never closes (an unfinished trace has no known end)."""
+    """The first think-start marker and the first think-end marker after it (matched
+    as whole id sequences); None when there is no start or the span never closes (an
+    unfinished trace has no known end)."""
     ids = np.asarray(token_ids)
-    starts = np.flatnonzero(ids == think_start_id)
-    if not starts.size:
+    start_ids, end_ids = as_marker(think_start), as_marker(think_end)
+    first = find_marker(ids, start_ids)
+    if first is None:
         return None
-    ends = np.flatnonzero(ids[starts[0] + 1 :] == think_end_id)
-    if not ends.size:
-        return None
-    start = int(starts[0])
-    return ThinkSpan(start, start + 1 + int(ends[0]))
+    start = first + len(start_ids) - 1
+    end = find_marker(ids, end_ids, start + 1)
+    return None if end is None else ThinkSpan(start, end)
 
 
 def exit_targets(record: ReasoningRecord, signals: Sequence[str]) -> np.ndarray:
@@ -112,24 +116,27 @@ class ExitLabeler:
     (``find_think_span``), confidence from an optional per-position array."""
 
     signals: tuple[str, ...]
-    think_start_id: int
-    think_end_id: int
+    think_start: Marker  # ids (one int is accepted for a one-token marker)
+    think_end: Marker
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "think_start", as_marker(self.think_start, "think_start"))
+        object.__setattr__(self, "think_end", as_marker(self.think_end, "think_end"))
+        check_markers(self.think_start, self.think_end, ("think_start", "think_end"))
 
     @classmethod
     def for_tokenizer(
-        cls, tokenizer, signals: Sequence[str], think_start: str, think_end: str
+        cls,
+        tokenizer,
+        signals: Sequence[str],
+        think_start: str | Sequence[int],
+        think_end: str | Sequence[int],
     ) -> ExitLabeler:
-        """Resolve the think markers, each of which must be one token of ``tokenizer``."""
-        ids = []
-        for name, text in (("think_start", think_start), ("think_end", think_end)):
-            encoded = tokenizer.encode(text, add_special_tokens=False)
-            if len(encoded) != 1:
-                raise ValueError(
-                    f"spec_exit.{name}={text!r} is {len(encoded)} tokens {encoded} for the "
-                    "target's tokenizer; use its single think-marker token"
-                )
-            ids.append(int(encoded[0]))
-        return cls(canonical_signals(signals), ids[0], ids[1])
+        """Resolve the think markers (text or ids) as serving does
+        (``think_markers.resolve_marker``)."""
+        start = resolve_marker(tokenizer, think_start, "spec_exit.think_start")
+        end = resolve_marker(tokenizer, think_end, "spec_exit.think_end")
+        return cls(canonical_signals(signals), start, end)
 
     def targets(
         self,
@@ -140,7 +147,7 @@ class ExitLabeler:
         parts = []
         for lo, hi in itertools.pairwise(cu_seqlens.tolist()):
             ids = input_ids[lo:hi]
-            span = find_think_span(ids, self.think_start_id, self.think_end_id)
+            span = find_think_span(ids, self.think_start, self.think_end)
             conf = confidence[lo:hi] if confidence is not None else None
             parts.append(exit_targets(ReasoningRecord(ids, span, conf), self.signals))
         if not parts:

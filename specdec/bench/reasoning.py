@@ -133,8 +133,10 @@ def tokens_through(tokenizer, token_ids: list[int], chars: int) -> int:
 
 def sampling_params(config: EvalConfig):
     """Greedy ``SamplingParams`` with ``config.sampling`` on top; an unknown field is an
-    error naming the known ones."""
+    error naming the known ones. ``spec_exit`` may be a mapping of ``SpecExitParams``
+    fields (what ``--spec-exit JSON`` gives); ``{}`` takes the defaults."""
     from specdec.sampling_params import RequestOutputKind, SamplingParams
+    from specdec.spec.spec_exit import SpecExitParams
 
     known = {f.name for f in fields(SamplingParams)}
     unknown = sorted(set(config.sampling) - known)
@@ -144,9 +146,10 @@ def sampling_params(config: EvalConfig):
             f"{sorted(known)}"
         )
     base = {"temperature": 0.0, "max_tokens": config.max_tokens}
-    return SamplingParams(
-        **{**base, **config.sampling, "output_kind": RequestOutputKind.FINAL_ONLY}
-    )
+    sampling = dict(config.sampling)
+    if isinstance(sampling.get("spec_exit"), dict):
+        sampling["spec_exit"] = SpecExitParams.from_dict(sampling["spec_exit"])
+    return SamplingParams(**{**base, **sampling, "output_kind": RequestOutputKind.FINAL_ONLY})
 
 
 def generate(llm, prompts: list[list[int]], params, concurrency: int | None):
@@ -230,6 +233,9 @@ def run_eval(config: EvalConfig, llm=None) -> dict[str, Any]:
     }
     if llm.engine.proposer is not None:
         report["speculation"] = llm.engine.spec_stats.summary()
+    if params.spec_exit is not None:  # exits and the head's own estimate of tokens saved
+        stats = llm.engine.spec_exit.stats
+        report["spec_exit"] = {"exits": stats.exits, "tokens_saved_estimate": stats.tokens_saved}
     if config.output:
         write_report(report, config.output)
     return report
@@ -269,6 +275,8 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if "speculation" in report:
         lines += ["", f"Speculation: {report['speculation']}"]
+    if "spec_exit" in report:
+        lines += ["", f"SpecExit: {report['spec_exit']}"]
     return "\n".join(lines) + "\n"
 
 

@@ -398,9 +398,18 @@ class LLMEngine:
     def _apply_spec_exit(self, sched, inputs, trees, spec, emitted, accepted) -> None:
         """SpecExit after acceptance (docs/spec_exit.md): an opted-in request whose step
         emitted a step delimiter inside its think span while its signals passed keeps the
-        tokens through the delimiter and gets the think-end token next. Rolled back with
-        the cut: the later emitted tokens, their accepted nodes (``_observe`` then reports
-        only kept tokens) and the computed tokens past them (their K/V is stale)."""
+        tokens through the delimiter and gets the think-end marker's k tokens next. Rolled
+        back with the cut: the later emitted tokens, their accepted nodes (``_observe``
+        then reports only kept tokens) and the computed tokens past them (their K/V is
+        stale).
+
+        The forced tokens are emitted like sampled ones: ``step`` appends them one by one
+        and stops at max_tokens, the context limit or a stop condition, so a request with
+        fewer than k tokens of budget left gets the marker's first ones and ends there
+        (force what fits). Their K/V is computed next step: the request then has more
+        than one uncomputed token, which the scheduler runs as a chunk without drafts,
+        sampled at its last token (the proposer observes every token of it and catches
+        up on them before drafting again, as after a prefill)."""
         rows = [i for i in spec if self._state_of(sched, inputs, i).spec_exit is not None]
         if not rows:
             return
@@ -412,9 +421,9 @@ class LLMEngine:
             if cut is None:
                 continue
             root = request.num_computed_tokens - 1 - len(accepted[row])  # its cache index
-            emitted[i] = [*emitted[i][: cut.keep], cut.token]
+            emitted[i] = [*emitted[i][: cut.keep], *cut.tokens]
             # A cut at the bonus token keeps every accepted node: the bonus and the forced
-            # token are then both uncomputed, and the next step computes them together.
+            # tokens are then all uncomputed, and the next step computes them together.
             accepted[row] = accepted[row][: cut.keep]
             request.num_computed_tokens = root + 1 + len(accepted[row])
             self.spec_exit.stats.record(cut)

@@ -6,14 +6,17 @@ confidence, progress, remaining tokens. Per request, the policy here smooths the
 steps and, after a step's acceptance, decides whether to cut (docs/spec_exit.md):
 
 - only for a request that opted in (``SamplingParams.spec_exit``);
-- only inside a think span: after the think-start token, before the think-end token
-  (from the prompt on: a chat template may open the span);
+- only inside a think span: after the think-start marker, before the think-end marker
+  (from the prompt on: a chat template may open the span). Markers are token sequences
+  (``think_markers``: one special token in Qwen3 / DeepSeek-R1, three plain-text tokens in
+  the SmolLM2 reasoning target), matched in the request's token stream across steps;
 - only at a step delimiter (``"\\n\\n"`` by default) among the tokens the step emitted
   (its accepted drafts and the bonus token, all the target's own), never mid-step;
 - only when every enabled signal's smoothed value passes its threshold.
 
-Then the step keeps its tokens through the first such delimiter and the think-end token
-is forced next (``ExitCut``); the engine discards the rest and rolls back their K/V.
+Then the step keeps its tokens through the first such delimiter and the think-end
+marker's tokens are forced next (``ExitCut``); the engine discards the rest and rolls back
+their K/V.
 
 A step's signals are those its proposal read: the mean over the tokens the target verified
 in the request's previous step, so the decision trails the text by one step. Smoothing
@@ -32,6 +35,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
+
+from specdec.spec.think_markers import Marker, MarkerMatcher, as_marker, check_markers
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,9 @@ class SpecExitParams:
     enabled signal must pass. ``smoothing`` picks a ``SMOOTHERS`` entry: ``ewma`` (weight
     ``alpha`` on the newest step), ``momentum`` (bias-corrected moving average with decay
     ``beta``) or ``window`` (mean of the last ``window`` steps). ``think_start`` and
-    ``think_end`` must each be one token of the served model's vocabulary; a token whose
-    text ends one of ``delimiters`` (joined with the tokens before it) ends a step.
+    ``think_end`` are text (resolved with the served model's tokenizer, any number of
+    tokens) or token ids (a tuple; a JSON list is accepted), see ``think_markers``; a token
+    whose text ends one of ``delimiters`` (joined with the tokens before it) ends a step.
     """
 
     confidence_above: float | None = 0.8  # probability, in [0, 1]
@@ -68,8 +74,8 @@ class SpecExitParams:
     alpha: float = 0.1
     beta: float = 0.9
     window: int = 8
-    think_start: str = "<think>"
-    think_end: str = "</think>"
+    think_start: str | tuple[int, ...] = "<think>"
+    think_end: str | tuple[int, ...] = "</think>"
     delimiters: tuple[str, ...] = ("\n\n",)
 
     _UNIT_RANGE: ClassVar[tuple[str, ...]] = ("confidence_above", "progress_above")
@@ -102,8 +108,12 @@ class SpecExitParams:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"spec_exit.window={self.window!r} must be an int >= 1 (steps)")
         for name in ("think_start", "think_end"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"spec_exit.{name} must be a non-empty string (one token)")
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if not value:
+                    raise ValueError(f"spec_exit.{name} is empty; give its text or token ids")
+            else:  # ids: a tuple, so the params stay hashable and compare by value
+                object.__setattr__(self, name, as_marker(value, f"spec_exit.{name}"))
         if self.think_start == self.think_end:
             raise ValueError(f"spec_exit.think_start and think_end are both {self.think_end!r}")
         if not self.delimiters or not all(isinstance(d, str) and d for d in self.delimiters):
@@ -201,11 +211,12 @@ SMOOTHERS: dict[str, type[Smoother]] = {"ewma": EWMA, "momentum": Momentum, "win
 @dataclass(frozen=True)
 class ExitCut:
     """A decided exit: keep the step's first ``keep`` emitted tokens (through the
-    delimiter), then emit ``token`` (the think-end token). ``saved`` is the smoothed
-    remaining-tokens signal at the exit (0 when the head does not predict it)."""
+    delimiter), then emit ``tokens`` (the think-end marker, all of its ids). ``saved`` is
+    the smoothed remaining-tokens signal at the exit (0 when the head does not predict
+    it)."""
 
     keep: int
-    token: int
+    tokens: Marker
     saved: float
 
 
@@ -213,17 +224,19 @@ class ExitCut:
 class SpecExitState:
     """One opted-in request: where its think span stands and its smoothed signals.
 
-    ``num_scanned`` output tokens have been folded into ``in_think`` and ``tail`` (the
-    last characters of the text, enough to match the longest delimiter); ``step`` first
-    folds in the tokens appended since (plain steps included), so the state always
-    describes the request's text before the step being judged.
+    ``num_scanned`` output tokens have been folded into ``in_think``, ``markers`` (the
+    last tokens, so a marker split over steps or over the prompt/output boundary still
+    matches) and ``tail`` (the last characters of the text, enough to match the longest
+    delimiter); ``step`` first folds in the tokens appended since (plain steps and forced
+    markers included), so the state always describes the request's tokens before the
+    step being judged. The span opens and closes at a marker's last token.
     """
 
     params: SpecExitParams
     signals: tuple[str, ...]  # the head's signals, in the order trees carry them
     enabled: tuple[str, ...]  # the thresholded subset (non-empty)
-    think_start_id: int
-    think_end_id: int
+    think_start: Marker  # resolved ids (one int is accepted for a one-token marker)
+    think_end: Marker
     text_of: Callable[[int], str]  # a token id's text
     in_think: bool = False
     tail: str = ""
@@ -232,19 +245,25 @@ class SpecExitState:
     smoothed: list[float] | None = None
     num_exits: int = 0
     tokens_saved: float = 0.0  # sum of ``ExitCut.saved``
+    markers: MarkerMatcher = field(init=False)
     _max_delim: int = field(init=False, default=0)
 
+    _START: ClassVar[int] = 0  # MarkerMatcher indices
+    _END: ClassVar[int] = 1
+
     def __post_init__(self) -> None:
+        self.think_start = as_marker(self.think_start, "think_start")
+        self.think_end = as_marker(self.think_end, "think_end")
+        check_markers(self.think_start, self.think_end, ("think_start", "think_end"))
+        self.markers = MarkerMatcher(self.think_start, self.think_end)
         self._max_delim = max(len(d) for d in self.params.delimiters)
 
     def scan_prompt(self, prompt_ids: Sequence[int]) -> None:
         """Open the span if the prompt's last think marker is a start (a template's
-        ``<think>``); delimiters in the prompt never count."""
+        ``<think>``); delimiters in the prompt never count, markers split between the
+        prompt's end and the output do."""
         for token in prompt_ids:
-            if token == self.think_start_id:
-                self._open()
-            elif token == self.think_end_id:
-                self.in_think = False
+            self._fold_marker(token)
 
     def step(
         self,
@@ -266,19 +285,21 @@ class SpecExitState:
         smoothed = dict(zip(self.signals, self.smoothed, strict=True))
         if not all(self.params.passes(s, smoothed[s]) for s in self.enabled):
             return None
-        cut = ExitCut(cut_at + 1, self.think_end_id, float(smoothed.get("remaining", 0.0)))
+        cut = ExitCut(cut_at + 1, self.think_end, float(smoothed.get("remaining", 0.0)))
         self.num_exits += 1
         self.tokens_saved += cut.saved
         return cut
 
     def _first_delimiter(self, emitted: Sequence[int]) -> int | None:
         """Index of the first emitted token that ends a delimiter inside a span that was
-        already open before this step (a span opened by this step has no signals yet)."""
+        already open before this step (a span opened by this step has no signals yet); a
+        marker the step completes before it (the model closed the span itself) means none.
+        Looks ahead on copies: the state itself advances only in ``_fold``."""
         if not self.in_think:
             return None
-        tail = self.tail
+        tail, markers = self.tail, self.markers.copy()
         for j, token in enumerate(emitted):
-            if token == self.think_end_id or token == self.think_start_id:
+            if markers.push(token) is not None:
                 return None
             tail = (tail + self.text_of(token))[-self._max_delim :]
             if tail.endswith(self.params.delimiters):
@@ -286,11 +307,15 @@ class SpecExitState:
         return None
 
     def _fold(self, token: int) -> None:
-        if token == self.think_start_id:
-            self._open()
-        elif token == self.think_end_id:
-            self.in_think = False
+        self._fold_marker(token)
         self.tail = (self.tail + self.text_of(token))[-self._max_delim :]
+
+    def _fold_marker(self, token: int) -> None:
+        hit = self.markers.push(token)
+        if hit == self._START:
+            self._open()
+        elif hit == self._END:
+            self.in_think = False
 
     def _open(self) -> None:
         self.in_think = True

@@ -7,17 +7,22 @@ head with SpecExit channels). The policy itself is ``specdec.spec.spec_exit``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from specdec.spec.spec_exit import SpecExitParams, SpecExitState, SpecExitStats
+from specdec.spec.think_markers import Marker, context_mismatch, resolve_marker
 from specdec.spec.tree import DraftTree
+
+logger = logging.getLogger(__name__)
+_MAX_CACHED_MARKERS = 64
 
 
 class SpecExitRuntime:
-    """Per engine: the tokenizer (think markers, token texts, cached per token id), the
-    head's signal names, and ``stats``."""
+    """Per engine: the tokenizer (think markers resolved to ids and token texts, both
+    cached), the head's signal names, and ``stats``."""
 
     def __init__(self, tokenizer, signals: tuple[str, ...]) -> None:
         if not signals:
@@ -26,10 +31,12 @@ class SpecExitRuntime:
         self.signals = signals
         self.stats = SpecExitStats()
         self._texts: dict[int, str] = {}
+        self._markers: dict[tuple[str, str | Marker], Marker] = {}
 
     def start(self, params: SpecExitParams, prompt_ids: Sequence[int]) -> SpecExitState:
         """A request's state; raises ValueError (the request is refused) when no enabled
-        signal remains or a think marker is not one token of this model."""
+        signal remains or a think marker does not resolve to ids of this model
+        (``think_markers.resolve_marker``)."""
         enabled = params.enabled(self.signals)
         if not enabled:
             raise ValueError(
@@ -40,22 +47,30 @@ class SpecExitRuntime:
             params,
             self.signals,
             enabled,
-            self._one_token("think_start", params.think_start),
-            self._one_token("think_end", params.think_end),
+            self.marker("think_start", params.think_start),
+            self.marker("think_end", params.think_end),
             self.text_of,
         )
         state.scan_prompt(prompt_ids)
         self.stats.requests += 1
         return state
 
-    def _one_token(self, name: str, text: str) -> int:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError(
-                f"spec_exit.{name}={text!r} is {len(ids)} tokens {ids} in this model's "
-                "vocabulary; it must be a single token (the reasoning model's think marker)"
-            )
-        return int(ids[0])
+    def marker(self, name: str, value: str | Marker) -> Marker:
+        """The marker's ids in this model's vocabulary, resolved once per setting."""
+        key = (name, value)
+        marker = self._markers.get(key)
+        if marker is None:
+            marker = resolve_marker(self.tokenizer, value, f"spec_exit.{name}")
+            if len(self._markers) >= _MAX_CACHED_MARKERS:  # settings come from clients
+                self._markers.clear()
+            if isinstance(value, str) and (other := context_mismatch(self.tokenizer, value)):
+                logger.warning(
+                    "spec_exit.%s=%r is %s on its own but %s after a newline; it is matched "
+                    "as %s: if the model writes it after a newline, give those ids instead",
+                    name, value, list(marker), list(other), list(marker),
+                )  # fmt: skip
+            self._markers[key] = marker
+        return marker
 
     def text_of(self, token: int) -> str:
         text = self._texts.get(token)
