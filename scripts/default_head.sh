@@ -17,19 +17,21 @@ MODEL=${MODEL:-smollm2-135m-instruct}
 DATA=${DATA:-data/smollm2}
 RUN=${RUN:-runs/smollm2-eagle3}
 NUM_PROMPTS=${NUM_PROMPTS:-60000}     # the floor is 50,000 answered prompts
+PROMPT_SOURCES=${PROMPT_SOURCES:-mix} # data-gen prompts --source values (space-separated)
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}     # regeneration batch
 DRAFT_VOCAB=${DRAFT_VOCAB:-32000}
 STEPS=${STEPS:-20000}
 BENCH_PROMPTS=${BENCH_PROMPTS:-80}
+BENCH_MAX_TOKENS=${BENCH_MAX_TOKENS:-256}
 EXTRA_TRAIN=${EXTRA_TRAIN:-}          # more train-draft overrides, e.g. "optim.lr=2e-4"
 DEVICE_ARGS=()
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the whole chain on CPU, tiny: checks the recipe runs
     DATA=${DATA%/}-smoke RUN=${RUN%/}-smoke
-    NUM_PROMPTS=16 MAX_TOKENS=16 MAX_NUM_SEQS=16 DRAFT_VOCAB=2048 STEPS=4 BENCH_PROMPTS=2
-    EXTRA_TRAIN="data.max_tokens=1024 optim.warmup_steps=1 run.save_every=2 run.eval_every=2 run.log_every=1 run.wandb=disabled ${EXTRA_TRAIN}"
+    NUM_PROMPTS=16 MAX_TOKENS=16 PROMPT_SOURCES=chatterbot MAX_NUM_SEQS=16 DRAFT_VOCAB=2048 STEPS=4 BENCH_PROMPTS=2 BENCH_MAX_TOKENS=16
+    EXTRA_TRAIN="data.max_tokens=1024 data.eval_records=4 optim.warmup_steps=1 run.save_every=2 run.eval_every=2 run.log_every=1 run.wandb=disabled ${EXTRA_TRAIN}"
     DEVICE_ARGS=(--device cpu --dtype float32)
     export TRITON_INTERPRET=1
 fi
@@ -37,7 +39,9 @@ fi
 stage_prompts() {
     # BIG-bench inputs, reasoning-gym (not gsm_symbolic), chatterbot dialogs: deduplicated
     # and decontaminated against the bench sets (HumanEval, WritingBench, gsm_symbolic).
-    specdec data-gen prompts -o "$DATA/prompts" --max-records "$NUM_PROMPTS"
+    local sources=()
+    for s in $PROMPT_SOURCES; do sources+=(--source "$s"); done
+    specdec data-gen prompts -o "$DATA/prompts" --max-records "$NUM_PROMPTS" "${sources[@]}"
 }
 
 stage_regenerate() {
@@ -64,7 +68,7 @@ stage_train() {
 stage_bench() {
     # τ and speedup on the three bench sets: chain K = 3 and the dynamic tree.
     specdec bench --model "$MODEL" --draft eagle3 --draft-model "$RUN/head" \
-        --num-prompts "$BENCH_PROMPTS" --max-tokens 256 --batch-sizes 1,16 \
+        --num-prompts "$BENCH_PROMPTS" --max-tokens "$BENCH_MAX_TOKENS" --batch-sizes 1,16 \
         --sweep-chain 3 --sweep-top-k 8 --sweep-depth 5 --sweep-total-tokens 64 \
         --analysis --json "$RUN/bench.json" "${DEVICE_ARGS[@]}"
 }
