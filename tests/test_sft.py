@@ -22,11 +22,11 @@ from specdec.data_gen.decontam import Decontaminator
 from specdec.data_gen.reasoning.generate import TracesConfig, run_traces
 from specdec.models import load_model
 from specdec.train import checkpoint
+from specdec.train.loop import KILL_ENV
 from specdec.train.packed_attention import PackedCausalAttention, PackedMeta
 from specdec.train.sft import train_sft
 from specdec.train.sft_config import SFTConfig
 from specdec.train.sft_data import IGNORE, assemble, shift_labels
-from specdec.train.trainer import KILL_ENV
 
 pytest.importorskip("reasoning_gym")
 NO_BENCH = Decontaminator({"none": ["nothing to match here at all"]})

@@ -24,7 +24,8 @@ from specdec.data_gen.shards import RankInfo
 from specdec.data_gen.vocab import VocabConfig, run_vocab
 from specdec.train import checkpoint
 from specdec.train.config import TrainConfig
-from specdec.train.trainer import KILL_ENV, train
+from specdec.train.loop import KILL_ENV
+from specdec.train.trainer import train
 
 ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_memory": 64 << 20, "max_num_seqs": 8}
 TOPICS = ["rivers", "chess", "bread", "owls", "volcanoes", "bicycles", "tea", "glaciers"]

@@ -33,10 +33,10 @@ from tqdm.auto import tqdm
 
 from specdec.train import checkpoint
 from specdec.train.data import Schedule
+from specdec.train.loop import KILL_ENV, RunLogger, lr_schedule, optimizer_step
 from specdec.train.packed_attention import PackedMeta, packed_attention
 from specdec.train.sft_config import SFTConfig
 from specdec.train.sft_data import ChatRecords, SFTBatch, read_chat_records, spread
-from specdec.train.trainer import KILL_ENV, _Logger, lr_lambda
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +161,7 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(
         param_groups(model, optim_cfg.weight_decay), lr=optim_cfg.lr, betas=optim_cfg.betas
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_lambda(s, optim_cfg.warmup_steps, optim_cfg.max_steps, optim_cfg.min_lr_ratio),
-    )
+    scheduler = lr_schedule(optimizer, optim_cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by hand, once per step
 
@@ -173,7 +170,7 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
     if resume_from is not None:
         state = checkpoint.load(accelerator, resume_from)
         logger.info("resumed from %s (step %d)", resume_from, state.step)
-    log = _Logger(accelerator, out_dir, config, resumed=resume_from is not None)
+    log = RunLogger(accelerator, out_dir, config, resumed=resume_from is not None)
 
     world = accelerator.num_processes
     batches = Schedule(source).iterate(state.consumed, accelerator.process_index, world)
@@ -191,17 +188,7 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
     kill_after = int(os.environ.get(KILL_ENV, "0"))
     model.train()
     while state.step < optim_cfg.max_steps:
-        for _ in range(optim_cfg.grad_accum):
-            _, batch = next(batches)
-            batch = batch.to(accelerator.device)
-            with accelerator.accumulate(model):
-                out = model(batch)
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients and optim_cfg.grad_clip > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad()
-            tally.add(out, batch.num_tokens)
+        optimizer_step(model, batches, accelerator.device, accelerator, optimizer, optim_cfg, tally)
         scheduler.step()
         state.step += 1
         state.consumed += optim_cfg.grad_accum * world

@@ -12,9 +12,7 @@ format, ready for ``specdec generate --draft eagle3 --draft-model <output_dir>/h
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import signal
 import time
@@ -28,16 +26,13 @@ from tqdm.auto import tqdm
 from specdec.train import checkpoint
 from specdec.train.config import TrainConfig
 from specdec.train.data import OfflineShards, OnlineRecords, Schedule, Source
+from specdec.train.loop import KILL_ENV, RunLogger, lr_schedule, optimizer_step
 from specdec.train.model import TargetIO, TTTModel, attention_backend, build_head, load_vocab
 from specdec.train.spec_exit_labels import ExitLabeler
 from specdec.train.spec_exit_loss import SpecExitLoss
 from specdec.train.ttt import TTTOutput
 
 logger = logging.getLogger(__name__)
-
-# Test hook: SIGKILL this process right after optimizer step N (and its checkpoint, if one
-# is due) — a crash or a preempted node, for the kill-and-resume test.
-KILL_ENV = "SPECDEC_TRAIN_KILL_AFTER_STEP"
 
 
 @dataclass
@@ -99,14 +94,6 @@ class Tally:
         return out
 
 
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine down to ``min_ratio`` at ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training; returns the final eval figures and paths."""
     from accelerate import Accelerator
@@ -157,10 +144,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         [p for p in model.parameters() if p.requires_grad],
         lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay,
     )  # fmt: skip
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_lambda(s, optim_cfg.warmup_steps, optim_cfg.max_steps, optim_cfg.min_lr_ratio),
-    )
+    scheduler = lr_schedule(optimizer, optim_cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
     # Stepped by hand once per optimizer step (accelerate would step it per process).
     accelerator.register_for_checkpointing(scheduler)
@@ -170,7 +154,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if resume_from is not None:
         state = checkpoint.load(accelerator, resume_from)
         logger.info("resumed from %s (step %d)", resume_from, state.step)
-    log = _Logger(accelerator, out_dir, config, resumed=resume_from is not None)
+    log = RunLogger(accelerator, out_dir, config, resumed=resume_from is not None)
 
     schedule = Schedule(source)
     world = accelerator.num_processes
@@ -184,17 +168,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     kill_after = int(os.environ.get(KILL_ENV, "0"))
     model.train()
     while state.step < optim_cfg.max_steps:
-        for _ in range(optim_cfg.grad_accum):
-            _, batch = next(batches)
-            batch = batch.to(device)
-            with accelerator.accumulate(model):
-                out = model(batch)
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients and optim_cfg.grad_clip > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad()
-            tally.add(out, batch.num_tokens)
+        optimizer_step(model, batches, device, accelerator, optimizer, optim_cfg, tally)
         scheduler.step()
         state.step += 1
         state.consumed += optim_cfg.grad_accum * world
@@ -331,39 +305,3 @@ def _save_head(accelerator, model, out_dir: Path) -> Path:
         tmp.rename(final)
     accelerator.wait_for_everyone()
     return final
-
-
-class _Logger:
-    """JSONL always (main process); wandb when installed and not disabled."""
-
-    def __init__(self, accelerator, out_dir: Path, config: TrainConfig, resumed: bool) -> None:
-        self.main = accelerator.is_main_process
-        self.file = None
-        self.wandb = None
-        if not self.main:
-            return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.file = (out_dir / "log.jsonl").open("a" if resumed else "w")
-        if config.run.wandb != "disabled":
-            try:
-                import wandb
-            except ImportError:
-                return
-            self.wandb = wandb.init(project=config.run.wandb_project, dir=str(out_dir),
-                                    mode=config.run.wandb, config=config.to_dict(),
-                                    resume="allow")  # fmt: skip
-
-    def write(self, step: int, figures: dict[str, Any]) -> None:
-        if not self.main:
-            return
-        assert self.file is not None
-        self.file.write(json.dumps({"step": step, **figures}) + "\n")
-        self.file.flush()
-        if self.wandb is not None:
-            self.wandb.log(figures, step=step)
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()

@@ -1,0 +1,107 @@
+"""The parts of a training loop that train-draft (``trainer.py``) and train-sft (``sft.py``)
+share: the learning-rate schedule, one optimizer step over ``grad_accum`` micro-batches,
+the run log, and the kill hook the resume tests use.
+
+Both loops keep their own objective, data and tallies; what is here is the same for every
+model trained through accelerate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+# Tests set it to N: the process kills itself right after step N's checkpoint, as a
+# preempted job would, so that resuming can be compared with an uninterrupted run.
+KILL_ENV = "SPECDEC_TRAIN_KILL_AFTER_STEP"
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine down to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, optim_cfg) -> torch.optim.lr_scheduler.LambdaLR:
+    """``lr_lambda`` over ``optim_cfg``'s warmup_steps, max_steps and min_lr_ratio; the
+    loops step it by hand, once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_lambda(s, optim_cfg.warmup_steps, optim_cfg.max_steps, optim_cfg.min_lr_ratio),
+    )
+
+
+class Tally(Protocol):
+    """What a loop sums its micro-batches' outputs into (``trainer.Tally``, ``sft.Tally``)."""
+
+    def add(self, out: Any, tokens: int) -> None: ...
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    batches: Iterator[tuple[Any, Any]],  # (unit, batch) with batch.to(device), batch.num_tokens
+    device: torch.device,
+    accelerator,
+    optimizer: torch.optim.Optimizer,
+    optim_cfg,
+    tally: Tally,  # each micro-batch's output is added to it
+) -> None:
+    """One optimizer step: ``optim_cfg.grad_accum`` micro-batches, each a forward whose
+    output has ``.loss``, a backward, and (on the last) clipping to ``optim_cfg.grad_clip``
+    and the update; accelerate's ``accumulate`` skips gradient sync until then."""
+    for _ in range(optim_cfg.grad_accum):
+        _, batch = next(batches)
+        batch = batch.to(device)
+        with accelerator.accumulate(model):
+            out = model(batch)
+            accelerator.backward(out.loss)
+            if accelerator.sync_gradients and optim_cfg.grad_clip > 0:
+                accelerator.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        tally.add(out, batch.num_tokens)
+
+
+class RunLogger:
+    """JSONL always (``<out_dir>/log.jsonl``, main process); wandb when installed and not
+    disabled (``config.run.wandb``). ``config`` is any sectioned config with a ``run``
+    section and ``to_dict``."""
+
+    def __init__(self, accelerator, out_dir: Path, config, resumed: bool) -> None:
+        self.main = accelerator.is_main_process
+        self.file = None
+        self.wandb = None
+        if not self.main:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.file = (out_dir / "log.jsonl").open("a" if resumed else "w")
+        if config.run.wandb != "disabled":
+            try:
+                import wandb
+            except ImportError:
+                return
+            self.wandb = wandb.init(project=config.run.wandb_project, dir=str(out_dir),
+                                    mode=config.run.wandb, config=config.to_dict(),
+                                    resume="allow")  # fmt: skip
+
+    def write(self, step: int, figures: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        assert self.file is not None
+        self.file.write(json.dumps({"step": step, **figures}) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(figures, step=step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
