@@ -204,5 +204,6 @@ def test_analysis_helpers():
 def test_load_report_rejects_other_json(tmp_path):
     path = tmp_path / "x.json"
     path.write_text(json.dumps({"rows": []}))
-    with pytest.raises(ValueError, match=r"not a specdec\.bench/1 report"):
+    expected = r"not a specdec\.bench/1 or specdec\.bench-serve/1 report"
+    with pytest.raises(ValueError, match=expected):
         analysis.load_report(path)
