@@ -32,6 +32,7 @@ class ScriptedEngine:
         self.idle_checks = 0
         self.spec_stats = SpecStats()
         self.proposer = None
+        self.spec_exit = None  # no SpecExit channels (LLMEngine's attribute)
         pool = SimpleNamespace(num_usable_blocks=8, num_free_blocks=8, prefix_queries=0)
         pool.prefix_hits = 0
         self.kv_manager = SimpleNamespace(pool=pool)
