@@ -202,7 +202,18 @@ def _run_killed(cfg_path: Path, kill_after: int) -> subprocess.CompletedProcess:
     )
 
 
-def test_kill_and_resume_equals_an_uninterrupted_run(traces, tiny, tmp_path):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as the killed subprocess runs (``_run_killed``): CPU kernels
+    such as the tied embedding's backward reduce in a thread-count-dependent order, and
+    bitwise resume is only defined for the same threading."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_kill_and_resume_equals_an_uninterrupted_run(traces, tiny, tmp_path, one_thread):
     """SIGKILL after step 6 (last checkpoint: step 4), resume: the exported model equals an
     uninterrupted run's (fp32), and so do the optimizer's moments."""
     straight = config(traces, tiny, tmp_path / "straight")
