@@ -18,6 +18,11 @@ DATA=${DATA:-data/smollm2}
 RUN=${RUN:-runs/smollm2-eagle3}
 NUM_PROMPTS=${NUM_PROMPTS:-60000}     # the floor is 50,000 answered prompts
 PROMPT_SOURCES=${PROMPT_SOURCES:-mix} # data-gen prompts --source values (space-separated)
+# The mix's defaults (100 per BIG-bench task and per reasoning-gym generator) gave 37,161
+# prompts after deduplication and decontamination; larger caps let it reach NUM_PROMPTS
+# (the prompts stage prints the manifest's record count: check it).
+BIGBENCH_PER_TASK=${BIGBENCH_PER_TASK:-300}
+RG_PER_GENERATOR=${RG_PER_GENERATOR:-200}
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}     # regeneration batch
@@ -41,7 +46,8 @@ stage_prompts() {
     # and decontaminated against the bench sets (HumanEval, WritingBench, gsm_symbolic).
     local sources=()
     for s in $PROMPT_SOURCES; do sources+=(--source "$s"); done
-    specdec data-gen prompts -o "$DATA/prompts" --max-records "$NUM_PROMPTS" "${sources[@]}"
+    specdec data-gen prompts -o "$DATA/prompts" --max-records "$NUM_PROMPTS" "${sources[@]}" \
+        --bigbench-per-task "$BIGBENCH_PER_TASK" --reasoning-gym-per-generator "$RG_PER_GENERATOR"
 }
 
 stage_regenerate() {
