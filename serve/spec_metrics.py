@@ -91,15 +91,22 @@ def _by_position(samples: Samples, name: str) -> dict[int, float]:
     return dict(out)
 
 
-def _read_specdec(samples: Samples) -> SpecCounters | None:
-    prefix = "specdec_spec_decode_"
-    totals = [
-        _total(samples, f"{prefix}{n}_total")
-        for n in ("num_steps", "num_draft_tokens", "num_accepted_tokens")
-    ]
+def _step_totals(samples: Samples, prefix: str, steps_name: str) -> list[float] | None:
+    """(verify steps, drafted tokens, accepted tokens) counters, or None when any is
+    missing (the server has no speculation, or not this source's names)."""
+    names = (steps_name, "num_draft_tokens", "num_accepted_tokens")
+    totals = [_total(samples, f"{prefix}{n}_total") for n in names]
     if any(t is None for t in totals):
         return None
-    steps, drafted, accepted = (float(t or 0.0) for t in totals)
+    return [float(t) for t in totals]
+
+
+def _read_specdec(samples: Samples) -> SpecCounters | None:
+    prefix = "specdec_spec_decode_"
+    totals = _step_totals(samples, prefix, "num_steps")
+    if totals is None:
+        return None
+    steps, drafted, accepted = totals
     rates = _by_position(samples, f"{prefix}acceptance_rate")  # a_k, k from 1
     hits = tuple(round(rates[k] * steps) for k in sorted(rates))
     return SpecCounters(steps, drafted, accepted, tuple(float(h) for h in hits))
@@ -107,13 +114,10 @@ def _read_specdec(samples: Samples) -> SpecCounters | None:
 
 def _read_vllm(samples: Samples) -> SpecCounters | None:
     prefix = "vllm:spec_decode_"
-    totals = [
-        _total(samples, f"{prefix}{n}_total")
-        for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-    ]
-    if any(t is None for t in totals):
+    totals = _step_totals(samples, prefix, "num_drafts")  # a vLLM draft: one verify step
+    if totals is None:
         return None
-    steps, drafted, accepted = (float(t or 0.0) for t in totals)
+    steps, drafted, accepted = totals
     per_pos = _by_position(samples, f"{prefix}num_accepted_tokens_per_pos_total")  # i from 0
     return SpecCounters(steps, drafted, accepted, tuple(per_pos[i] for i in sorted(per_pos)))
 
