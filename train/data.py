@@ -255,10 +255,11 @@ class OfflineShards:
                 t["input_ids"][lo:hi].numpy(), t["loss_mask"][lo:hi].numpy(),
                 t["aux_hidden_states"][lo:hi], t["hidden_states"][lo:hi],
             ))  # fmt: skip
-            conf = t.get(CONFIDENCE_KEY)
-            confidence.append(
-                conf[lo:hi].float().numpy() if conf is not None else np.full(hi - lo, np.nan)
-            )
+            if self.labeler is not None:  # confidence only feeds SpecExit labels
+                conf = t.get(CONFIDENCE_KEY)
+                confidence.append(
+                    conf[lo:hi].float().numpy() if conf is not None else np.full(hi - lo, np.nan)
+                )
         conf_all = np.concatenate(confidence).astype(np.float32) if confidence else None
         return _with_exit_targets(assemble(parts), self.labeler, conf_all)
 
@@ -307,13 +308,15 @@ class OnlineRecords:
         for r in recs:
             n = clip(len(r.input_ids), self.max_tokens, self.max_seq_len)
             parts.append((r.input_ids[:n], r.loss_mask[:n], None, None))
-            confidence.append(
-                r.confidence[:n] if r.confidence is not None else np.full(n, np.nan, np.float32)
-            )
+            if self.labeler is not None:  # confidence only feeds SpecExit labels
+                confidence.append(
+                    r.confidence[:n] if r.confidence is not None else np.full(n, np.nan, np.float32)
+                )
         batch = assemble(parts)
         lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).numpy()
         with self._lock:  # one scratch KV cache: the prefetch thread and evaluation take turns
             hidden, aux = self.forward(batch.input_ids.numpy(), lengths)
         # Outputs of an inference-mode forward cannot be saved for backward: copy them.
         batch.aux_hidden, batch.target_hidden = aux.clone(), hidden.clone()
-        return _with_exit_targets(batch, self.labeler, np.concatenate(confidence))
+        conf_all = np.concatenate(confidence) if confidence else None
+        return _with_exit_targets(batch, self.labeler, conf_all)
