@@ -195,3 +195,18 @@ def test_online_mode_computes_the_dumped_states_and_trains(data, tmp_path):
                  optim={"max_steps": 3, "grad_accum": 1}, run={"save_every": 3})  # fmt: skip
     result = train(cfg)
     assert result["step"] == 3 and (tmp_path / "head" / "config.json").is_file()
+
+
+def test_time_limit_saves_head_and_checkpoint_and_the_rerun_continues(data, tmp_path):
+    """A run past run.time_limit_s stops at the next optimizer step with a checkpoint and
+    a loadable head (the time a lease had is not lost); the same command continues."""
+    cfg = config(data, tmp_path, optim={"max_steps": 4, "grad_accum": 1},
+                 run={"time_limit_s": 1e-6})  # fmt: skip
+    result = train(cfg)
+    assert result["step"] == 1 and result["time_limited"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["ckpt-00000001"]
+    assert (tmp_path / "head" / "config.json").is_file()
+    result = train(config(data, tmp_path, optim={"max_steps": 4, "grad_accum": 1}))
+    assert result["step"] == 4 and not result["time_limited"]
+    with pytest.raises(ValueError, match=r"run\.time_limit_s=0"):
+        config(data, tmp_path, run={"time_limit_s": 0})

@@ -136,8 +136,16 @@ class RunSection:
     wandb: str = "offline"  # offline | online | disabled (used only when wandb is installed)
     wandb_project: str = "specdec"
     resume: bool = True  # continue from the newest checkpoint in output_dir if any
+    # Wall-clock budget of this process's training loop: at the first optimizer step past
+    # it the run saves a checkpoint and the head, then returns (rerun to continue). For
+    # leased GPUs and job time limits; the lr schedule still spans optim.max_steps.
+    time_limit_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            raise ValueError(
+                f"run.time_limit_s={self.time_limit_s} must be > 0 (or null for no limit)"
+            )
         _choice("run", "mixed_precision", self.mixed_precision, ("auto", "no", "bf16", "fp16"))
         _choice("run", "wandb", self.wandb, ("offline", "online", "disabled"))
         _at_least("run", self, 1, "save_every", "keep_last", "eval_every", "log_every")

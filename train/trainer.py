@@ -166,14 +166,18 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if state.step == 0:  # the fresh head's figures: the baseline every later eval beats
         log.write(0, evaluate(model, source, accelerator, exit_cfg.signals))
     kill_after = int(os.environ.get(KILL_ENV, "0"))
+    deadline = None if run.time_limit_s is None else time.monotonic() + run.time_limit_s
+    timed_out = False
     model.train()
-    while state.step < optim_cfg.max_steps:
+    while state.step < optim_cfg.max_steps and not timed_out:
         optimizer_step(model, batches, device, accelerator, optimizer, optim_cfg, tally)
         scheduler.step()
         state.step += 1
         state.consumed += optim_cfg.grad_accum * world
         bar.update(1)
-        if state.step % run.log_every == 0 or state.step == optim_cfg.max_steps:
+        timed_out = deadline is not None and time.monotonic() >= deadline
+        last = state.step == optim_cfg.max_steps or timed_out
+        if state.step % run.log_every == 0 or last:
             figures = tally.summary(accelerator, "train/", exit_cfg.signals)
             seconds = time.perf_counter() - t0
             figures["train/tokens_per_s"] = figures["train/tokens"] / max(seconds, 1e-9)
@@ -184,11 +188,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
                             acc0=f"{figures['train/acc_0']:.2f}",
                             tok_s=f"{figures['train/tokens_per_s']:,.0f}")  # fmt: skip
             tally, t0 = Tally(), time.perf_counter()
-        if state.step % run.eval_every == 0 or state.step == optim_cfg.max_steps:
+        if state.step % run.eval_every == 0 or last:
             evals = evaluate(model, source, accelerator, exit_cfg.signals)
             log.write(state.step, evals)
             model.train()
-        if state.step % run.save_every == 0 or state.step == optim_cfg.max_steps:
+        if state.step % run.save_every == 0 or last:
             checkpoint.save(accelerator, out_dir, state, config.to_dict(), run.keep_last)
         if state.step == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -196,7 +200,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
     batches.close()  # stops the prefetch thread
     head_dir = _save_head(accelerator, model, out_dir)
     log.close()
-    return {"step": state.step, "head": str(head_dir), **evals}
+    if timed_out:
+        logger.warning("run.time_limit_s=%s reached at step %d of %d: checkpoint and head saved; "
+                       "rerun the same command to continue", run.time_limit_s, state.step,
+                       optim_cfg.max_steps)  # fmt: skip
+    return {"step": state.step, "head": str(head_dir), "time_limited": timed_out, **evals}
 
 
 def evaluate(model, source: Source, accelerator, signals: tuple[str, ...] = ()) -> dict[str, Any]:
