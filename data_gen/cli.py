@@ -205,6 +205,8 @@ def _regenerate(args) -> int:
     from specdec.data_gen.regenerate import RegenerateConfig, run_regenerate
 
     engine = _engine_kwargs(args)
+    # Offline: throughput over time to first token (SchedulerConfig.admit_batch).
+    engine.setdefault("admit_batch", max(1, args.max_num_seqs // 4))
     config = RegenerateConfig(
         input=args.input,
         output=args.output,

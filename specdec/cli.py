@@ -48,6 +48,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--admit-batch",
+        type=int,
+        default=None,
+        help="start waiting requests in groups of this many so most steps replay CUDA "
+        "graphs (default: 1, at once; data-gen regenerate: max-num-seqs / 4)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--draft",
@@ -97,6 +104,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        **({} if args.admit_batch is None else {"admit_batch": args.admit_batch}),
         seed=args.seed,
         speculative=(
             SpeculativeConfig(

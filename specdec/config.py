@@ -47,15 +47,28 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Continuous batching limits. ``max_model_len`` None means the model's own limit."""
+    """Continuous batching limits. ``max_model_len`` None means the model's own limit.
+
+    ``admit_batch``: waiting requests start only once this many (or all that wait) can
+    start together, unless nothing runs. A step that computes any prompt tokens runs
+    eagerly while pure decode steps replay CUDA graphs, so admitting requests one by one
+    as slots free makes nearly every step of a saturated batch eager; admitting them in
+    groups keeps most steps graphed at the cost of time to first token. 1 (serving) admits
+    at once; offline generation (``data-gen regenerate``) uses a quarter of max_num_seqs.
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
+    admit_batch: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if not 1 <= self.admit_batch <= self.max_num_seqs:
+            raise ValueError(
+                f"admit_batch={self.admit_batch} must be in [1, max_num_seqs={self.max_num_seqs}]"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -181,3 +181,38 @@ def test_allocation_failure_changes_nothing():
     assert r.block_ids == [] and pool.num_free_blocks == 3
     assert kv.allocate_slots(r, 12)
     assert len(r.block_ids) == cdiv(12, 4)
+
+
+def test_admit_batch_starts_waiting_requests_in_groups():
+    """admit_batch=4: with the batch full, finished requests free slots one by one, but
+    waiting ones start only once 4 can start together (a group the token budget splits
+    keeps admitting in the next steps); outputs stay exact."""
+    pool = BlockPool(400)
+    sched = Scheduler(SchedulerConfig(8, 64, admit_batch=4), KVCacheManager(pool, 4), 10_000)
+    specs = [(i, [i + 1] * 5, 3 + 2 * i) for i in range(8)]  # finish at different steps
+    specs += [(i, [i + 1] * 20, 4) for i in range(8, 20)]  # 4 x 20 tokens > one budget
+    requests = [make_request(*s) for s in specs]
+    for r in requests:
+        sched.add_request(r)
+    admissions = []  # (free slots before the step, requests admitted)
+    while sched.has_unfinished():
+        running_before = {id(r) for r in sched.running}
+        group_was_open = sched._group_open
+        out = sched.schedule()
+        admitted = sum(id(s.request) not in running_before for s in out.scheduled)
+        free = sched.config.max_num_seqs - len(running_before)
+        if admitted and not group_was_open and running_before:
+            admissions.append((free, admitted))
+            assert free >= 4  # a group opens only with 4 slots free
+        for s in out.scheduled:
+            r = s.request
+            r.num_computed_tokens += s.num_new_tokens
+            if r.num_computed_tokens == r.num_tokens:
+                r.output_token_ids.append(fake_next_token(r.all_token_ids))
+                if r.num_output_tokens >= r.max_tokens:
+                    sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    for i, prompt, max_tokens in specs:
+        assert requests[i].output_token_ids == reference_output(prompt, max_tokens)
+    assert admissions and len(admissions) <= 3  # 12 waiting requests in groups, not 12 steps
+    with pytest.raises(ValueError, match=r"admit_batch=9 must be in \[1, max_num_seqs=8\]"):
+        SchedulerConfig(8, 64, admit_batch=9)

@@ -3,9 +3,10 @@
 There are no prefill and decode phases, only computed tokens. Each step first serves the
 running requests in admission order (decodes take one token, unfinished chunked prefills a
 chunk), then admits waiting requests while the token budget (``max_num_batched_tokens``)
-and ``max_num_seqs`` allow, chunking a long prompt across steps. When the pool runs out of
-blocks, the newest running request is preempted: its blocks are freed and it is recomputed
-later from its prompt and the tokens it already produced, so nothing is lost or repeated.
+and ``max_num_seqs`` allow, chunking a long prompt across steps; ``admit_batch`` > 1 admits
+them in groups. When the pool runs out of blocks, the newest running request is preempted:
+its blocks are freed and it is recomputed later from its prompt and the tokens it already
+produced, so nothing is lost or repeated.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._group_open = False  # admit_batch: a group of waiting requests is starting
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -113,7 +115,15 @@ class Scheduler:
                 continue
             break  # the current request itself was preempted: nothing newer remains
 
-        # Admit waiting requests only if nobody was preempted (they would fight for blocks).
+        # Admit waiting requests only if nobody was preempted (they would fight for blocks),
+        # and only a group of admit_batch at once while others run (SchedulerConfig says why).
+        # A group that opened keeps admitting in the next steps (the token budget may split
+        # it) until the batch is full or nothing waits.
+        free_seqs = self.config.max_num_seqs - len(self.running)
+        if free_seqs >= min(self.config.admit_batch, len(self.waiting)) or not self.running:
+            self._group_open = True
+        if not self._group_open:
+            return out
         while (
             self.waiting
             and budget > 0
@@ -133,4 +143,6 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            self._group_open = False
         return out
