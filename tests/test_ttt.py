@@ -72,7 +72,7 @@ def naive_ttt_attention(q, keys, values, mask, scale):
 def run_backend(backend, qs, ks, vs, seq, scale):
     cache = TTTCache()
     return [
-        backend.forward(q, k, v, cache, cache, TTTMeta(seq, i), scale)
+        backend.forward(q, k, v, cache, cache, TTTMeta(seq, i, len(qs)), scale)
         for i, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True))
     ]
 
@@ -117,6 +117,74 @@ def test_flex_attention_path_equals_reference():
     out = run_backend(TTTFlexAttention(compile=False), qs, ks, vs, seq, 0.25)
     for o, r in zip(out, ref, strict=True):
         torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
+
+
+def test_unwritten_key_slots_are_never_seen():
+    """The flex path's buffer holds a slot for every step; slots of steps not yet
+    written carry sequence -1 and stay invisible to every query."""
+    seq, _ = packed_ids(LENGTHS)
+    n = seq.shape[0]
+    k_idx = torch.arange(n).repeat(3)
+    k_step = torch.arange(3).repeat_interleave(n)
+    key_seq = torch.cat([seq, seq, torch.full((n,), -1)])  # step 2 not written yet
+    q = torch.arange(n)[:, None]
+    mask = ttt_visible(seq[:, None], q, k_step[None], key_seq[None], k_idx[None])
+    assert not mask[:, 2 * n :].any()
+    assert torch.equal(mask[:, : 2 * n], dense_visible(LENGTHS, 1))
+
+
+def test_flex_path_compiles_once_for_all_steps_and_padded_batches():
+    """Compiled, the flex path keeps one shape through the unroll and across batches
+    padded to one size: torch.compile builds its kernel once (each new shape recompiles,
+    and past the recompile limit it falls back to the unfused path that ran out of memory
+    on the H200). Forward only: FlexAttention has no CPU backward."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    n, steps = 128, 4
+    flex = TTTFlexAttention(compile=True)
+    graphs = []
+    for b, lengths in enumerate([[40, 30, 58], [100, 28]]):  # two packings, padded to n
+        seq, _ = packed_ids(lengths)
+        qs, ks, vs = ([t.detach() for t in x] for x in random_steps(n, steps, seed=b))
+        ref = run_backend(TTTAttention(), qs, ks, vs, seq, 0.25)
+        out = run_backend(flex, qs, ks, vs, seq, 0.25)
+        for o, r in zip(out, ref, strict=True):
+            torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs[0] == graphs[1] and graphs[0] <= 2  # flex_attention and the block mask
+
+
+def test_padding_leaves_the_objective_unchanged():
+    """``PackedBatch.padded`` appends a loss-free pseudo-sequence: loss, per-step counts
+    and accuracy equal the unpadded batch's."""
+    target = target_config()
+    head, embed = random_head(target, seed=7)
+    head = Eagle3Head(head.config, TTTAttention(), embed=embed)
+    head.load_state_dict(random_head(target, seed=7)[0].state_dict())
+    gen = torch.Generator().manual_seed(8)
+    n = 20
+    lm_head = torch.randn(target.vocab_size, target.hidden_size, generator=gen)
+    batch = PackedBatch(
+        input_ids=torch.randint(target.vocab_size, (n,), generator=gen),
+        loss_mask=torch.arange(n) % 4 != 0,
+        aux_hidden=torch.randn(n, 3 * target.hidden_size, generator=gen),
+        target_hidden=torch.randn(n, target.hidden_size, generator=gen),
+        cu_seqlens=torch.tensor([0, 8, 20]),
+        exit_targets=torch.rand(n, 2, generator=gen),
+    )
+    padded = batch.padded(32)
+    assert padded.num_tokens == 32 and padded.cu_seqlens.tolist() == [0, 8, 20, 32]
+    assert torch.isnan(padded.exit_targets[n:]).all() and not padded.loss_mask[n:].any()
+    a = ttt_forward(head, batch, lm_head, steps=3)
+    b = ttt_forward(head, padded, lm_head, steps=3)
+    torch.testing.assert_close(b.loss, a.loss, atol=1e-6, rtol=1e-6)
+    assert torch.equal(a.step_valid, b.step_valid) and torch.equal(a.step_correct, b.step_correct)
+    assert batch.padded(n) is batch
+    with pytest.raises(ValueError, match="cannot be padded to 10"):
+        batch.padded(10)
 
 
 def paged_chain_logits(head: Eagle3Head, ids, aux, t: int, steps: int) -> list[torch.Tensor]:

@@ -76,10 +76,10 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attention_backend(name: str, device: torch.device) -> TTTAttention:
-    """``flex``: FlexAttention over the steps' concatenated keys (compiled on GPU).
-    ``auto`` is the reference for now: the first H200 run of the flex path (16k-token
-    micro-batches, bench_train.py) ran FlexAttention's unfused math path and ran out of
-    memory, so it stays opt-in until that is fixed and measured."""
+    """``flex``: FlexAttention over the steps' key buffer (compiled on GPU). ``auto`` is
+    the reference until the flex path is measured on the H200: its first run there fell
+    back to FlexAttention's unfused path (recompilations past torch.compile's limit, now
+    removed by static shapes: ``TTTFlexAttention``) and ran out of memory."""
     if name == "flex":
         return TTTFlexAttention(compile=device.type == "cuda")
     return TTTAttention()
@@ -115,7 +115,9 @@ class TTTModel(nn.Module):
     """``forward(batch) -> TTTOutput``: the whole unrolled objective in one module call,
     as DDP and DeepSpeed want (one forward per backward). With ``exit_loss`` the SpecExit
     term joins the loss on batches that carry ``exit_targets``; ``freeze_draft`` leaves
-    only the exit channels trainable (module docstring)."""
+    only the exit channels trainable (module docstring); ``pad_to`` pads every batch to
+    one size (``PackedBatch.padded``: the objective is unchanged) for attention backends
+    that need static shapes."""
 
     def __init__(
         self,
@@ -126,8 +128,10 @@ class TTTModel(nn.Module):
         decay: float,
         exit_loss: SpecExitLoss | None = None,
         freeze_draft: bool = False,
+        pad_to: int | None = None,
     ) -> None:
         super().__init__()
+        self.pad_to = pad_to  # every batch padded to this many tokens (static shapes)
         if (exit_loss is not None or freeze_draft) and head.spec_exit is None:
             raise ValueError("exit_loss/freeze_draft need a head with SpecExit channels")
         self.head = head
@@ -151,6 +155,8 @@ class TTTModel(nn.Module):
 
     def forward(self, batch: PackedBatch) -> TTTOutput:
         target: TargetIO = self.__dict__["target"]
+        if self.pad_to is not None:
+            batch = batch.padded(self.pad_to)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_draft):
             out = ttt_forward(
                 self.head,

@@ -129,8 +129,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
             "spec_exit.freeze_draft=true trains SpecExit channels on top of a trained head; "
             "set model.init_head to that head's directory"
         )
-    head = build_head(target, config.model.target, d2t, t2d, aux_ids,
-                      attention_backend(config.ttt.attention, device),
+    backend = attention_backend(config.ttt.attention, device)
+    head = build_head(target, config.model.target, d2t, t2d, aux_ids, backend,
                       exit_signals=exit_cfg.signals)  # fmt: skip
     if config.model.init_head:
         _load_init_head(head, config.model.init_head, target)
@@ -138,7 +138,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if exit_cfg.signals:
         exit_loss = SpecExitLoss(exit_cfg.weights, exit_cfg.remaining_loss)
     model = TTTModel(head, target, steps=config.ttt.steps, decay=config.ttt.decay,
-                     exit_loss=exit_loss, freeze_draft=exit_cfg.freeze_draft)  # fmt: skip
+                     exit_loss=exit_loss, freeze_draft=exit_cfg.freeze_draft,
+                     pad_to=config.data.max_tokens if backend.static_tokens else None)  # fmt: skip
     model.place_target(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],

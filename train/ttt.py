@@ -55,6 +55,29 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    def padded(self, n: int) -> PackedBatch:
+        """This batch with ``n - num_tokens`` padding tokens appended as one pseudo-sequence
+        (loss mask False, zero states, no exit labels): the objective is unchanged and
+        every batch of a run gets the same shape (static shapes for compiled kernels)."""
+        pad = n - self.num_tokens
+        if pad < 0:
+            raise ValueError(f"a batch of {self.num_tokens} tokens cannot be padded to {n}")
+        if pad == 0:
+            return self
+
+        def grow(t: torch.Tensor, fill: float | bool) -> torch.Tensor:
+            return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)])
+
+        return PackedBatch(
+            input_ids=grow(self.input_ids, 0),
+            loss_mask=grow(self.loss_mask, False),
+            aux_hidden=grow(self.aux_hidden, 0),
+            target_hidden=grow(self.target_hidden, 0),
+            cu_seqlens=torch.cat([self.cu_seqlens, self.cu_seqlens.new_full((1,), n)]),
+            exit_targets=None if self.exit_targets is None
+            else grow(self.exit_targets, float("nan")),
+        )  # fmt: skip
+
     def to(self, device: torch.device | str) -> PackedBatch:
         exit_targets = self.exit_targets
         return PackedBatch(
@@ -134,7 +157,7 @@ def unroll(head, batch: PackedBatch, steps: int) -> Iterator[DraftStep]:
     cache = TTTCache()
     for i in range(steps):
         src, inside = index.source(i)
-        meta = TTTMeta(index.seq_ids, i)
+        meta = TTTMeta(index.seq_ids, i, steps)
         hidden, logits = head(batch.input_ids[src], hidden, index.local + i, (cache, cache), meta)
         yield DraftStep(i, src, inside, logits)
 

@@ -31,9 +31,11 @@ def ttt_visible(
 ) -> torch.Tensor:  # bool, the arguments broadcast together
     """Whether a step-``i`` query sees a key: step-0 keys of its sequence at or before it
     (the catch-up entries), and keys at its own index from steps 1..i (its ancestors in a
-    chain draft). Elementwise, so it serves dense masks and FlexAttention's mask_mod."""
-    causal = (k_step == 0) & (k_seq == q_seq) & (k_idx <= q_idx)
-    diagonal = (k_step > 0) & (k_idx == q_idx)
+    chain draft). Elementwise, so it serves dense masks and FlexAttention's mask_mod. A
+    key whose ``k_seq`` matches no sequence (-1: a step not yet written) is never seen."""
+    same_seq = k_seq == q_seq
+    causal = (k_step == 0) & same_seq & (k_idx <= q_idx)
+    diagonal = (k_step > 0) & same_seq & (k_idx == q_idx)
     return causal | diagonal
 
 
@@ -44,6 +46,7 @@ class TTTMeta:
 
     seq_ids: torch.Tensor  # [n] int64: packed sequence of each index
     step: int
+    num_steps: int  # steps of the unroll (the flex path sizes its key buffer by it)
 
 
 @dataclass
@@ -59,6 +62,8 @@ class TTTAttention(AttentionBackend):
     """Reference: step 0 is causal attention within each sequence; each later step adds
     its diagonal keys by merging log-sum-exps, so memory stays linear in the steps.
     Differentiable; any device. Not registered for serving (no ``name``)."""
+
+    static_tokens = False  # whether batches should be padded to one size (flex path)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         cache: TTTCache = k_cache
@@ -104,31 +109,44 @@ def _causal_by_sequence(
 
 
 class TTTFlexAttention(TTTAttention):
-    """GPU path: one FlexAttention call per step over the keys of steps 0..i
-    concatenated ([(i+1) * n]), with a block mask from ``ttt_visible``; the blocks
-    outside step 0's causal band and the steps' diagonals are skipped. ``compile`` runs
-    FlexAttention's fused kernel (eager FlexAttention is a slow reference)."""
+    """GPU path: one FlexAttention call per step over a key buffer of every step's slot
+    ([num_steps * n]: steps 0..i written, later ones zero and marked unseen), with a block
+    mask from ``ttt_visible``; the blocks outside step 0's causal band and the written
+    steps' diagonals are skipped. ``compile`` runs FlexAttention's fused kernel (eager
+    FlexAttention is a slow reference).
+
+    Shapes are the same at every step, and across batches padded to one size
+    (``PackedBatch.padded``; ``static_tokens`` asks the trainer for that): a compiled
+    kernel is specialised to its shapes, and torch.compile falls back to eager — the
+    unfused path whose dense score matrix ran out of memory on the H200 — once a function
+    has been recompiled ``recompile_limit`` (8) times, which growing key lengths reached
+    within the first batch."""
 
     def __init__(self, compile: bool = True) -> None:
         self.compile = compile
+        self.static_tokens = compile
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        from torch.nn.attention.flex_attention import create_block_mask
-
         cache: TTTCache = k_cache
         cache.keys.append(k)
         cache.values.append(v)
         n = q.shape[0]
         seq = meta.seq_ids
+        unwritten = meta.num_steps - len(cache.keys)
+        # [num_steps * n]: each key's sequence; -1 in the slots of steps not yet written.
+        key_seq = torch.cat([seq.repeat(len(cache.keys)), seq.new_full((unwritten * n,), -1)])
 
         def mask_mod(b, h, q_idx, kv_idx):
             key = kv_idx % n
-            return ttt_visible(seq[q_idx], q_idx, kv_idx // n, seq[key], key)
+            return ttt_visible(seq[q_idx], q_idx, kv_idx // n, key_seq[kv_idx], key)
 
-        num_keys = len(cache.keys) * n
-        block_mask = create_block_mask(mask_mod, None, None, n, num_keys, device=q.device)
-        keys = torch.cat(cache.keys).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, d]
-        values = torch.cat(cache.values).transpose(0, 1).unsqueeze(0)
+        num_keys = meta.num_steps * n
+        block_mask = _block_mask(self.compile)(mask_mod, None, None, n, num_keys,
+                                               device=q.device)  # fmt: skip
+        keys = torch.cat([*cache.keys, k.new_zeros(unwritten * n, *k.shape[1:])])
+        values = torch.cat([*cache.values, v.new_zeros(unwritten * n, *v.shape[1:])])
+        keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, keys, d]
+        values = values.transpose(0, 1).unsqueeze(0)
         out = _flex(self.compile)(
             q.transpose(0, 1).unsqueeze(0), keys, values, block_mask=block_mask, scale=scale,
             enable_gqa=True,
@@ -141,3 +159,12 @@ def _flex(compiled: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+@functools.cache
+def _block_mask(compiled: bool):
+    """``create_block_mask``; compiled, it evaluates the mask block by block instead of
+    materialising every (query, key) pair."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=False) if compiled else create_block_mask
