@@ -26,8 +26,10 @@ RG_PER_GENERATOR=${RG_PER_GENERATOR:-200}
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}     # regeneration batch
-DRAFT_VOCAB=${DRAFT_VOCAB:-32000}
+DRAFT_VOCAB=${DRAFT_VOCAB:-16384}    # the smallest size covering 99% of answer tokens (docs)
 STEPS=${STEPS:-20000}
+TIME_LIMIT=${TIME_LIMIT:-}            # seconds: stop with a checkpoint and the head; rerun continues
+ATTENTION=${ATTENTION:-auto}          # TTT attention: auto | flex | reference
 BENCH_PROMPTS=${BENCH_PROMPTS:-80}
 BENCH_MAX_TOKENS=${BENCH_MAX_TOKENS:-256}
 EXTRA_TRAIN=${EXTRA_TRAIN:-}          # more train-draft overrides, e.g. "optim.lr=2e-4"
@@ -68,7 +70,8 @@ stage_train() {
     specdec train-draft --config configs/train/smollm2.yaml \
         model.target="$MODEL" model.vocab="$DATA/vocab/vocab.safetensors" \
         data.mode=online data.path="$DATA/regen" \
-        optim.max_steps="$STEPS" run.output_dir="$RUN" $EXTRA_TRAIN
+        optim.max_steps="$STEPS" run.output_dir="$RUN" ttt.attention="$ATTENTION" \
+        ${TIME_LIMIT:+run.time_limit_s=$TIME_LIMIT} $EXTRA_TRAIN
 }
 
 stage_bench() {
