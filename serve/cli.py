@@ -49,10 +49,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
     _add_engine_args(p)
     draft = _action(p, "draft")
-    draft.choices = [*draft.choices, "none"]
     draft.help = (
-        f"speculate with this proposer, or 'none' for plain decoding "
-        f"(default: {DEFAULT_DRAFT_METHOD})"
+        f"speculate with this proposer, or 'none' for plain decoding (default: the model's "
+        f"shipped head, else {DEFAULT_DRAFT_METHOD})"
     )
     defaults = {f.name: f.default for f in fields(ServeConfig)}
     g = p.add_argument_group("server")
@@ -125,7 +124,8 @@ def serve_config_from_args(args: argparse.Namespace):
     """The ServeConfig that ``specdec serve ARGS`` runs with."""
     from specdec.config import SpeculativeConfig
     from specdec.engine.llm import build_engine_config
-    from specdec.serve.config import DEFAULT_DRAFT_METHOD, DEFAULT_DRAFT_MODEL, ServeConfig
+    from specdec.models.packaged_heads import packaged_head
+    from specdec.serve.config import ServeConfig, default_speculative
     from specdec.spec.spec_exit import SpecExitParams
 
     given = {d for d in args.serve_flags if getattr(args, d) is not None}
@@ -136,6 +136,8 @@ def serve_config_from_args(args: argparse.Namespace):
         section_config = flat.pop(section)
         flat.update({f.name: getattr(section_config, f.name) for f in fields(section_config)})
     if "model" in given:
+        if flat["speculative"] == default_speculative(flat["model"]):  # the old model's
+            flat["speculative"] = default_speculative(args.model)
         flat["model"] = args.model
     for key, value in _engine_kwargs(argparse.Namespace(**{**vars(args), "draft": None})).items():
         if key != "speculative" and given & set(_ENGINE_SOURCES.get(key, (key,))):
@@ -147,6 +149,13 @@ def serve_config_from_args(args: argparse.Namespace):
     if args.spec_config:
         spec_fields = _load_spec_fields(args.spec_config)
     flags = {_SPEC_FLAGS[d]: getattr(args, d) for d in _SPEC_FLAGS if d in given}
+    if flags.get("method") == "auto":  # the model's default, tree flags on top
+        del flags["method"]
+        spec_fields = _as_fields(default_speculative(flat["model"]))
+    if flags.get("method") == "eagle3" and "model" not in flags:
+        head = packaged_head(flat["model"])
+        if head is not None:
+            flags["model"] = str(head)
     if flags.get("method") == "none":
         spec_fields = None
     elif flags:
@@ -158,7 +167,7 @@ def serve_config_from_args(args: argparse.Namespace):
             # fields (an eagle3 head path means nothing to ngram).
             spec_fields = _as_fields(SpeculativeConfig())
             if "method" not in flags:
-                spec_fields |= {"method": DEFAULT_DRAFT_METHOD, "model": DEFAULT_DRAFT_MODEL}
+                spec_fields = _as_fields(default_speculative(flat["model"]))
         spec_fields = {**spec_fields, **flags}
     flat["speculative"] = SpeculativeConfig(**spec_fields) if spec_fields is not None else None
     engine = build_engine_config(flat.pop("model"), **flat)

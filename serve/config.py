@@ -3,7 +3,8 @@
 A YAML file (configs/serve/*.yaml) maps onto it one to one: top-level keys are the fields
 below, ``engine`` is an ``EngineConfig`` (its ``cache``, ``scheduler`` and ``speculative``
 sections nested). Unknown keys are errors. Leaving ``engine.speculative`` out keeps the
-server's default speculation; ``speculative: null`` turns speculation off.
+server's default speculation for the model (its shipped head, else n-gram lookup);
+``speculative: null`` turns speculation off.
 """
 
 from __future__ import annotations
@@ -19,17 +20,19 @@ if TYPE_CHECKING:  # specdec.config imports torch; the CLI parser must stay ligh
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
-# The server's default speculation. No trained EAGLE-3 head ships yet, so it is n-gram
-# prompt lookup; once one does, set ("eagle3", "<head alias or path>") here and
-# ``specdec serve`` (its --draft/--draft-model defaults included) follows.
+# The server's default speculation for a model that ships no EAGLE-3 head: n-gram prompt
+# lookup (model-free). A model with a shipped head (specdec/heads) drafts with it.
 DEFAULT_DRAFT_METHOD = "ngram"
-DEFAULT_DRAFT_MODEL: str | None = None
 
 
-def default_speculative() -> SpeculativeConfig:
-    from specdec.config import SpeculativeConfig
+def default_speculative(model: str | None = None) -> SpeculativeConfig:
+    """``model``'s shipped head in its tree (``packaged_heads``), else n-gram lookup;
+    ``model`` None: the engine's default model."""
+    from specdec.config import EngineConfig, SpeculativeConfig
+    from specdec.models.packaged_heads import default_speculative as shipped
 
-    return SpeculativeConfig(method=DEFAULT_DRAFT_METHOD, model=DEFAULT_DRAFT_MODEL)
+    spec = shipped(model or EngineConfig.model)
+    return spec if spec is not None else SpeculativeConfig(method=DEFAULT_DRAFT_METHOD)
 
 
 def default_engine_config() -> EngineConfig:
@@ -129,7 +132,7 @@ class ServeConfig:
         if not isinstance(engine, dict):
             raise ValueError(f"engine must be a mapping, got {type(engine).__name__}")
         engine = dict(engine)
-        engine.setdefault("speculative", _as_dict(default_speculative()))
+        engine.setdefault("speculative", _as_dict(default_speculative(engine.get("model"))))
         return cls(engine=EngineConfig.from_dict(engine), **data)
 
     @classmethod

@@ -59,27 +59,34 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--draft",
         default=None,
-        choices=["ngram", "eagle3", "draft_model"],
-        help="speculate with this proposer; default: plain decoding",
+        choices=["auto", "none", "ngram", "eagle3", "draft_model"],
+        help="speculate with this proposer; auto: the model's shipped EAGLE-3 head when it "
+        "has one (specdec/heads), else this command's fallback; none: plain decoding",
     )
     g.add_argument(
-        "--draft-model", default=None, help="EAGLE-3 head dir (eagle3) or draft LM (draft_model)"
+        "--draft-model",
+        default=None,
+        help="EAGLE-3 head dir (eagle3; default: the model's shipped head) or draft LM "
+        "(draft_model)",
     )
     g.add_argument(
         "--num-speculative-tokens",
         type=int,
-        default=3,
-        help="chain length K, or the depth of a dynamic tree",
+        default=None,
+        help="chain length K, or the depth of a dynamic tree (default: the head's tree, else 3)",
     )
     g.add_argument(
         "--spec-tree",
-        default="chain",
+        default=None,
         choices=["chain", "dynamic", "static"],
-        help="draft shape: a chain, EAGLE-2's dynamic tree, or --spec-choices",
+        help="draft shape: a chain, EAGLE-2's dynamic tree, or --spec-choices (default: the "
+        "head's, else chain)",
     )
-    g.add_argument("--spec-top-k", type=int, default=8, help="dynamic tree: children per node")
     g.add_argument(
-        "--spec-total-tokens", type=int, default=48, help="dynamic tree: draft nodes kept"
+        "--spec-top-k", type=int, default=None, help="dynamic tree: children per node (8)"
+    )
+    g.add_argument(
+        "--spec-total-tokens", type=int, default=None, help="dynamic tree: draft nodes kept (48)"
     )
     g.add_argument(
         "--spec-choices",
@@ -89,9 +96,53 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    from specdec.config import SpeculativeConfig
+# --spec-* flags -> SpeculativeConfig fields (the tree shape)
+TREE_FLAGS = {
+    "num_speculative_tokens": "num_speculative_tokens",
+    "spec_tree": "tree",
+    "spec_top_k": "top_k",
+    "spec_total_tokens": "total_tokens",
+    "spec_choices": "choices",
+}
 
+
+def _speculative(args: argparse.Namespace, fallback: str | None = None):
+    """``--draft``/``--draft-model``/``--spec-*`` -> ``SpeculativeConfig`` or None (plain).
+
+    ``auto`` drafts with the model's shipped head (``specdec.models.packaged_heads``),
+    else with ``fallback`` (None: plain decoding); ``eagle3`` without ``--draft-model``
+    uses the shipped head. Tree flags given override the head's recorded tree, which
+    overrides ``SpeculativeConfig``'s defaults."""
+    from specdec.config import SpeculativeConfig
+    from specdec.models.packaged_heads import default_speculative
+
+    method = args.draft
+    if method in (None, "none"):
+        return None
+    given = {flag: getattr(args, flag) for flag in TREE_FLAGS}
+    tree = {TREE_FLAGS[flag]: value for flag, value in given.items() if value is not None}
+    if method == "auto":
+        if args.draft_model is not None:
+            raise ValueError(
+                f"--draft-model {args.draft_model} needs --draft eagle3 or --draft draft_model"
+            )
+        spec = default_speculative(args.model, **tree)
+        if spec is not None or fallback is None:
+            return spec
+        method = fallback
+    if method == "eagle3" and args.draft_model is None:
+        spec = default_speculative(args.model, **tree)
+        if spec is None:
+            raise ValueError(
+                f"--draft eagle3 needs --draft-model HEAD_DIR: {args.model!r} ships no head"
+            )
+        return spec
+    return SpeculativeConfig(method=method, model=args.draft_model, **tree)
+
+
+def _engine_kwargs(args: argparse.Namespace, draft_fallback: str | None = None) -> dict:
+    """``LLM`` keyword arguments from the engine flags; ``draft_fallback``: the proposer
+    of ``--draft auto`` when the model ships no head (None: plain decoding)."""
     return dict(
         device=args.device,
         dtype=args.dtype,
@@ -106,19 +157,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         **({} if args.admit_batch is None else {"admit_batch": args.admit_batch}),
         seed=args.seed,
-        speculative=(
-            SpeculativeConfig(
-                method=args.draft,
-                model=args.draft_model,
-                num_speculative_tokens=args.num_speculative_tokens,
-                tree=args.spec_tree,
-                top_k=args.spec_top_k,
-                total_tokens=args.spec_total_tokens,
-                choices=args.spec_choices,
-            )
-            if args.draft
-            else None
-        ),
+        speculative=_speculative(args, draft_fallback),
     )
 
 
@@ -165,6 +204,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
         "settings and print the speedup and whether outputs match",
     )
     _add_engine_args(p)
+    p.set_defaults(draft="auto")  # the model's shipped head if any, else plain decoding
 
 
 @command("generate", _generate_args)
@@ -184,10 +224,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sample_seed,
         stop=args.stop,
     )
-    if args.compare_plain and not args.draft:
-        raise ValueError("--compare-plain compares speculation with plain decoding; add --draft")
+    engine_kwargs = _engine_kwargs(args)
+    if args.compare_plain and engine_kwargs["speculative"] is None:
+        raise ValueError(
+            f"--compare-plain compares speculation with plain decoding, but {args.model!r} "
+            "ships no head; add --draft"
+        )
     t0 = time.perf_counter()
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs)
     load_s = time.perf_counter() - t0
     outputs, gen_s = _run(llm, prompts, params, args.raw)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -203,7 +247,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     report: dict = {"seconds": gen_s, "tokens_per_s": num_out / gen_s}
     if llm.engine.proposer is not None:
         stats = llm.engine.spec_stats
-        print(f"speculation ({args.draft}): {stats.summary()}")
+        spec = llm.engine.config.speculative
+        print(f"speculation ({spec.method}{', ' + spec.model if spec.model else ''}): "
+              f"{stats.summary()}")  # fmt: skip
         report["speculation"] = {
             "steps": stats.steps,
             "drafted_tokens": stats.drafted_tokens,

@@ -78,7 +78,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     )
 
     g = p.add_argument_group(
-        "tree-shape sweeps (default: the one config of --draft, ngram unless given, and --spec-*)"
+        "tree-shape sweeps (default: the one config of --draft and --spec-*; --draft auto: the "
+        "model's shipped head, else ngram)"
     )
     g.add_argument("--sweep-chain", type=_int_list, metavar="K,K,...", help="chain lengths")
     g.add_argument("--sweep-top-k", type=_int_list, metavar="T,...", help="dynamic-tree grid")
@@ -99,7 +100,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--markdown", dest="markdown_path", help="the table (default: JSON's .md)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_engine_args(p)
-    p.set_defaults(draft="ngram")
+    p.set_defaults(draft="auto")  # the model's shipped head, else n-gram prompt lookup
 
 
 def config_from_args(args: argparse.Namespace):
@@ -108,8 +109,12 @@ def config_from_args(args: argparse.Namespace):
     from specdec.bench.config import BenchConfig, PeerConfig, sweep
     from specdec.bench.sets import DEFAULT_SETS, SetOptions
 
-    engine = _engine_kwargs(args)
+    engine = _engine_kwargs(args, draft_fallback="ngram")
     base = engine.pop("speculative")
+    if base is None:
+        raise ValueError(
+            "specdec bench compares speculation with plain decoding; drop --draft none"
+        )
     for key in ("enable_prefix_caching", "max_num_seqs"):  # the bench sets these itself
         engine.pop(key)
     specs, skipped = sweep(

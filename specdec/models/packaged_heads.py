@@ -1,0 +1,52 @@
+"""EAGLE-3 heads shipped inside the package, one per model alias (specdec/heads/<alias>/).
+
+A shipped head is its model's default speculation: ``specdec generate``, ``serve`` and
+``bench`` draft with it unless told otherwise (``--draft none`` or another proposer), in
+the tree shape recorded in its config (``tree_defaults``), which explicit ``--spec-*``
+flags override. A model without a shipped head keeps each command's own default.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from specdec.models.aliases import ALIASES
+
+if TYPE_CHECKING:  # specdec.config imports torch; CLI parsers import this module
+    from specdec.config import SpeculativeConfig
+
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
+
+
+def packaged_head(model: str) -> Path | None:
+    """The head directory shipped for alias ``model``; None for paths, hub names and
+    aliases without one."""
+    if model not in ALIASES:
+        return None
+    head = HEADS_DIR / model
+    return head if (head / "config.json").is_file() else None
+
+
+def tree_defaults(head_dir: str | Path) -> dict[str, Any]:
+    """The ``SpeculativeConfig`` fields of the tree a head was tuned for ({} if its config
+    records none); validated as ``TreeDefaults``."""
+    from specdec.models.eagle3_head import TreeDefaults
+
+    config = json.loads((Path(head_dir) / "config.json").read_text())
+    tree = config.get("tree_defaults")
+    return asdict(TreeDefaults(**tree)) if tree else {}
+
+
+def default_speculative(model: str, **overrides: Any) -> SpeculativeConfig | None:
+    """EAGLE-3 with ``model``'s shipped head in its tree shape, ``overrides`` (fields of
+    ``SpeculativeConfig``) applied on top; None when the model ships no head."""
+    from specdec.config import SpeculativeConfig
+
+    head = packaged_head(model)
+    if head is None:
+        return None
+    fields = {"method": "eagle3", "model": str(head), **tree_defaults(head), **overrides}
+    return SpeculativeConfig(**fields)

@@ -1,0 +1,90 @@
+"""A head shipped in specdec/heads/<alias>/ is its model's default speculation in
+``generate``, ``serve`` and ``bench``, in the tree its config records; explicit flags win
+and ``--draft none`` turns it off. Models without a shipped head keep each command's own
+default (plain decoding for generate, n-gram lookup for serve and bench)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from specdec.bench.cli import config_from_args
+from specdec.cli import _engine_kwargs, build_parser, main
+from specdec.models import packaged_heads
+from specdec.serve.cli import serve_config_from_args
+
+MODEL = "smollm2-135m-instruct"
+TREE = {"tree": "dynamic", "num_speculative_tokens": 4, "top_k": 3, "total_tokens": 12}
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch, random_head_dir):
+    """The random head, shipped for the smollm2 alias with a dynamic tree recorded."""
+    head = tmp_path / MODEL
+    shutil.copytree(random_head_dir, head)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "tree_defaults": TREE}))
+    monkeypatch.setattr(packaged_heads, "HEADS_DIR", tmp_path)
+    return head
+
+
+def spec_of(command: str, *argv: str):
+    args = build_parser().parse_args([command, *argv])
+    if command == "serve":
+        return serve_config_from_args(args).engine.speculative
+    if command == "bench":
+        return config_from_args(args)[0].speculative[0]
+    return _engine_kwargs(args)["speculative"]
+
+
+def test_lookup_only_finds_shipped_heads_of_aliases(shipped, tmp_path):
+    assert packaged_heads.packaged_head(MODEL) == shipped
+    assert packaged_heads.packaged_head(str(tmp_path)) is None  # a path, not an alias
+    shutil.rmtree(shipped)
+    assert packaged_heads.packaged_head(MODEL) is None
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_commands_default_to_the_shipped_head_in_its_tree(shipped, command):
+    spec = spec_of(command)
+    assert (spec.method, spec.model) == ("eagle3", str(shipped))
+    assert (spec.tree, spec.num_speculative_tokens, spec.top_k, spec.total_tokens) == (
+        "dynamic", 4, 3, 12
+    )  # fmt: skip
+    chain = spec_of(command, "--spec-tree", "chain", "--num-speculative-tokens", "2")
+    assert (chain.model, chain.tree, chain.num_speculative_tokens) == (str(shipped), "chain", 2)
+    explicit = spec_of(command, "--draft", "eagle3")  # eagle3 without --draft-model
+    assert explicit.model == str(shipped)
+    assert spec_of(command, "--draft", "ngram").method == "ngram"
+
+
+def test_draft_none_turns_it_off(shipped):
+    assert spec_of("generate", "--draft", "none") is None
+    assert spec_of("serve", "--draft", "none") is None
+    with pytest.raises(ValueError, match="drop --draft none"):
+        spec_of("bench", "--draft", "none")
+
+
+def test_without_a_shipped_head_each_command_keeps_its_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(packaged_heads, "HEADS_DIR", tmp_path)  # nothing shipped
+    assert spec_of("generate") is None  # plain decoding
+    assert spec_of("serve").method == "ngram"
+    assert spec_of("bench").method == "ngram"
+    assert main(["generate", "--draft", "eagle3", "--max-tokens", "1"]) == 2
+    assert f"--draft eagle3 needs --draft-model HEAD_DIR: '{MODEL}' ships no head" in (
+        capsys.readouterr().err
+    )
+
+
+def test_serve_with_another_model_does_not_inherit_the_default_models_head(shipped, tmp_path):
+    assert spec_of("serve", "--model", str(tmp_path)).method == "ngram"
+
+
+def test_generate_runs_the_shipped_head(shipped, capsys):
+    """End to end: generate with no speculation flags drafts with the shipped head."""
+    argv = ["generate", "hello", "--max-tokens", "4", "--device", "cpu", "--dtype", "float32",
+            "--kv-cache-memory", str(32 << 20), "--max-model-len", "256"]  # fmt: skip
+    assert main(argv) == 0
+    assert f"speculation (eagle3, {shipped})" in capsys.readouterr().out
