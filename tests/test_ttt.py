@@ -15,6 +15,7 @@ from specdec.train.ttt_attention import (
     TTTCache,
     TTTFlexAttention,
     TTTMeta,
+    _causal_by_sequence,
     ttt_visible,
 )
 
@@ -103,6 +104,36 @@ def test_ttt_attention_equals_masked_softmax_values_and_gradients():
     )
     ref_grads = torch.autograd.grad(
         sum((r * w).sum() for r, w in zip(refs, weights, strict=True)), qs + ks + vs
+    )
+    for g, rg in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [3, 4, 64])
+def test_step0_tiles_equal_attention_per_sequence(tile):
+    """The reference's step-0 attention in query tiles with key windows (any tile size,
+    windows spanning several tiles) equals causal attention run sequence by sequence,
+    values, log-sum-exps and gradients."""
+    seq, cu = packed_ids(LENGTHS)
+    n, gen = seq.shape[0], torch.Generator().manual_seed(2)
+    q = torch.randn(n, 6, 16, generator=gen, requires_grad=True)
+    k = torch.randn(n, 2, 16, generator=gen, requires_grad=True)
+    v = torch.randn(n, 2, 16, generator=gen, requires_grad=True)
+    out, lse = _causal_by_sequence(q, k, v, seq, 0.25, tile=tile)
+    refs, ref_lses = [], []
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        kk = k[lo:hi].repeat_interleave(3, dim=1)
+        vv = v[lo:hi].repeat_interleave(3, dim=1)
+        s = torch.einsum("thd,shd->hts", q[lo:hi], kk) * 0.25
+        s = s.masked_fill(torch.ones(hi - lo, hi - lo, dtype=torch.bool).triu(1), float("-inf"))
+        refs.append(torch.einsum("hts,shd->thd", torch.softmax(s, -1), vv))
+        ref_lses.append(torch.logsumexp(s, -1).T)
+    torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.cat(ref_lses), atol=1e-5, rtol=1e-5)
+    w = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad((out * w).sum() + lse.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(
+        (torch.cat(refs) * w).sum() + torch.cat(ref_lses).sum(), (q, k, v)
     )
     for g, rg in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, rg, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,6 @@ concatenated, with a block mask built from ``ttt_visible``).
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -89,23 +88,47 @@ def _causal_by_sequence(
     v: torch.Tensor,  # [n, kv_heads, d]
     seq_ids: torch.Tensor,  # [n], non-decreasing
     scale: float,
+    tile: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [n, heads, d], log-sum-exp [n, heads] fp32
-    group = q.shape[1] // k.shape[1]
-    starts = torch.nonzero(torch.diff(seq_ids, prepend=seq_ids[:1] - 1)).flatten().tolist()
-    bounds = [*starts, q.shape[0]]
-    outs, lses = [], []
-    for lo, hi in itertools.pairwise(bounds):
-        qs = q[lo:hi].transpose(0, 1).float()  # [h, t, d]
-        ks = k[lo:hi].repeat_interleave(group, dim=1).transpose(0, 1).float()
-        vs = v[lo:hi].repeat_interleave(group, dim=1).transpose(0, 1).float()
-        scores = torch.einsum("htd,hsd->hts", qs, ks) * scale
-        future = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [h, t]
-        outs.append(torch.einsum("hts,hsd->htd", torch.exp(scores - lse[..., None]), vs))
-        lses.append(lse)
-    out = torch.cat(outs, dim=1).transpose(0, 1)  # [n, h, d]
-    return out.to(q.dtype), torch.cat(lses, dim=1).transpose(0, 1)
+    """Causal attention within each packed sequence, as a few batched ops whatever the
+    number of sequences: queries in tiles of ``tile``, each tile against the window of key
+    tiles back to the start of its first query's sequence (one width for all tiles, the
+    largest needed), masked by sequence and position. Memory: [tiles, heads, tile, window]
+    scores; the flex path is the one for long sequences and wide heads."""
+    n, heads, d = q.shape
+    group = heads // k.shape[1]
+    dev = q.device
+    num_tiles = -(-n // tile)
+    idx = torch.arange(n, device=dev)
+    is_start = torch.diff(seq_ids, prepend=seq_ids[:1] - 1) != 0
+    seq_start = torch.where(is_start, idx, 0).cummax(0).values  # [n]
+    tiles = torch.arange(num_tiles, device=dev)
+    back = tiles - seq_start[tiles * tile] // tile  # [tiles]: key tiles before its own
+    width = (int(back.max()) + 1) * tile  # one host sync per call
+    key_idx = (tiles[:, None] - width // tile + 1) * tile + torch.arange(width, device=dev)
+    key_ok = (key_idx >= 0) & (key_idx < n)  # [tiles, width]: outside the batch: no key
+    key_idx = key_idx.clamp(0, n - 1)
+    q_idx = tiles[:, None] * tile + torch.arange(tile, device=dev)  # [tiles, tile]
+    q_ok = q_idx < n
+    q_idx = q_idx.clamp(max=n - 1)
+    visible = (
+        key_ok[:, None, :]
+        & (seq_ids[key_idx][:, None, :] == seq_ids[q_idx][:, :, None])
+        & (key_idx[:, None, :] <= q_idx[:, :, None])
+    )  # [tiles, tile, width]
+    qs = q[q_idx].float()  # [tiles, tile, heads, d]
+    ks = k[key_idx].repeat_interleave(group, dim=2).float()  # [tiles, width, heads, d]
+    vs = v[key_idx].repeat_interleave(group, dim=2).float()
+    scores = torch.einsum("aqhd,akhd->ahqk", qs, ks) * scale  # [tiles, heads, tile, width]
+    # Finite fill: every real query sees itself, so masked keys weigh exp(-1e30) = 0 there,
+    # and the padded queries of the last tile stay finite (no NaN into the backward).
+    scores = scores.masked_fill(~visible[:, None], -1e30)
+    lse = torch.logsumexp(scores, dim=-1)  # [tiles, heads, tile]
+    out = torch.einsum("ahqk,akhd->aqhd", torch.exp(scores - lse[..., None]), vs)
+    keep = q_ok.flatten()
+    out = out.reshape(num_tiles * tile, heads, d)[keep]  # [n, heads, d]
+    lse = lse.permute(0, 2, 1).reshape(num_tiles * tile, heads)[keep]
+    return out.to(q.dtype), lse
 
 
 class TTTFlexAttention(TTTAttention):
