@@ -186,19 +186,22 @@ def ttt_forward(
     correct_run = torch.ones(n, dtype=torch.bool, device=device)
     leading = torch.zeros(n, dtype=torch.int64, device=device)
     valid0 = torch.zeros(n, dtype=torch.bool, device=device)
+    with torch.no_grad():  # every position's label once; step i reads them shifted by i
+        labels = torch.softmax(
+            (batch.target_hidden.to(label_weight.dtype) @ label_weight.T).float(), dim=-1
+        )  # [n, V_d]
+        label_top = labels.argmax(-1)  # [n]
     for out in unroll(head, batch, steps):
         valid = out.inside & usable[out.source]  # [n]
         if out.step == 0:
             valid0 = valid
-        with torch.no_grad():
-            hidden = batch.target_hidden[out.source].to(label_weight.dtype)
-            target_p = torch.softmax((hidden @ label_weight.T).float(), dim=-1)  # [n, V_d]
+        target_p = labels[out.source]  # [n, V_d]
         per_pos = -(target_p * F.log_softmax(out.logits, dim=-1)).sum(-1)  # [n]
         count = valid.sum()
         loss_i = (per_pos * valid).sum() / count.clamp(min=1)
         total = total + decay**out.step * loss_i
         with torch.no_grad():
-            correct = (out.logits.argmax(-1) == target_p.argmax(-1)) & valid
+            correct = (out.logits.argmax(-1) == label_top[out.source]) & valid
             correct_run &= correct
             leading += correct_run.long()
         losses.append(loss_i.detach())
