@@ -88,3 +88,20 @@ def test_generate_runs_the_shipped_head(shipped, capsys):
             "--kv-cache-memory", str(32 << 20), "--max-model-len", "256"]  # fmt: skip
     assert main(argv) == 0
     assert f"speculation (eagle3, {shipped})" in capsys.readouterr().out
+
+
+def test_shipping_a_head_is_one_import(tmp_path, monkeypatch, random_head_dir, capsys):
+    """``specdec import HEAD specdec/heads/<alias> --dtype bfloat16 --tree JSON`` ships a
+    head: bf16 shards of at most 16 MB and the tree it was tuned for, used by default."""
+    monkeypatch.setattr(packaged_heads, "HEADS_DIR", tmp_path)
+    out = tmp_path / MODEL
+    argv = ["import", str(random_head_dir), str(out), "--target", MODEL,
+            "--dtype", "bfloat16", "--tree", json.dumps(TREE)]  # fmt: skip
+    assert main(argv) == 0
+    assert all(f.stat().st_size <= 16_000_000 for f in out.glob("*.safetensors"))
+    spec = packaged_heads.default_speculative(MODEL)
+    assert (spec.model, spec.tree, spec.top_k, spec.total_tokens) == (str(out), "dynamic", 3, 12)
+    bad = ["import", str(random_head_dir), str(tmp_path / "x"), "--target", MODEL,
+           "--tree", '{"tree": "ring", "num_speculative_tokens": 3}']  # fmt: skip
+    assert main(bad) == 2
+    assert "tree='ring'; choose chain or dynamic" in capsys.readouterr().err

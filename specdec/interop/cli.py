@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -92,6 +93,25 @@ def _import_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="weights dtype (default: the stored one, so the import is lossless)",
     )
+    p.add_argument(
+        "--tree",
+        type=json.loads,
+        default=None,
+        help="the draft tree to record as the head's default, TreeDefaults fields as JSON: "
+        '\'{"tree": "dynamic", "num_speculative_tokens": 5, "top_k": 8, "total_tokens": 48}\' '
+        "(default: the one it records, if any)",
+    )
+
+
+def _tree_defaults(value):
+    from dataclasses import fields
+
+    from specdec.models.eagle3_head import TreeDefaults
+
+    known = [f.name for f in fields(TreeDefaults)]
+    if not isinstance(value, dict) or set(value) - set(known) or "tree" not in value:
+        raise ValueError(f"--tree {json.dumps(value)}: give a JSON object with keys {known}")
+    return TreeDefaults(**value)
 
 
 @command("import", _import_args)
@@ -105,7 +125,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     with _new_dir_errors():
-        result = import_head(args.src, args.out_dir, target=args.target, dtype=dtype)
+        tree = _tree_defaults(args.tree) if args.tree is not None else None
+        result = import_head(args.src, args.out_dir, target=args.target, dtype=dtype, tree=tree)
     print(
         f"imported {args.src} ({FORMAT_NAMES[result.source_format]} format, "
         f"{str(result.dtype).removeprefix('torch.')}) for {result.target} to {result.out_dir}"

@@ -29,6 +29,7 @@ from specdec.models.eagle3_formats import (
     stored_dtype,
     tensor_infos,
 )
+from specdec.models.eagle3_head import TreeDefaults
 
 
 class HeadImportError(ValueError):
@@ -53,10 +54,12 @@ def import_head(
     *,
     target: str | None = None,
     dtype: torch.dtype | None = None,
+    tree: TreeDefaults | None = None,
 ) -> ImportResult:
     """Convert the head at ``src`` (a directory, or a hub name in the local HF cache) into a
     new specdec-format ``out_dir``. ``target`` names the model it drafts for (needed for
-    the research format, which does not record it); ``dtype`` defaults to the stored one."""
+    the research format, which does not record it); ``dtype`` defaults to the stored one;
+    ``tree`` replaces the draft tree recorded as the head's default (kept if None)."""
     path = source_dir(src)
     resolved = resolve_target(path, target)
     report = validate_head(path, None, target=resolved.config, target_name=resolved.name)
@@ -65,7 +68,7 @@ def import_head(
     fmt = detect_format(path)
     dtype = dtype or stored_dtype(path)
     head = load_eagle3(path, target_config=resolved.config, dtype=dtype)
-    head.config = replace(head.config, target_name=resolved.name)
+    head.config = replace(head.config, target_name=resolved.name, tree=tree or head.config.tree)
     out = save_eagle3(head, out_dir, "specdec")
     return ImportResult(
         out_dir=out,

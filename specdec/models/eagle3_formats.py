@@ -88,7 +88,7 @@ from specdec.models.weights import WeightLoadError
 
 Eagle3Format = Literal["specdec", "eagle", "speculators"]
 
-MAX_SHARD_BYTES = 16 * 1024 * 1024
+MAX_SHARD_BYTES = 16_000_000  # DESIGN.md: shards of at most 16 MB (decimal, not 16 MiB)
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 INDEX_FILE = "model.safetensors.index.json"

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from specdec.models.llama import CausalLM
 
-MAX_SHARD_BYTES = 16 * 1024 * 1024
+MAX_SHARD_BYTES = 16_000_000  # DESIGN.md: shards of at most 16 MB (decimal, not 16 MiB)
 # Files of the source directory that travel with the weights (tokenizer, template).
 _COPIED = (
     "tokenizer.json",
