@@ -188,24 +188,32 @@ def test_flex_path_compiles_once_for_all_steps_and_padded_batches():
     assert graphs[0] == graphs[1] and graphs[0] <= 2  # flex_attention and the block mask
 
 
-def test_padding_leaves_the_objective_unchanged():
-    """``PackedBatch.padded`` appends a loss-free pseudo-sequence: loss, per-step counts
-    and accuracy equal the unpadded batch's."""
+def objective_case(seed: int, lengths: list[int], mask_every: int):
+    """(a random head with the reference TTT attention, a target lm_head, a packed batch
+    whose every ``mask_every``-th token is outside the loss mask)."""
     target = target_config()
-    head, embed = random_head(target, seed=7)
-    head = Eagle3Head(head.config, TTTAttention(), embed=embed)
-    head.load_state_dict(random_head(target, seed=7)[0].state_dict())
-    gen = torch.Generator().manual_seed(8)
-    n = 20
+    paged, embed = random_head(target, seed=seed)
+    head = Eagle3Head(paged.config, TTTAttention(), embed=embed)
+    head.load_state_dict(paged.state_dict())
+    gen = torch.Generator().manual_seed(seed + 1)
+    n = sum(lengths)
     lm_head = torch.randn(target.vocab_size, target.hidden_size, generator=gen)
     batch = PackedBatch(
         input_ids=torch.randint(target.vocab_size, (n,), generator=gen),
-        loss_mask=torch.arange(n) % 4 != 0,
+        loss_mask=torch.arange(n) % mask_every != 0,
         aux_hidden=torch.randn(n, 3 * target.hidden_size, generator=gen),
         target_hidden=torch.randn(n, target.hidden_size, generator=gen),
-        cu_seqlens=torch.tensor([0, 8, 20]),
-        exit_targets=torch.rand(n, 2, generator=gen),
+        cu_seqlens=packed_ids(lengths)[1],
     )
+    return head, lm_head, batch
+
+
+def test_padding_leaves_the_objective_unchanged():
+    """``PackedBatch.padded`` appends a loss-free pseudo-sequence: loss, per-step counts
+    and accuracy equal the unpadded batch's."""
+    head, lm_head, batch = objective_case(7, [8, 12], mask_every=4)
+    n = batch.num_tokens
+    batch.exit_targets = torch.rand(n, 2)
     padded = batch.padded(32)
     assert padded.num_tokens == 32 and padded.cu_seqlens.tolist() == [0, 8, 20, 32]
     assert torch.isnan(padded.exit_targets[n:]).all() and not padded.loss_mask[n:].any()
@@ -286,20 +294,8 @@ def test_unrolled_steps_equal_the_engines_draft_steps():
 def test_objective_masks_and_accuracy():
     """Loss and acc_i count only positions whose label exists, is an assistant token and
     whose target argmax is a kept id; a head trained towards the labels gains accuracy."""
-    target = target_config()
-    _, embed = random_head(target, seed=5)
-    head = Eagle3Head(random_head(target, seed=5)[0].config, TTTAttention(), embed=embed)
-    head.load_state_dict(random_head(target, seed=5)[0].state_dict())
-    gen = torch.Generator().manual_seed(6)
-    n = 24
-    lm_head = torch.randn(target.vocab_size, target.hidden_size, generator=gen)
-    batch = PackedBatch(
-        input_ids=torch.randint(target.vocab_size, (n,), generator=gen),
-        loss_mask=torch.arange(n) % 3 != 0,
-        aux_hidden=torch.randn(n, 3 * target.hidden_size, generator=gen),
-        target_hidden=torch.randn(n, target.hidden_size, generator=gen),
-        cu_seqlens=torch.tensor([0, 10, 24]),
-    )
+    head, lm_head, batch = objective_case(5, [10, 14], mask_every=3)
+    n = batch.num_tokens
     out = ttt_forward(head, batch, lm_head, steps=3)
     top = (batch.target_hidden @ lm_head.T).argmax(-1)
     usable = batch.loss_mask & head.t2d[top]
