@@ -67,6 +67,9 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
+        # A fast tokenizer's Rust core decodes exactly as its decode() without clean-up,
+        # minus ~20 µs of Python wrapping a call (two calls per token, every request).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stops: list[str] = list(params.stop)
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
@@ -142,6 +145,8 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         # Clean-up of tokenization spaces rewrites text across token boundaries, which no
         # incremental decoder can reproduce; request it off so windows compose exactly.
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             token_ids,
             skip_special_tokens=self._skip_special_tokens,
