@@ -19,8 +19,9 @@ export SMOLLM2_GGUF=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$SMOLLM2_GGUF" ] && [ -f /tmp/gguf/smollm2.gguf.part00 ] && [ -f /tmp/gguf/smollm2.gguf.part01 ]; then
     cat /tmp/gguf/smollm2.gguf.part00 /tmp/gguf/smollm2.gguf.part01 > "$SMOLLM2_GGUF"
 fi
-# Or xz-compressed (90.5 MB) in two parts: `xz -6 | split -b 33000000 -d - .gpu/g/gguf.xz.part`
-# leaves room in the first call for ~29 MB of other data.
+# Or xz-compressed (90.5 MB) in parts gguf.xz.part00, part01, ... one per call; a first part
+# of 33 MB leaves room in its call for ~30 MB of other data. The join waits for part01 and
+# retries on a later call if a part was still missing (xz then fails and nothing is kept).
 if [ ! -f "$SMOLLM2_GGUF" ] && [ -f /tmp/gguf/gguf.xz.part00 ] && [ -f /tmp/gguf/gguf.xz.part01 ]; then
     cat /tmp/gguf/gguf.xz.part0* | xz -d -T0 > "$SMOLLM2_GGUF.tmp" && mv "$SMOLLM2_GGUF.tmp" "$SMOLLM2_GGUF"
 fi
