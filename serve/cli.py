@@ -17,20 +17,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from specdec.cli import _add_engine_args, _engine_kwargs, _read_prompts, command
+from specdec.cli import TREE_FLAGS, _add_engine_args, _engine_kwargs, _read_prompts, command
 
 # Engine keyword (``_engine_kwargs``) -> the flags that set it, where the names differ.
 _ENGINE_SOURCES = {"enable_prefix_caching": ("no_prefix_caching", "enable_prefix_caching")}
 # Speculation flags -> SpeculativeConfig fields.
-_SPEC_FLAGS = {
-    "draft": "method",
-    "draft_model": "model",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "spec_tree": "tree",
-    "spec_top_k": "top_k",
-    "spec_total_tokens": "total_tokens",
-    "spec_choices": "choices",
-}
+_SPEC_FLAGS = {"draft": "method", "draft_model": "model", **TREE_FLAGS}
 # Server flags -> ServeConfig fields.
 _SERVER_FLAGS = {
     "host": "host",

@@ -239,6 +239,18 @@ def test_kill_and_resume_equals_an_uninterrupted_run(traces, tiny, tmp_path, one
         torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], atol=1e-6, rtol=0)
 
 
+def test_time_limit_exports_and_the_rerun_continues(traces, tiny, tmp_path):
+    """run.time_limit_s (shared with train-draft) ends train-sft at the next step with a
+    checkpoint and an exported model; the same command then runs to max_steps."""
+    out = tmp_path / "run"
+    result = train_sft(config(traces, tiny, out, run={"time_limit_s": 1e-6}))
+    assert result["step"] == 1 and result["time_limited"]
+    assert [p.name for p in checkpoint.checkpoints(out)] == ["ckpt-00000001"]
+    assert (out / "model" / "config.json").is_file()
+    result = train_sft(config(traces, tiny, out))
+    assert result["step"] == 8 and not result["time_limited"]
+
+
 def test_config_errors_name_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"unknown keys \['optim.lrr'\]"):
         SFTConfig.load(None, ["data.train=x", "optim.lrr=1"])

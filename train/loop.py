@@ -1,6 +1,7 @@
 """The parts of a training loop that train-draft (``trainer.py``) and train-sft (``sft.py``)
 share: the learning-rate schedule, one optimizer step over ``grad_accum`` micro-batches,
-the run log, and the kill hook the resume tests use.
+the run log, the wall-clock limit (``run.time_limit_s``) and the kill hook the resume tests
+use.
 
 Both loops keep their own objective, data and tallies; what is here is the same for every
 model trained through accelerate.
@@ -9,13 +10,16 @@ model trained through accelerate.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+logger = logging.getLogger(__name__)
 # Tests set it to N: the process kills itself right after step N's checkpoint, as a
 # preempted job would, so that resuming can be compared with an uninterrupted run.
 KILL_ENV = "SPECDEC_TRAIN_KILL_AFTER_STEP"
@@ -105,3 +109,30 @@ class RunLogger:
             self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class TimeLimit:
+    """``run.time_limit_s``: ``reached()`` turns True at the first optimizer step past the
+    limit, on every process at once (the processes' clocks are combined, so none leaves
+    the loop while another waits in a collective). The loop then ends that step as it
+    would at max_steps: evaluation, checkpoint, the final export; a rerun continues."""
+
+    def __init__(self, seconds: float | None, accelerator) -> None:
+        self.seconds = seconds
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.accelerator = accelerator
+        self.hit = False
+
+    def reached(self) -> bool:
+        if self.deadline is None:
+            return False
+        mine = torch.tensor([float(time.monotonic() >= self.deadline)],
+                            device=self.accelerator.device)  # fmt: skip
+        self.hit = bool(self.accelerator.reduce(mine, reduction="sum").item() > 0)
+        return self.hit
+
+    def report(self, step: int, max_steps: int) -> None:
+        if self.hit:
+            logger.warning("run.time_limit_s=%s reached at step %d of %d: checkpoint and "
+                           "model saved; rerun the same command to continue", self.seconds,
+                           step, max_steps)  # fmt: skip

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from specdec.train import checkpoint
 from specdec.train.data import Schedule
-from specdec.train.loop import KILL_ENV, RunLogger, lr_schedule, optimizer_step
+from specdec.train.loop import KILL_ENV, RunLogger, TimeLimit, lr_schedule, optimizer_step
 from specdec.train.packed_attention import PackedMeta, packed_attention
 from specdec.train.sft_config import SFTConfig
 from specdec.train.sft_data import ChatRecords, SFTBatch, read_chat_records, spread
@@ -186,14 +186,16 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
     if state.step == 0 and source.units[1]:  # the base model's figures: the baseline
         log.write(0, evaluate(model, source, accelerator))
     kill_after = int(os.environ.get(KILL_ENV, "0"))
+    limit = TimeLimit(run.time_limit_s, accelerator)
     model.train()
-    while state.step < optim_cfg.max_steps:
+    while state.step < optim_cfg.max_steps and not limit.hit:
         optimizer_step(model, batches, accelerator.device, accelerator, optimizer, optim_cfg, tally)
         scheduler.step()
         state.step += 1
         state.consumed += optim_cfg.grad_accum * world
         bar.update(1)
-        if state.step % run.log_every == 0 or state.step == optim_cfg.max_steps:
+        last = state.step == optim_cfg.max_steps or limit.reached()
+        if state.step % run.log_every == 0 or last:
             figures = tally.summary(accelerator, "train/")
             figures["train/tokens_per_s"] = figures["train/tokens"] / max(
                 time.perf_counter() - t0, 1e-9
@@ -207,7 +209,6 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
                 tok_s=f"{figures['train/tokens_per_s']:,.0f}",
             )
             tally, t0 = Tally(), time.perf_counter()
-        last = state.step == optim_cfg.max_steps
         if source.units[1] and (state.step % run.eval_every == 0 or last):
             evals = evaluate(model, source, accelerator)
             log.write(state.step, evals)
@@ -220,7 +221,8 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
     batches.close()  # stops the prefetch thread
     model_dir = _export(accelerator, model, config, resolved.hf_dir, state, evals)
     log.close()
-    return {"step": state.step, "model": str(model_dir), **evals}
+    limit.report(state.step, optim_cfg.max_steps)
+    return {"step": state.step, "model": str(model_dir), "time_limited": limit.hit, **evals}
 
 
 def evaluate(model, source: ChatRecords, accelerator) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from specdec.train import checkpoint
 from specdec.train.config import TrainConfig
 from specdec.train.data import OfflineShards, OnlineRecords, Schedule, Source
-from specdec.train.loop import KILL_ENV, RunLogger, lr_schedule, optimizer_step
+from specdec.train.loop import KILL_ENV, RunLogger, TimeLimit, lr_schedule, optimizer_step
 from specdec.train.model import TargetIO, TTTModel, attention_backend, build_head, load_vocab
 from specdec.train.spec_exit_labels import ExitLabeler
 from specdec.train.spec_exit_loss import SpecExitLoss
@@ -167,17 +167,15 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if state.step == 0:  # the fresh head's figures: the baseline every later eval beats
         log.write(0, evaluate(model, source, accelerator, exit_cfg.signals))
     kill_after = int(os.environ.get(KILL_ENV, "0"))
-    deadline = None if run.time_limit_s is None else time.monotonic() + run.time_limit_s
-    timed_out = False
+    limit = TimeLimit(run.time_limit_s, accelerator)
     model.train()
-    while state.step < optim_cfg.max_steps and not timed_out:
+    while state.step < optim_cfg.max_steps and not limit.hit:
         optimizer_step(model, batches, device, accelerator, optimizer, optim_cfg, tally)
         scheduler.step()
         state.step += 1
         state.consumed += optim_cfg.grad_accum * world
         bar.update(1)
-        timed_out = deadline is not None and time.monotonic() >= deadline
-        last = state.step == optim_cfg.max_steps or timed_out
+        last = state.step == optim_cfg.max_steps or limit.reached()
         if state.step % run.log_every == 0 or last:
             figures = tally.summary(accelerator, "train/", exit_cfg.signals)
             seconds = time.perf_counter() - t0
@@ -201,11 +199,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     batches.close()  # stops the prefetch thread
     head_dir = _save_head(accelerator, model, out_dir)
     log.close()
-    if timed_out:
-        logger.warning("run.time_limit_s=%s reached at step %d of %d: checkpoint and head saved; "
-                       "rerun the same command to continue", run.time_limit_s, state.step,
-                       optim_cfg.max_steps)  # fmt: skip
-    return {"step": state.step, "head": str(head_dir), "time_limited": timed_out, **evals}
+    limit.report(state.step, optim_cfg.max_steps)
+    return {"step": state.step, "head": str(head_dir), "time_limited": limit.hit, **evals}
 
 
 def evaluate(model, source: Source, accelerator, signals: tuple[str, ...] = ()) -> dict[str, Any]:
