@@ -112,9 +112,9 @@ def shard_bytes_of(
         "cu_seqlens": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
     }
     if confidence:
-        unlabelled = [np.full(len(r.input_ids), np.nan, dtype=np.float32) for r in records]
-        labels = [r.confidence if r.confidence is not None else u
-                  for r, u in zip(records, unlabelled, strict=True)]  # fmt: skip
+        labels = [r.confidence if r.confidence is not None
+                  else np.full(len(r.input_ids), np.nan, dtype=np.float32)
+                  for r in records]  # fmt: skip
         tensors[CONFIDENCE_KEY] = torch.from_numpy(np.concatenate(labels))
     # One metadata key: safetensors writes the metadata map in hash order, which varies
     # between processes, and shards must be byte-identical across runs.
