@@ -170,6 +170,14 @@ def test_config_errors_name_the_key():
     assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.9, 0.95)
 
 
+def test_max_seq_len_past_the_targets_context_is_refused(data, tmp_path):
+    """Positions past the head's RoPE table are clamped in the TTT unroll (fine for
+    padding): a data.max_seq_len that lets tokens with loss reach them is an error."""
+    cfg = config(data, tmp_path / "out", data={"max_seq_len": 8193})
+    with pytest.raises(ValueError, match=r"data\.max_seq_len=8193 exceeds .* <= 8192"):
+        train(cfg)
+
+
 def test_online_mode_computes_the_dumped_states_and_trains(data, tmp_path):
     """Online mode runs the target in the loop: its batches hold the states the dump
     stored for the same conversations (up to CPU matmul rounding across batch sizes), and

@@ -226,6 +226,28 @@ def test_padding_leaves_the_objective_unchanged():
         batch.padded(10)
 
 
+def test_padding_past_the_rope_table_on_the_flex_path():
+    """The trainer pads every flex batch to ``data.max_tokens``, which may exceed the
+    head's RoPE table (SmolLM2: 8192 positions, max_tokens 16384): the padding
+    pseudo-sequence's positions (and t + i past a sequence's end) are clamped into the
+    table (on GPU an index past it is a device-side assert; on CPU an IndexError), and
+    the objective equals the unpadded batch's."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    head, lm_head, batch = objective_case(3, [8, 12], mask_every=4)
+    table = head.rotary.num_positions
+    flex = Eagle3Head(head.config, TTTFlexAttention(compile=False), embed=head.__dict__["_embed"])
+    flex.load_state_dict(head.state_dict())
+    padded = batch.padded(batch.num_tokens + table + 8)  # padding runs past the table
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        a = ttt_forward(head, batch, lm_head, steps=3)
+        b = ttt_forward(flex, padded, lm_head, steps=3)
+    torch.testing.assert_close(b.loss, a.loss, atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.step_valid, b.step_valid) and torch.equal(a.step_correct, b.step_correct)
+    # A sequence as long as the table: t + i passes it on the last steps (invalid rows).
+    head, lm_head, batch = objective_case(4, [table], mask_every=3)
+    ttt_forward(head, batch, lm_head, steps=3)
+
+
 def paged_chain_logits(head: Eagle3Head, ids, aux, t: int, steps: int) -> list[torch.Tensor]:
     """The engine's own computation for one root: catch-up over positions 0..t (tokens
     x[1..t+1], fc(aux[0..t])) on a fresh paged cache, then a chain of teacher-forced

@@ -132,6 +132,14 @@ def train(config: TrainConfig) -> dict[str, Any]:
     backend = attention_backend(config.ttt.attention, device)
     head = build_head(target, config.model.target, d2t, t2d, aux_ids, backend,
                       exit_signals=exit_cfg.signals)  # fmt: skip
+    if config.data.max_seq_len > head.rotary.num_positions:
+        # Positions past the head's RoPE table are clamped (train/ttt.py unroll): harmless
+        # for padding, silently wrong for tokens that carry loss.
+        raise ValueError(
+            f"data.max_seq_len={config.data.max_seq_len} exceeds the target's context "
+            f"({head.rotary.num_positions} positions); set data.max_seq_len <= "
+            f"{head.rotary.num_positions}"
+        )
     if config.model.init_head:
         _load_init_head(head, config.model.init_head, target)
     exit_loss = None

@@ -155,10 +155,17 @@ def unroll(head, batch: PackedBatch, steps: int) -> Iterator[DraftStep]:
     index = StepIndex.of(batch.cu_seqlens, batch.num_tokens)
     hidden = head.fuse(batch.aux_hidden.to(head.fc.weight.dtype))  # [n, hidden]
     cache = TTTCache()
+    # RoPE positions t + i clamped into the head's table: the padding pseudo-sequence
+    # (``PackedBatch.padded``) runs up to the batch size, and t + i passes a sequence's end
+    # on its last steps; only rows outside every loss (``inside`` False, or no loss mask)
+    # reach past the table, and their keys are seen by no valid row (``ttt_visible``). The
+    # gather is unchecked on GPU, so an index past the table is a device-side assert.
+    last = head.rotary.num_positions - 1
     for i in range(steps):
         src, inside = index.source(i)
         meta = TTTMeta(index.seq_ids, i, steps)
-        hidden, logits = head(batch.input_ids[src], hidden, index.local + i, (cache, cache), meta)
+        positions = (index.local + i).clamp(max=last)
+        hidden, logits = head(batch.input_ids[src], hidden, positions, (cache, cache), meta)
         yield DraftStep(i, src, inside, logits)
 
 
