@@ -22,7 +22,11 @@ from test_kernels import DEVICE, POISON, TOL, Case, gpu_only, make_case
 
 from specdec.attention.custom_op import OpaqueAttention
 from specdec.attention.metadata import AttentionMetadata
-from specdec.attention.torch_backend import TorchAttentionBackend, gather_context
+from specdec.attention.torch_backend import (
+    TorchAttentionBackend,
+    gather_context,
+    paged_attention_batched_ref,
+)
 from specdec.attention.tree_mask import (
     ancestor_closure,
     build_tree_mask,
@@ -231,6 +235,25 @@ def test_reference_equals_root_path_brute_force(group):
     )
     causal = paged_attention_ref(case.q, case.k_cache, case.v_cache, plain, case.scale)
     assert (ref - causal).abs().max() > 1.0
+
+
+@pytest.mark.parametrize(("num_padded", "slack"), [(0, 0), (2, 5)])
+def test_batched_reference_equals_root_path_brute_force(num_padded, slack):
+    """The CPU backend's padded one-call path (short-query batches: verify and draft steps)
+    applies the same rule as the per-sequence loop: padded sequences, an inflated
+    max_tree_len, draft-step forests and prefill chunks included."""
+    rng = random.Random(7)
+    tc = make_tree_case(mixed_batch(rng, 16), group=3, num_padded=num_padded, slack=slack)
+    case = tc.case
+    out = paged_attention_batched_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    n = sum(tc.q_lens)
+    torch.testing.assert_close(out[:n], brute_force(tc), **TOL)
+    plain = dataclasses.replace(
+        case.meta, tree_lens=None, tree_mask_offsets=None, tree_mask=None, max_tree_len=0
+    )
+    causal = paged_attention_ref(case.q, case.k_cache, case.v_cache, plain, case.scale)
+    batched = paged_attention_batched_ref(case.q, case.k_cache, case.v_cache, plain, case.scale)
+    torch.testing.assert_close(batched, causal, **TOL)
 
 
 # --- Triton kernel -----------------------------------------------------------------------

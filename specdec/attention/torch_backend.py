@@ -1,9 +1,11 @@
 """Reference attention backend in plain PyTorch (any device).
 
-It is the ground truth the Triton kernels are tested against, and the CPU path. It loops
-over sequences on the host, so it favours clarity over speed; decode-only batches take a
-batched gather path because CPU decoding is dominated by them. Batches with draft trees
-always take the per-sequence path, which applies the tree mask.
+It is the ground truth the Triton kernels are tested against, and the CPU path. Three
+paths compute the same rule (``metadata.py``): decode-only batches and batches of short
+queries (verify steps, draft steps, small prefill chunks: ``BATCHED_MAX_QUERY``) run as one
+padded, masked attention over every sequence's gathered context; long prefills loop over
+sequences (``paged_attention_ref``, the readable statement of the rule), where padding
+every sequence to the longest would cost more than the loop.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ def gather_context(
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = cache.index_select(0, block_table[:num_blocks].long())
     return blocks.flatten(0, 1)[:seq_len]
+
+
+def gather_contexts(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    num_blocks: int,
+) -> torch.Tensor:  # [num_seqs, num_blocks * block_size, num_kv_heads, head_dim]
+    """Every sequence's first ``num_blocks`` blocks, padded contexts side by side (one
+    ``index_select``: on CPU several times faster than advanced indexing)."""
+    table = block_tables[:, :num_blocks].reshape(-1).long()
+    blocks = cache.index_select(0, table)  # [num_seqs * num_blocks, block_size, kvh, d]
+    return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])
 
 
 def attention_mask_ref(
@@ -118,9 +132,8 @@ def paged_decode_ref(
     _num_seqs, num_heads, _d = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
-    table = meta.block_tables[:, :max_blocks].long()  # [B, nb]
-    keys = k_cache[table].flatten(1, 2)  # [B, nb*bs, kvh, d]
-    vals = v_cache[table].flatten(1, 2)
+    keys = gather_contexts(k_cache, meta.block_tables, max_blocks)  # [B, nb*bs, kvh, d]
+    vals = gather_contexts(v_cache, meta.block_tables, max_blocks)
     pos = torch.arange(keys.shape[1], device=q.device)
     mask = (pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     o = F.scaled_dot_product_attention(
@@ -134,6 +147,68 @@ def paged_decode_ref(
     return o[:, :, 0, :].to(q.dtype)
 
 
+# Batches whose queries are all this short run padded in one call (a per-sequence loop costs
+# a masked attention call per sequence and layer, most of a CPU verify step's attention).
+BATCHED_MAX_QUERY = 64
+# ... unless the padded [num_seqs, max_query_len, max_seq_len] mask would exceed this.
+BATCHED_MAX_MASK = 1 << 23
+
+
+def paged_attention_batched_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """``paged_attention_ref``'s rule as one padded attention: queries padded to
+    ``max_query_len`` and contexts to the longest sequence, the causal and tree rules
+    applied as one [num_seqs, max_query_len, max_seq_len] mask. Padded query rows see key 0
+    only (no empty softmax) and are dropped."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    device = q.device
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()  # [B]
+    seq_lens = meta.seq_lens.long()  # [B]
+    num_seqs, qm = q_lens.shape[0], meta.max_query_len
+    max_blocks = (meta.max_seq_len + block_size - 1) // block_size
+    keys = gather_contexts(k_cache, meta.block_tables, max_blocks)  # [B, L, kvh, d]
+    vals = gather_contexts(v_cache, meta.block_tables, max_blocks)
+    length = keys.shape[1]
+    i = torch.arange(qm, device=device)
+    real = i[None, :] < q_lens[:, None]  # [B, qm]: real query rows
+    q_pos = seq_lens[:, None] - q_lens[:, None] + i[None, :]  # [B, qm] cache index
+    k = torch.arange(length, device=device)
+    mask = (k[None, None, :] <= q_pos[:, :, None]) & (k[None, None, :] < seq_lens[:, None, None])
+    if meta.has_tree:
+        assert meta.tree_lens is not None and meta.tree_mask_offsets is not None
+        assert meta.tree_mask is not None
+        t = meta.tree_lens.long()  # [B]
+        tm = meta.max_tree_len
+        r = torch.arange(tm, device=device)
+        inside = (r[None, :, None] < t[:, None, None]) & (r[None, None, :] < t[:, None, None])
+        flat = meta.tree_mask_offsets[:, None, None] + r[None, :, None] * t[:, None, None] + r
+        trees = meta.tree_mask[torch.where(inside, flat, 0)] & inside  # [B, tm, tm]
+        first = (seq_lens - t)[:, None]  # [B, 1]: the tree's first cache index
+        qi = (q_pos - first).clamp(0, max(tm - 1, 0))  # [B, qm]: query's tree node
+        ki = (k[None, :] - first).clamp(0, max(tm - 1, 0))  # [B, L]: key's tree node
+        bit = trees[torch.arange(num_seqs, device=device)[:, None, None], qi[:, :, None],
+                    ki[:, None, :]]  # fmt: skip
+        mask &= (k[None, None, :] < first[:, :, None]) | bit
+    mask[:, :, 0] |= ~real  # padded rows: key 0, so no softmax is empty
+    q_pad = q.new_zeros(num_seqs, qm, num_heads, q.shape[2])
+    q_pad[real] = q  # tokens are sequence-major, as the padded rows are
+    o = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2).to(keys.dtype),  # [B, H, qm, d]
+        keys.transpose(1, 2),  # [B, kvh, L, d]
+        vals.transpose(1, 2),
+        attn_mask=mask[:, None],  # [B, 1, qm, L]
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return o.transpose(1, 2)[real].to(q.dtype)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -141,4 +216,10 @@ class TorchAttentionBackend(AttentionBackend):
         store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:  # never true for tree batches (see AttentionMetadata)
             return paged_decode_ref(q, k_cache, v_cache, meta, scale)
+        num_seqs = meta.seq_lens.shape[0]
+        if (
+            meta.max_query_len <= BATCHED_MAX_QUERY
+            and num_seqs * meta.max_query_len * meta.max_seq_len <= BATCHED_MAX_MASK
+        ):
+            return paged_attention_batched_ref(q, k_cache, v_cache, meta, scale)
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
