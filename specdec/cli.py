@@ -89,6 +89,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--spec-total-tokens", type=int, default=None, help="dynamic tree: draft nodes kept (48)"
     )
     g.add_argument(
+        "--spec-disable-by-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decode plainly while more than N requests run (default: the head's, else never)",
+    )
+    g.add_argument(
         "--spec-choices",
         type=json.loads,
         default=None,
@@ -96,13 +103,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-# --spec-* flags -> SpeculativeConfig fields (the tree shape)
+# --spec-* flags -> SpeculativeConfig fields (the tree shape and when to speculate)
 TREE_FLAGS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "spec_tree": "tree",
     "spec_top_k": "top_k",
     "spec_total_tokens": "total_tokens",
     "spec_choices": "choices",
+    "spec_disable_by_batch_size": "disable_by_batch_size",
 }
 
 

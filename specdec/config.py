@@ -105,6 +105,11 @@ class SpeculativeConfig:
             raise ValueError(f"tree={self.tree!r}; choose chain, dynamic or static")
         if self.tree == "static" and not self.choices:
             raise ValueError("tree='static' needs choices, e.g. [[0], [1], [0, 0]]")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"disable_by_batch_size={self.disable_by_batch_size} must be >= 1 (or None: "
+                "always speculate)"
+            )
         if self.tree == "dynamic" and not 1 <= self.top_k <= self.total_tokens:
             raise ValueError(
                 f"dynamic tree needs 1 <= top_k ({self.top_k}) <= total_tokens "

@@ -16,7 +16,13 @@ from specdec.models import packaged_heads
 from specdec.serve.cli import serve_config_from_args
 
 MODEL = "smollm2-135m-instruct"
-TREE = {"tree": "dynamic", "num_speculative_tokens": 4, "top_k": 3, "total_tokens": 12}
+TREE = {
+    "tree": "dynamic",
+    "num_speculative_tokens": 4,
+    "top_k": 3,
+    "total_tokens": 12,
+    "disable_by_batch_size": 8,
+}
 
 
 @pytest.fixture
@@ -53,6 +59,9 @@ def test_commands_default_to_the_shipped_head_in_its_tree(shipped, command):
     assert (spec.tree, spec.num_speculative_tokens, spec.top_k, spec.total_tokens) == (
         "dynamic", 4, 3, 12
     )  # fmt: skip
+    assert spec.disable_by_batch_size == 8  # above 8 running requests: plain decoding
+    wider = spec_of(command, "--spec-disable-by-batch-size", "32")
+    assert (wider.disable_by_batch_size, wider.total_tokens) == (32, 12)
     chain = spec_of(command, "--spec-tree", "chain", "--num-speculative-tokens", "2")
     assert (chain.model, chain.tree, chain.num_speculative_tokens) == (str(shipped), "chain", 2)
     explicit = spec_of(command, "--draft", "eagle3")  # eagle3 without --draft-model
@@ -101,7 +110,11 @@ def test_shipping_a_head_is_one_import(tmp_path, monkeypatch, random_head_dir, c
     assert all(f.stat().st_size <= 16_000_000 for f in out.glob("*.safetensors"))
     spec = packaged_heads.default_speculative(MODEL)
     assert (spec.model, spec.tree, spec.top_k, spec.total_tokens) == (str(out), "dynamic", 3, 12)
+    assert spec.disable_by_batch_size == 8
     bad = ["import", str(random_head_dir), str(tmp_path / "x"), "--target", MODEL,
            "--tree", '{"tree": "ring", "num_speculative_tokens": 3}']  # fmt: skip
     assert main(bad) == 2
     assert "tree='ring'; choose chain or dynamic" in capsys.readouterr().err
+    bad[-1] = '{"tree": "chain", "num_speculative_tokens": 3, "disable_by_batch_size": 0}'
+    assert main(bad) == 2
+    assert "disable_by_batch_size=0 must be >= 1" in capsys.readouterr().err

@@ -64,12 +64,15 @@ class TreeDefaults:
     """The draft tree a head was tuned for, in ``SpeculativeConfig``'s terms (same field
     names and meaning): ``tree`` "chain" drafts ``num_speculative_tokens`` tokens in a line;
     "dynamic" grows an EAGLE-2 tree of that depth with ``top_k`` children per node and
-    keeps the ``total_tokens`` best nodes. The engine's speculation config may override."""
+    keeps the ``total_tokens`` best nodes; above ``disable_by_batch_size`` running requests
+    the engine decodes plainly (where the benchmark showed speculation stops paying; None:
+    always on). The engine's speculation config may override."""
 
     tree: str
     num_speculative_tokens: int
     top_k: int = 1
     total_tokens: int = 1
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.tree not in ("chain", "dynamic"):
@@ -77,6 +80,11 @@ class TreeDefaults:
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"tree defaults: num_speculative_tokens={self.num_speculative_tokens} must be >= 1"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                f"tree defaults: disable_by_batch_size={self.disable_by_batch_size} must be "
+                ">= 1 (or null: always speculate)"
             )
         if self.tree == "dynamic" and not 1 <= self.top_k <= self.total_tokens:
             raise ValueError(
