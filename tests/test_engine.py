@@ -338,13 +338,13 @@ def test_random_draft_model_is_lossless_under_preemption(
 @pytest.mark.parametrize(
     ("tree", "kwargs"),
     [
-        # A chain is a one-child-per-level tree: chains run batched, chunked and preempted
-        # in one case (the suite's time goes to the dynamic trees' wider verify steps).
+        ({"num_speculative_tokens": 3}, {}),
         ({"num_speculative_tokens": 3}, PREEMPTING),
         (DYNAMIC, {}),
         (DYNAMIC, PREEMPTING),
     ],
     ids=[
+        "chain-batch16",
         "chain-chunk64+preemption",
         "dynamic-batch16",
         "dynamic-chunk64+preemption",
