@@ -1,11 +1,13 @@
 """Reference attention backend in plain PyTorch (any device).
 
 It is the ground truth the Triton kernels are tested against, and the CPU path. Three
-paths compute the same rule (``metadata.py``): decode-only batches and batches of short
-queries (verify steps, draft steps, small prefill chunks: ``BATCHED_MAX_QUERY``) run as one
-padded, masked attention over every sequence's gathered context; long prefills loop over
-sequences (``paged_attention_ref``, the readable statement of the rule), where padding
-every sequence to the longest would cost more than the loop.
+paths compute the same rule (``metadata.py``): decode-only batches and tree batches of
+short queries (verify and draft steps: ``BATCHED_MAX_QUERY``) run as one padded, masked
+attention over every sequence's gathered context; the rest loops over sequences
+(``paged_attention_ref``, the readable statement of the rule). Prefills stay on the loop
+because there a sequence's result must not depend on the batch around it bit for bit (the
+dump's states equal a single-sequence forward): a padded attention reduces over a longer,
+batch-dependent key axis, which changes fp32 rounding.
 """
 
 from __future__ import annotations
@@ -44,13 +46,18 @@ def gather_context(
 def gather_contexts(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
     num_blocks: int,
 ) -> torch.Tensor:  # [num_seqs, num_blocks * block_size, num_kv_heads, head_dim]
     """Every sequence's first ``num_blocks`` blocks, padded contexts side by side (one
-    ``index_select``: on CPU several times faster than advanced indexing)."""
+    ``index_select``: on CPU several times faster than advanced indexing). Entries past a
+    sequence's length are zeroed: unwritten cache slots may hold anything, NaN included,
+    and a NaN value times a zero attention weight would still poison the output."""
     table = block_tables[:, :num_blocks].reshape(-1).long()
     blocks = cache.index_select(0, table)  # [num_seqs * num_blocks, block_size, kvh, d]
-    return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])
+    ctx = blocks.view(block_tables.shape[0], -1, *cache.shape[2:])
+    valid = torch.arange(ctx.shape[1], device=ctx.device)[None, :] < seq_lens[:, None]
+    return ctx.masked_fill_(~valid[:, :, None, None], 0)
 
 
 def attention_mask_ref(
@@ -132,8 +139,9 @@ def paged_decode_ref(
     _num_seqs, num_heads, _d = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
-    keys = gather_contexts(k_cache, meta.block_tables, max_blocks)  # [B, nb*bs, kvh, d]
-    vals = gather_contexts(v_cache, meta.block_tables, max_blocks)
+    # [B, nb*bs, kvh, d]
+    keys = gather_contexts(k_cache, meta.block_tables, meta.seq_lens, max_blocks)
+    vals = gather_contexts(v_cache, meta.block_tables, meta.seq_lens, max_blocks)
     pos = torch.arange(keys.shape[1], device=q.device)
     mask = (pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     o = F.scaled_dot_product_attention(
@@ -147,8 +155,8 @@ def paged_decode_ref(
     return o[:, :, 0, :].to(q.dtype)
 
 
-# Batches whose queries are all this short run padded in one call (a per-sequence loop costs
-# a masked attention call per sequence and layer, most of a CPU verify step's attention).
+# Tree batches whose queries are all this short run padded in one call (a per-sequence loop
+# costs a masked attention call per sequence and layer, most of a CPU verify step's time).
 BATCHED_MAX_QUERY = 64
 # ... unless the padded [num_seqs, max_query_len, max_seq_len] mask would exceed this.
 BATCHED_MAX_MASK = 1 << 23
@@ -172,8 +180,9 @@ def paged_attention_batched_ref(
     seq_lens = meta.seq_lens.long()  # [B]
     num_seqs, qm = q_lens.shape[0], meta.max_query_len
     max_blocks = (meta.max_seq_len + block_size - 1) // block_size
-    keys = gather_contexts(k_cache, meta.block_tables, max_blocks)  # [B, L, kvh, d]
-    vals = gather_contexts(v_cache, meta.block_tables, max_blocks)
+    # [B, L, kvh, d]
+    keys = gather_contexts(k_cache, meta.block_tables, meta.seq_lens, max_blocks)
+    vals = gather_contexts(v_cache, meta.block_tables, meta.seq_lens, max_blocks)
     length = keys.shape[1]
     i = torch.arange(qm, device=device)
     real = i[None, :] < q_lens[:, None]  # [B, qm]: real query rows
@@ -218,7 +227,8 @@ class TorchAttentionBackend(AttentionBackend):
             return paged_decode_ref(q, k_cache, v_cache, meta, scale)
         num_seqs = meta.seq_lens.shape[0]
         if (
-            meta.max_query_len <= BATCHED_MAX_QUERY
+            meta.has_tree
+            and meta.max_query_len <= BATCHED_MAX_QUERY
             and num_seqs * meta.max_query_len * meta.max_seq_len <= BATCHED_MAX_MASK
         ):
             return paged_attention_batched_ref(q, k_cache, v_cache, meta, scale)
