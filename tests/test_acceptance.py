@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.engine.sampler import SamplingMetadata, make_generator, probs_from_logits
+from specdec.engine.sampler import SamplingMetadata, probs_from_logits
+from specdec.engine.seeded_stream import SeededStream
 from specdec.sampling_params import SamplingParams
 from specdec.spec.acceptance import (
     AcceptResult,
@@ -45,8 +46,8 @@ def _one_thread() -> Iterator[None]:
 
 
 def _meta(params: list[SamplingParams]) -> SamplingMetadata:
-    gens = [make_generator(p.seed, CPU) if p.seed is not None else None for p in params]
-    return SamplingMetadata.build(params, gens, CPU)
+    streams = [SeededStream(p.seed) if p.seed is not None else None for p in params]
+    return SamplingMetadata.build(params, streams, CPU)
 
 
 # ---------------------------------------------------------------- a small language
@@ -276,11 +277,16 @@ def textbook_accept(flaw: str, seed: int = 0) -> Acceptor:
 # ---------------------------------------------------------------- losslessness
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["batch_rng", "seeded"])
 @pytest.mark.parametrize("params", [PLAIN, TOP_P], ids=["plain", "top_p"])
 @pytest.mark.parametrize("tree_kind", ["chain", "topk_tree", "sampled_tree"])
-def test_sample_accept_is_lossless(tree_kind: str, params: SamplingParams) -> None:
+def test_sample_accept_is_lossless(tree_kind: str, params: SamplingParams, seeded: bool) -> None:
+    """Unseeded trees share the batch generator; seeded ones (one request each) draw
+    their coins and races from their own counter-based streams."""
+
     def acceptor(trees, rows, gen):
-        return sample_accept_batch(trees, rows, [None] * len(trees), gen)
+        streams = [SeededStream(1000 + i) for i in range(len(trees))] if seeded else None
+        return sample_accept_batch(trees, rows, streams or [None] * len(trees), gen)
 
     p_first, p_second, two = losslessness_p_values(acceptor, tree_kind, params)
     assert two > DRAWS // 10, f"only {two} steps emitted two tokens: the context is too weak"
@@ -409,7 +415,7 @@ def test_sample_accept_with_one_hot_target_is_greedy() -> None:
             one_hot = probs_from_logits(
                 logits, _meta([SamplingParams(temperature=0.0)] * len(logits))
             )
-            assert sample_accept(tree, one_hot, gen) == greedy_accept(tree, logits)
+            assert sample_accept(tree, one_hot, generator=gen) == greedy_accept(tree, logits)
 
 
 def test_sample_accept_edge_probabilities() -> None:
@@ -420,28 +426,28 @@ def test_sample_accept_edge_probabilities() -> None:
     sure = torch.zeros(4, 5)
     sure[:, 2] = 1.0  # the target is certain of token 2 (node 2) everywhere
     for _ in range(50):
-        assert sample_accept(tree, sure, gen).token_ids == [2, 2]
+        assert sample_accept(tree, sure, generator=gen).token_ids == [2, 2]
     forbid = torch.full((4, 5), 0.5)
     forbid[:, 1:4] = 0.0  # only tokens 0 and 4: no candidate can be accepted
     for _ in range(50):
-        result = sample_accept(tree, forbid, gen)
+        result = sample_accept(tree, forbid, generator=gen)
         assert result.accepted_nodes == [] and result.token_ids[0] in (0, 4)
     partial = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.1]]).expand(4, 5)
     for _ in range(200):
-        result = sample_accept(tree, partial, gen)
+        result = sample_accept(tree, partial, generator=gen)
         if not result.accepted_nodes:
             assert result.token_ids[0] in (0, 4)
 
 
-def test_sample_accept_is_reproducible_from_the_generator() -> None:
+def test_sample_accept_is_reproducible_from_the_stream() -> None:
     ctx = make_context(PLAIN, seed=6)
     tree = build_tree(TOPK_TREE, 0, draft_fn(ctx))
     rows = target_rows(ctx, tree)
-    a = [sample_accept(tree, rows, make_generator(42, CPU)) for _ in range(3)]
+    a = [sample_accept(tree, rows, SeededStream(42)) for _ in range(3)]
     assert a[0] == a[1] == a[2]
-    gen = make_generator(42, CPU)
+    gen = SeededStream(42)
     runs = [sample_accept(tree, rows, gen).token_ids for _ in range(30)]
-    assert len({tuple(r) for r in runs}) > 1  # the generator advances between steps
+    assert len({tuple(r) for r in runs}) > 1  # the stream advances between steps
 
 
 def test_rows_must_match_the_tree() -> None:
@@ -484,22 +490,20 @@ def test_accept_batch_matches_per_tree_functions() -> None:
     verify_out = torch.randn(41, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
     logits = verify_out[spec.logits_indices]  # [26, VOCAB]
     batch_rng = torch.Generator().manual_seed(99)
-    meta = SamplingMetadata.build(
-        params, [None, make_generator(11, CPU), None, make_generator(12, CPU)], CPU
-    )
+    meta = SamplingMetadata.build(params, [None, SeededStream(11), None, SeededStream(12)], CPU)
     results = accept_batch(spec.trees, logits, meta, batch_rng)
 
     offsets = spec.node_offsets.tolist()
     assert results[0] == greedy_accept(trees[0], logits[: offsets[1]])
-    # The random rows: per-node filtered targets, each row's own generator or the batch's.
+    # The random rows: per-node filtered targets, each row's own stream or the batch's RNG.
     probs = torch.cat(
         [
             probs_from_logits(logits[offsets[b] : offsets[b + 1]], _meta([params[b]] * counts))
             for b, counts in ((1, 9), (2, 3), (3, 1))
         ]
     )
-    gens = [make_generator(11, CPU), None, make_generator(12, CPU)]
-    expected = sample_accept_batch(trees[1:], probs, gens, torch.Generator().manual_seed(99))
+    streams = [SeededStream(11), None, SeededStream(12)]
+    expected = sample_accept_batch(trees[1:], probs, streams, torch.Generator().manual_seed(99))
     assert results[1:] == expected
     for tree, result in zip(trees, results, strict=True):
         assert len(result.token_ids) == result.num_accepted + 1
@@ -513,12 +517,10 @@ def test_accept_batch_seeded_rows_ignore_the_rest_of_the_batch() -> None:
     tree = build_tree(TOPK_TREE, 0, draft_fn(ctx))
     logits = target_rows(ctx, tree).log()
     seeded = SamplingParams(temperature=1.0, seed=5)
-    alone = accept_batch(
-        [tree], logits, SamplingMetadata.build([seeded], [make_generator(5, CPU)], CPU)
-    )
+    alone = accept_batch([tree], logits, SamplingMetadata.build([seeded], [SeededStream(5)], CPU))
     other = build_tree(CHAIN, 0, draft_fn(ctx))
     mixed_meta = SamplingMetadata.build(
-        [SamplingParams(temperature=1.0), seeded], [None, make_generator(5, CPU)], CPU
+        [SamplingParams(temperature=1.0), seeded], [None, SeededStream(5)], CPU
     )
     mixed = accept_batch([other, tree], torch.cat([torch.randn(3, VOCAB), logits]), mixed_meta)
     assert mixed[1] == alone[0]

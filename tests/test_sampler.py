@@ -13,18 +13,24 @@ from specdec.engine.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
-    make_generator,
     probs_from_logits,
+)
+from specdec.engine.seeded_stream import (
+    SeededStream,
+    keys_tensor,
+    row_exponentials,
+    row_uniforms,
+    uniforms,
 )
 from specdec.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 
 
-def _meta(params: list[SamplingParams], generators=None) -> SamplingMetadata:
-    if generators is None:
-        generators = [make_generator(p.seed, CPU) if p.seed is not None else None for p in params]
-    return SamplingMetadata.build(params, generators, CPU)
+def _meta(params: list[SamplingParams], streams=None) -> SamplingMetadata:
+    if streams is None:
+        streams = [SeededStream(p.seed) if p.seed is not None else None for p in params]
+    return SamplingMetadata.build(params, streams, CPU)
 
 
 def _kept(masked: torch.Tensor) -> set[int]:  # masked: [1, V]
@@ -72,11 +78,11 @@ def test_params_reject_non_int_counts() -> None:
         SamplingParams(top_k=True)
 
 
-def test_build_requires_generator_for_seeded_rows() -> None:
+def test_build_requires_a_stream_for_seeded_rows() -> None:
     params = [SamplingParams(), SamplingParams(seed=3)]
-    with pytest.raises(ValueError, match=r"row 1 has seed=3 but no generator"):
+    with pytest.raises(ValueError, match=r"row 1 has seed=3 but no stream"):
         SamplingMetadata.build(params, [None, None], CPU)
-    with pytest.raises(ValueError, match=r"got 1 generators for 2 rows"):
+    with pytest.raises(ValueError, match=r"got 1 streams for 2 rows"):
         SamplingMetadata.build(params, [None], CPU)
 
 
@@ -164,7 +170,7 @@ def test_top_k_1_equals_greedy() -> None:
 
 def _run_steps(
     sampler: Sampler,
-    rows: list[tuple[SamplingParams, torch.Generator | None]],
+    rows: list[tuple[SamplingParams, SeededStream | None]],
     logits_per_step: list[torch.Tensor],
 ) -> torch.Tensor:  # [steps, B]
     meta = SamplingMetadata.build([p for p, _ in rows], [g for _, g in rows], CPU)
@@ -178,9 +184,9 @@ def test_seeded_row_is_reproducible_and_batch_independent() -> None:
     seeded = SamplingParams(temperature=1.0, seed=1234)
 
     torch.manual_seed(100)
-    alone = _run_steps(
-        Sampler(), [(seeded, make_generator(1234, CPU))], [lg[None] for lg in row_logits]
-    )[:, 0]
+    alone = _run_steps(Sampler(), [(seeded, SeededStream(1234))], [lg[None] for lg in row_logits])[
+        :, 0
+    ]
 
     # Same request at row 2 among greedy, unseeded, filtered and differently seeded rows;
     # the default RNG is reseeded so borrowing it instead of the generator would show.
@@ -192,14 +198,14 @@ def test_seeded_row_is_reproducible_and_batch_independent() -> None:
     rows = [
         (SamplingParams(temperature=0.0), None),
         (SamplingParams(temperature=0.7, top_k=5, top_p=0.8), None),
-        (seeded, make_generator(1234, CPU)),
-        (SamplingParams(temperature=1.2, seed=7, min_p=0.1), make_generator(7, CPU)),
+        (seeded, SeededStream(1234)),
+        (SamplingParams(temperature=1.2, seed=7, min_p=0.1), SeededStream(7)),
     ]
     in_batch = _run_steps(Sampler(), rows, batch_logits)[:, 2]
     assert torch.equal(alone, in_batch)
 
     other_seed = _run_steps(
-        Sampler(), [(seeded, make_generator(4321, CPU))], [lg[None] for lg in row_logits]
+        Sampler(), [(seeded, SeededStream(4321))], [lg[None] for lg in row_logits]
     )[:, 0]
     assert not torch.equal(alone, other_seed)
 
@@ -246,7 +252,7 @@ def test_samples_follow_filtered_distribution() -> None:
     assert (expected > 0).sum() == 4
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    sampler = Sampler(generator=make_generator(0, CPU))
+    sampler = Sampler(generator=torch.Generator().manual_seed(0))
     ids = sampler(logits.repeat(n, 1), _meta([params] * n)).token_ids
     counts = torch.bincount(ids, minlength=len(logits)).float()
     assert _chi_square(counts, expected) < _CHI2_CRIT
@@ -271,6 +277,68 @@ def test_seeded_rows_follow_distribution() -> None:
     counts = torch.bincount(ids, minlength=4).float()
     assert _chi_square(counts, (logits / 0.8).softmax(-1)) < _CHI2_CRIT
     assert _chi_square(counts, logits.softmax(-1)) > _CHI2_CRIT
+
+
+def test_one_seeded_stream_follows_distribution_step_after_step() -> None:
+    # One request sampled step after step: successive draws of one stream are independent.
+    n = 3_000
+    logits = torch.tensor([[1.0, 0.5, 0.0, -1.0]])
+    meta = _meta([SamplingParams(temperature=0.8, seed=11)])
+    sampler = Sampler()
+    ids = torch.cat([sampler(logits, meta).token_ids for _ in range(n)])
+    counts = torch.bincount(ids, minlength=4).float()
+    assert _chi_square(counts, (logits[0] / 0.8).softmax(-1)) < _CHI2_CRIT
+    assert _chi_square(counts, logits[0].softmax(-1)) > _CHI2_CRIT
+
+
+# ---------------------------------------------------------------- seeded streams
+
+
+def test_stream_keys_depend_on_seed_and_draw_number_only() -> None:
+    a, b = SeededStream(5), SeededStream(5)
+    keys = [a.next_key() for _ in range(4)]
+    assert keys == [b.next_key() for _ in range(4)]
+    assert len(set(keys)) == 4 and all(0 <= k < 2**62 for k in keys)
+    assert SeededStream(6).next_key() != keys[0]
+    assert (a.seed, a.draws) == (5, 4)
+
+
+def _lowbias32(x: int) -> int:  # the mixer in plain Python integers (the specification)
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_stream_uniforms_equal_the_integer_specification() -> None:
+    """The tensor hash is exact integer arithmetic (no int64 overflow), so every device
+    gives the same bits: here against the mixer in Python integers."""
+    keys = keys_tensor([SeededStream(s) for s in (0, 1, 2**40 + 3)], CPU)
+    index = torch.tensor([0, 1, 7, 49151, 2**32 - 1])
+    got = uniforms(keys[:, None], index[None, :])
+    for r, key in enumerate(keys.tolist()):
+        for c, i in enumerate(index.tolist()):
+            x = _lowbias32(_lowbias32(i ^ (key & 0xFFFFFFFF)) ^ (key >> 32))
+            assert got[r, c].item() == ((x >> 9) + 0.5) / 2**23
+
+
+def test_stream_uniforms_are_uniform_distinct_and_in_the_open_interval() -> None:
+    keys = keys_tensor([SeededStream(s) for s in range(8)], CPU)  # [8]
+    u = row_uniforms(keys, 1 << 16)  # [8, 65536]
+    assert u.dtype == torch.float32 and u.min() > 0.0 and u.max() < 1.0
+    # A draw's elements never collide (the hash is a bijection of indices; 23 bits kept).
+    assert all(torch.unique(row).numel() > 65536 * 0.99 for row in u)
+    counts = torch.histc(u, bins=16, min=0.0, max=1.0)
+    expected = u.numel() / 16
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 37.7  # 15 degrees of freedom, p = 1e-3
+    # Neighbouring rows (seeds) and columns (indices) are uncorrelated.
+    assert abs(torch.corrcoef(u[:2])[0, 1]) < 0.02
+    assert abs(torch.corrcoef(torch.stack([u[0, :-1], u[0, 1:]]))[0, 1]) < 0.02
+    e = row_exponentials(keys, 1 << 16)
+    assert torch.isfinite(e).all() and (e > 0).all()
+    assert abs(e.mean() - 1.0) < 0.01 and abs(e.var() - 1.0) < 0.03
 
 
 # ---------------------------------------------------------------- logprobs

@@ -17,8 +17,9 @@ from specdec.engine.detokenizer import IncrementalDetokenizer
 from specdec.engine.kv_cache_manager import KVCacheManager, cdiv
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.request import Request, RequestStatus
-from specdec.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata, make_generator
+from specdec.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from specdec.engine.scheduler import Scheduler
+from specdec.engine.seeded_stream import SeededStream
 from specdec.models import load_tokenizer, resolve_model
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from specdec.sampling_params import RequestOutputKind, SamplingParams
@@ -41,7 +42,7 @@ class _RequestState:
     # None when the text is only needed at the end (FINAL_ONLY without stop strings):
     # the output is then decoded once instead of token by token.
     detokenizer: IncrementalDetokenizer | None
-    generator: torch.Generator | None
+    stream: SeededStream | None  # seeded random requests only
     logprobs: list[TokenLogprobs] | None = None
     pending_delta: list[str] = field(default_factory=list)
     num_sent_tokens: int = 0  # output tokens already carried by a DELTA output
@@ -143,9 +144,9 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_tokens=max_tokens,
         )
-        generator = None
+        stream = None
         if params.seed is not None and not params.is_greedy:
-            generator = make_generator(params.seed, self.runner.device)
+            stream = SeededStream(params.seed)
         self._states[request_id] = _RequestState(
             request=request,
             prompt=text,
@@ -154,7 +155,7 @@ class LLMEngine:
                 if params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY
                 else None
             ),
-            generator=generator,
+            stream=stream,
             logprobs=[] if params.logprobs is not None else None,
             spec_exit=spec_exit,
         )
@@ -287,7 +288,7 @@ class LLMEngine:
         self._suppress_early_stops(logits, [st.request for st in states])
         if all(p.is_greedy and p.logprobs is None for p in params):
             return logits.argmax(dim=-1).tolist(), []  # no sampling tensors needed
-        meta = SamplingMetadata.build(params, [st.generator for st in states], self.runner.device)
+        meta = SamplingMetadata.build(params, [st.stream for st in states], self.runner.device)
         sampled = self.sampler(logits, meta)
         token_ids = sampled.token_ids.tolist()
         return token_ids, _logprobs_to_host(sampled.logprobs, token_ids)
@@ -372,7 +373,7 @@ class LLMEngine:
         if all(p.is_greedy for p in params):
             results = greedy_accept_batch(tree_list, tree_logits)  # one host sync
         else:
-            meta = SamplingMetadata.build(params, [st.generator for st in states], logits.device)
+            meta = SamplingMetadata.build(params, [st.stream for st in states], logits.device)
             results = accept_batch(tree_list, tree_logits, meta, self.sampler.generator)
         src, dst = [], []
         bs = self.block_size

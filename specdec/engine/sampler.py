@@ -17,18 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.engine.seeded_stream import SeededStream, keys_tensor, row_exponentials
 from specdec.sampling_params import SamplingParams
 
 # Exp(1) draws of exactly 0 would divide by zero; 0/0 is NaN and argmax favours NaN.
 _MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
-
-
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """The RNG for one seeded request. Create it once when the request arrives and pass
-    the same object every step: its state is what makes the request's tokens reproducible."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
 
 
 @dataclass
@@ -37,7 +30,7 @@ class SamplingMetadata:
 
     Invariants: tensors are on the logits' device; ``temperature`` is 1.0 on greedy rows
     (so dividing by it is harmless); ``top_k`` is 0 where disabled, ``top_p`` 1.0 and
-    ``min_p`` 0.0 where disabled; ``len(generators) == B``. The host flags are exact
+    ``min_p`` 0.0 where disabled; ``len(streams) == B``. The host flags are exact
     summaries of the tensors and exist so the common batches skip work without a sync.
     """
 
@@ -51,7 +44,7 @@ class SamplingMetadata:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
-    generators: list[torch.Generator | None]  # per row; None = draw from the batch's RNG
+    streams: list[SeededStream | None]  # per row; None = draw from the batch's RNG
     max_num_logprobs: int | None  # largest ``logprobs`` in the batch; None if none asked
 
     @property
@@ -60,30 +53,29 @@ class SamplingMetadata:
 
     @property
     def all_seeded(self) -> bool:
-        return all(g is not None for g in self.generators)
+        return all(g is not None for g in self.streams)
 
     @classmethod
     def build(
         cls,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        streams: list[SeededStream | None],
         device: torch.device | str,
     ) -> SamplingMetadata:
         """Gather per-row tensors and flags. Row ``i`` samples with ``params[i]``; a seeded
-        random row needs its request's generator (``make_generator``) in ``generators[i]``."""
+        random row needs its request's stream (``SeededStream(seed)``) in ``streams[i]``."""
         if not params:
             raise ValueError("params is empty; a sampling step needs at least one row")
-        if len(generators) != len(params):
+        if len(streams) != len(params):
             raise ValueError(
-                f"got {len(generators)} generators for {len(params)} rows; pass one per "
-                "row (None for unseeded rows)"
+                f"got {len(streams)} streams for {len(params)} rows; pass one per row "
+                "(None for unseeded rows)"
             )
-        for i, (p, g) in enumerate(zip(params, generators, strict=True)):
+        for i, (p, g) in enumerate(zip(params, streams, strict=True)):
             if p.seed is not None and not p.is_greedy and g is None:
                 raise ValueError(
-                    f"row {i} has seed={p.seed} but no generator; create one with "
-                    "make_generator(seed, device) when the request arrives and pass it "
-                    "every step"
+                    f"row {i} has seed={p.seed} but no stream; create SeededStream(seed) "
+                    "when the request arrives and pass it every step"
                 )
         greedy = [p.is_greedy for p in params]
         return cls(
@@ -101,8 +93,8 @@ class SamplingMetadata:
             no_top_k=all(p.top_k == 0 for p in params),
             no_top_p=all(p.top_p == 1.0 for p in params),
             no_min_p=all(p.min_p == 0.0 for p in params),
-            # Greedy rows never draw; dropping their generator keeps them off its stream.
-            generators=[None if gr else g for g, gr in zip(generators, greedy, strict=True)],
+            # Greedy rows never draw; dropping their stream keeps its counter unmoved.
+            streams=[None if gr else g for g, gr in zip(streams, greedy, strict=True)],
             max_num_logprobs=max(
                 (p.logprobs for p in params if p.logprobs is not None), default=None
             ),
@@ -201,8 +193,9 @@ class Sampler:
 
     Sampling uses the exponential race: with q_i ~ Exp(1) i.i.d., argmax_i p_i / q_i is
     distributed exactly as p, needs no cumulative sum, and is sync-free. A seeded row draws
-    its q from its own generator, so its tokens do not depend on the rest of the batch;
-    unseeded rows share one batched draw from ``generator`` (torch's default RNG if None).
+    its q from its own stream (``seeded_stream``: all seeded rows in one device op), so its
+    tokens do not depend on the rest of the batch; unseeded rows share one batched draw
+    from ``generator`` (torch's default RNG if None).
     Greedy rows take argmax(logits); ties go to the lowest token id.
     """
 
@@ -234,12 +227,17 @@ class Sampler:
     def _exponentials(
         self, probs: torch.Tensor, meta: SamplingMetadata
     ) -> torch.Tensor:  # [B, V] float32, every entry > 0
-        q = torch.empty_like(probs)
-        if not meta.all_seeded:
-            q.exponential_(generator=self.generator)
-        for row, gen in enumerate(meta.generators):
-            if gen is not None:
-                q[row].exponential_(generator=gen)
+        seeded = [row for row, g in enumerate(meta.streams) if g is not None]
+        vocab = probs.shape[1]
+        if seeded:
+            keys = keys_tensor([meta.streams[row] for row in seeded], probs.device)
+            drawn = row_exponentials(keys, vocab)  # [len(seeded), V], every entry > 0
+            if len(seeded) == len(meta.streams):
+                return drawn
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        if seeded:
+            rows = torch.tensor(seeded, dtype=torch.int64).to(probs.device, non_blocking=True)
+            q.index_copy_(0, rows, drawn)
         return q.clamp_min_(_MIN_EXPONENTIAL)
 
 

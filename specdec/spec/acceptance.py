@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from specdec.engine.sampler import SamplingMetadata, probs_from_logits
+from specdec.engine.seeded_stream import SeededStream, keys_tensor, row_exponentials, uniforms
 from specdec.spec.tree import DraftTree, cat_on
 
 # Divisor floor: Exp(1) draws of exactly 0 (as in the sampler) and emptied distributions.
@@ -292,17 +293,18 @@ def _apply_sampled_tables(
 def sample_accept(
     tree: DraftTree,
     target_probs: torch.Tensor,  # [num_nodes, vocab] float32, rows sum to 1
+    stream: SeededStream | None = None,
     generator: torch.Generator | None = None,
 ) -> AcceptResult:
-    """``sample_accept_batch`` for one tree, drawing from ``generator`` (torch's default
-    RNG if None)."""
-    return sample_accept_batch([tree], target_probs, [generator])[0]
+    """``sample_accept_batch`` for one tree, drawing from ``stream`` if given, else from
+    ``generator`` (torch's default RNG if None)."""
+    return sample_accept_batch([tree], target_probs, [stream], generator)[0]
 
 
 def sample_accept_batch(
     trees: list[DraftTree],
     target_probs: torch.Tensor,  # [total_nodes, vocab] float32, trees back to back
-    generators: list[torch.Generator | None],
+    streams: list[SeededStream | None],
     generator: torch.Generator | None = None,
 ) -> list[AcceptResult]:
     """Lossless recursive rejection sampling of every tree (see the module docstring).
@@ -313,13 +315,13 @@ def sample_accept_batch(
     or it has none, the bonus token is drawn from its residual and the tree is done.
 
     Randomness: each tree uses one uniform coin per node and one Exp(1) per vocabulary
-    entry. Tree b draws them (coins first) from ``generators[b]`` when it is not None, so
-    a seeded request's tokens do not depend on the rest of the batch; the other trees
-    share one batched draw from ``generator`` (torch's default RNG if None).
+    entry. Tree b draws them (two keys: coins, then race) from ``streams[b]`` when it is
+    not None, so a seeded request's tokens do not depend on the rest of the batch; the
+    other trees share one batched draw from ``generator`` (torch's default RNG if None).
     """
-    if len(generators) != len(trees):
+    if len(streams) != len(trees):
         raise ValueError(
-            f"got {len(generators)} generators for {len(trees)} trees; pass one per tree "
+            f"got {len(streams)} streams for {len(trees)} trees; pass one per tree "
             "(None to draw from the batch generator)"
         )
     layout = _layout(trees, target_probs, "target_probs")
@@ -331,13 +333,12 @@ def sample_accept_batch(
     device, vocab = target_probs.device, target_probs.shape[1]
     coins = torch.empty(layout.num_nodes, device=device)  # [total_nodes]
     race = torch.empty(len(trees), vocab, device=device)  # [B, vocab]
-    if any(g is None for g in generators):
+    if any(g is None for g in streams):
         coins.uniform_(generator=generator)
         race.exponential_(generator=generator)
-    for b, g in enumerate(generators):
-        if g is not None:
-            coins[layout.offsets[b] : layout.offsets[b + 1]].uniform_(generator=g)
-            race[b].exponential_(generator=g)
+    seeded = [b for b, g in enumerate(streams) if g is not None]
+    if seeded:
+        _seeded_draws(layout, [streams[b] for b in seeded], seeded, coins, race)
     counts = torch.tensor([t.num_nodes for t in trees], device=device)
     race = race.clamp_min(_TINY).repeat_interleave(counts, dim=0, output_size=layout.num_nodes)
     # Exponential race: argmax r / E is a draw from r. Every node of a tree shares the
@@ -355,6 +356,31 @@ def sample_accept_batch(
     return results
 
 
+def _seeded_draws(
+    layout: _Layout,
+    streams: list[SeededStream],
+    trees_b: list[int],  # the seeded trees' indices
+    coins: torch.Tensor,  # [total_nodes] float32, written at the seeded trees' nodes
+    race: torch.Tensor,  # [B, vocab] float32, written at the seeded trees' rows
+) -> None:
+    """Every seeded tree's coins (one per node) and race (one Exp(1) per vocabulary entry)
+    from its stream's next two keys, all trees in one device op each."""
+    device = coins.device
+    keys = keys_tensor([k for s in streams for k in (s, s)], device).view(-1, 2)  # [n, 2]
+    sizes = [layout.offsets[b + 1] - layout.offsets[b] for b in trees_b]
+    nodes = torch.tensor(
+        [i for b in trees_b for i in range(layout.offsets[b], layout.offsets[b + 1])],
+        dtype=torch.int64,
+    ).to(device, non_blocking=True)  # [seeded nodes]
+    local = torch.cat([torch.arange(n, dtype=torch.int64) for n in sizes]).to(device)
+    owner = torch.repeat_interleave(
+        torch.arange(len(trees_b), device=device), torch.tensor(sizes, device=device)
+    )
+    coins.index_copy_(0, nodes, uniforms(keys[owner, 0], local))
+    rows = torch.tensor(trees_b, dtype=torch.int64).to(device, non_blocking=True)
+    race.index_copy_(0, rows, row_exponentials(keys[:, 1], race.shape[1]))
+
+
 def accept_batch(
     trees: list[DraftTree],
     target_logits: torch.Tensor,  # [total_nodes, vocab] float32, trees back to back
@@ -366,8 +392,8 @@ def accept_batch(
     ``target_logits`` holds the raw verify logits of tree 0's nodes, then tree 1's, ...
     (node order; ``SpecDecodeMetadata.logits_indices`` gathers them). Greedy rows go to
     ``greedy_accept_batch`` on the raw logits; random rows to ``sample_accept_batch`` on
-    ``probs_from_logits`` of their nodes (one batched call), with the row's generator
-    when seeded and ``generator`` (the engine's batch RNG) otherwise, as the sampler does.
+    ``probs_from_logits`` of their nodes (one batched call), with the row's stream when
+    seeded and ``generator`` (the engine's batch RNG) otherwise, as the sampler does.
     Host syncs: the greedy mask of a mixed batch, plus those of the two batch functions.
     """
     if meta.num_rows != len(trees):
@@ -385,7 +411,7 @@ def accept_batch(
         return greedy_accept_batch(trees, target_logits)
     if meta.all_random:
         probs = probs_from_logits(target_logits, _per_node(meta, counts))  # [total, vocab]
-        return sample_accept_batch(trees, probs, meta.generators, generator)
+        return sample_accept_batch(trees, probs, meta.streams, generator)
 
     greedy = meta.greedy.tolist()  # sync
     offsets = [0]
@@ -405,7 +431,7 @@ def accept_batch(
         else:
             group_meta = _select_rows(meta, rows_b)
             probs = probs_from_logits(logits, _per_node(group_meta, [counts[b] for b in rows_b]))
-            out = sample_accept_batch(group_trees, probs, group_meta.generators, generator)
+            out = sample_accept_batch(group_trees, probs, group_meta.streams, generator)
         for b, result in zip(rows_b, out, strict=True):
             results[b] = result
     return [r for r in results if r is not None]
@@ -413,7 +439,7 @@ def accept_batch(
 
 def _take_rows(meta: SamplingMetadata, index: torch.Tensor, **flags) -> SamplingMetadata:
     """``meta``'s per-row tensors gathered at ``index``; ``flags`` replace fields whose
-    value the gather changes (host flags, generators)."""
+    value the gather changes (host flags, streams)."""
     return dataclasses.replace(
         meta,
         temperature=meta.temperature[index],
@@ -435,7 +461,7 @@ def _select_rows(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
         index,
         all_greedy=False,
         all_random=True,
-        generators=[meta.generators[b] for b in rows],
+        streams=[meta.streams[b] for b in rows],
     )
 
 
@@ -448,6 +474,6 @@ def _per_node(meta: SamplingMetadata, counts: list[int]) -> SamplingMetadata:
     return _take_rows(
         meta,
         index,
-        generators=[g for g, n in zip(meta.generators, counts, strict=True) for _ in range(n)],
+        streams=[g for g, n in zip(meta.streams, counts, strict=True) for _ in range(n)],
         max_num_logprobs=None,
     )
