@@ -366,3 +366,14 @@ def test_logprobs_are_log_softmax_of_raw_logits() -> None:
 def test_rejects_non_float32_logits() -> None:
     with pytest.raises(TypeError, match=r"dtype torch.bfloat16"):
         Sampler()(torch.zeros(1, 4, dtype=torch.bfloat16), _meta([SamplingParams()]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stream_uniforms_are_the_same_bits_on_the_gpu() -> None:
+    """A seeded request samples the same tokens on CPU and GPU from equal probabilities."""
+    keys = keys_tensor([SeededStream(s) for s in range(16)], CPU)
+    cpu = row_exponentials(keys, 49152)
+    gpu = row_exponentials(keys.cuda(), 49152).cpu()
+    assert torch.equal(row_uniforms(keys, 49152), row_uniforms(keys.cuda(), 49152).cpu())
+    torch.testing.assert_close(gpu, cpu, rtol=1e-6, atol=0)  # log may differ in the last ulp
