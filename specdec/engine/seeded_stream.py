@@ -83,8 +83,11 @@ def uniforms(
 
 
 def keys_tensor(streams: list[SeededStream], device: torch.device | str) -> torch.Tensor:
-    """The next key of each stream, as one [len(streams)] int64 tensor (one copy)."""
-    return torch.tensor([s.next_key() for s in streams], dtype=torch.int64, device=device)
+    """The next key of each stream, as one [len(streams)] int64 tensor (one copy,
+    non-blocking like the engine's other step inputs: the host does not wait for the
+    device to drain)."""
+    keys = torch.tensor([s.next_key() for s in streams], dtype=torch.int64)
+    return keys.to(device, non_blocking=True)
 
 
 def row_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:  # [rows, n] float32

@@ -372,10 +372,9 @@ def _seeded_draws(
         [i for b in trees_b for i in range(layout.offsets[b], layout.offsets[b + 1])],
         dtype=torch.int64,
     ).to(device, non_blocking=True)  # [seeded nodes]
-    local = torch.cat([torch.arange(n, dtype=torch.int64) for n in sizes]).to(device)
-    owner = torch.repeat_interleave(
-        torch.arange(len(trees_b), device=device), torch.tensor(sizes, device=device)
-    )
+    local = torch.cat([torch.arange(n, dtype=torch.int64) for n in sizes])
+    owner = torch.repeat_interleave(torch.arange(len(trees_b)), torch.tensor(sizes))
+    local, owner = local.to(device, non_blocking=True), owner.to(device, non_blocking=True)
     coins.index_copy_(0, nodes, uniforms(keys[owner, 0], local))
     rows = torch.tensor(trees_b, dtype=torch.int64).to(device, non_blocking=True)
     race.index_copy_(0, rows, row_exponentials(keys[:, 1], race.shape[1]))
