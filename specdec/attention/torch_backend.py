@@ -199,8 +199,8 @@ def paged_attention_batched_ref(
         flat = meta.tree_mask_offsets[:, None, None] + r[None, :, None] * t[:, None, None] + r
         trees = meta.tree_mask[torch.where(inside, flat, 0)] & inside  # [B, tm, tm]
         first = (seq_lens - t)[:, None]  # [B, 1]: the tree's first cache index
-        qi = (q_pos - first).clamp(0, max(tm - 1, 0))  # [B, qm]: query's tree node
-        ki = (k[None, :] - first).clamp(0, max(tm - 1, 0))  # [B, L]: key's tree node
+        qi = (q_pos - first).clamp(0, tm - 1)  # [B, qm]: query's tree node (tm >= 1)
+        ki = (k[None, :] - first).clamp(0, tm - 1)  # [B, L]: key's tree node
         bit = trees[torch.arange(num_seqs, device=device)[:, None, None], qi[:, :, None],
                     ki[:, None, :]]  # fmt: skip
         mask &= (k[None, None, :] < first[:, :, None]) | bit

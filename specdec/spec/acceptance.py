@@ -367,16 +367,18 @@ def _seeded_draws(
     from its stream's next two keys, all trees in one device op each."""
     device = coins.device
     keys = keys_tensor([k for s in streams for k in (s, s)], device).view(-1, 2)  # [n, 2]
-    sizes = [layout.offsets[b + 1] - layout.offsets[b] for b in trees_b]
-    nodes = torch.tensor(
-        [i for b in trees_b for i in range(layout.offsets[b], layout.offsets[b + 1])],
-        dtype=torch.int64,
-    ).to(device, non_blocking=True)  # [seeded nodes]
-    local = torch.cat([torch.arange(n, dtype=torch.int64) for n in sizes])
-    owner = torch.repeat_interleave(torch.arange(len(trees_b)), torch.tensor(sizes))
-    local, owner = local.to(device, non_blocking=True), owner.to(device, non_blocking=True)
-    coins.index_copy_(0, nodes, uniforms(keys[owner, 0], local))
-    rows = torch.tensor(trees_b, dtype=torch.int64).to(device, non_blocking=True)
+    # Per seeded node: its global index, its index in its tree, its tree's row in `keys`.
+    nodes, local, owner = [], [], []
+    for j, b in enumerate(trees_b):
+        lo, hi = layout.offsets[b], layout.offsets[b + 1]
+        nodes += range(lo, hi)
+        local += range(hi - lo)
+        owner += [j] * (hi - lo)
+    packed = torch.tensor(nodes + local + owner + trees_b, dtype=torch.int64)
+    nodes_t, local_t, owner_t, rows = packed.to(device, non_blocking=True).split(
+        [len(nodes)] * 3 + [len(trees_b)]
+    )  # one copy
+    coins.index_copy_(0, nodes_t, uniforms(keys[owner_t, 0], local_t))
     race.index_copy_(0, rows, row_exponentials(keys[:, 1], race.shape[1]))
 
 
