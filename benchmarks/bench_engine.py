@@ -31,7 +31,8 @@ from specdec.sampling_params import RequestOutputKind
 
 VARIANTS = {
     # name: engine keyword overrides
-    "graphs+compile": {},
+    "graphs+compile": {},  # async scheduling on (auto on the CUDA-graph path)
+    "graphs+compile+sync": {"async_scheduling": False},
     "graphs": {"compile": False},
     "eager": {"enforce_eager": True},
 }

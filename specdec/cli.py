@@ -57,6 +57,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap host work with the device by keeping one step in flight (default: "
+        "on for plain decoding with CUDA graphs, off otherwise)",
+    )
+    g.add_argument(
         "--draft",
         default=None,
         choices=["auto", "none", "ngram", "eagle3", "draft_model"],
@@ -166,6 +173,7 @@ def _engine_kwargs(args: argparse.Namespace, draft_fallback: str | None = None) 
         **({} if args.admit_batch is None else {"admit_batch": args.admit_batch}),
         seed=args.seed,
         speculative=_speculative(args, draft_fallback),
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -142,6 +142,12 @@ class EngineConfig:
 
     ``dtype``/``device``/``attention_backend`` = "auto" pick bf16 + cuda + triton when a GPU
     is present and fp32 + cpu + torch otherwise.
+
+    ``async_scheduling``: keep one step in flight, so the host schedules and prepares step
+    N+1 and handles step N's outputs while the device runs them (vLLM's async scheduling).
+    Outputs are the same; a request that stops at step N has one more token computed and
+    dropped. None (auto) turns it on for plain decoding on the CUDA-graph path; speculative
+    decoding steps wait for their acceptance and run synchronously.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -156,8 +162,15 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError(
+                "async_scheduling=True with speculative decoding is not supported: a verify "
+                "step needs its acceptance before the next draft; leave async_scheduling "
+                "unset (auto) or False"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid; choose one of {sorted(_DTYPES)}")
         if self.cuda_graph_max_batch_size < 1:

@@ -13,7 +13,7 @@ from prompts import varied_conversations
 from tiny_models import make_tiny_model_dir
 
 from specdec import LLM, SamplingParams
-from specdec.config import SpeculativeConfig
+from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.cuda_graph import StepGraphs
 from specdec.sampling_params import RequestOutputKind
 from specdec.spec.tree_draft import GrowGraphs
@@ -184,6 +184,93 @@ def test_errors_name_value_and_limit(llm):
     with pytest.raises(ValueError):
         llm.generate([[5] * 10, [5] * 5000], greedy(), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def _output_key(out) -> tuple:
+    c = out.outputs[0]
+    top = [(lp.token_id, list(lp.top)) for lp in c.logprobs or []]
+    return c.token_ids, c.text, c.finish_reason, c.stop_reason, top
+
+
+def _logprob_values(out) -> list[float]:
+    return [v for lp in out.outputs[0].logprobs or [] for v in (lp.logprob, *lp.top.values())]
+
+
+def test_async_scheduling_equals_sync(smollm2_dir, chats):
+    """One step in flight (step N+1 launched before the host reads step N's tokens, its
+    decode rows fed from the device) changes no output: greedy with and without EOS, stop
+    strings, min_tokens, max_tokens=1, seeded sampling and logprobs, under chunked prefill,
+    prefix caching and preemption. Stopped requests' extra tokens are dropped, and the
+    pool ends free."""
+    prompts = [c[-(40 + 7 * i) :] for i, c in enumerate(chats * 2)]  # 32 varied prompts
+    kinds = [
+        greedy(24),
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0, max_tokens=24, stop=["."]),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=7),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=8, logprobs=2),
+        SamplingParams(temperature=1.0, max_tokens=24, min_tokens=12, seed=3),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
+    tight = {"kv_cache_memory": 48 * block_bytes, "max_model_len": 512}
+    tight["max_num_batched_tokens"] = 64
+    expected = make_llm(smollm2_dir, async_scheduling=False, **tight).generate(
+        prompts, params, use_tqdm=False
+    )
+    llm = make_llm(smollm2_dir, async_scheduling=True, **tight)
+    assert llm.engine.async_scheduling
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [_output_key(o) for o in got] == [_output_key(o) for o in expected]
+    # A row's fp32 log-softmax may round differently in another batch composition.
+    for a, b in zip(got, expected, strict=True):
+        assert _logprob_values(a) == pytest.approx(_logprob_values(b), abs=1e-5)
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.num_dropped_tokens > 0  # stops were seen one step late
+    assert {o.outputs[0].finish_reason for o in got} == {"stop", "length"}
+    floors = [p.min_tokens for p in params]
+    assert all(len(o.outputs[0].token_ids) >= m for o, m in zip(got, floors, strict=True))
+    pool = engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    assert not engine.has_unfinished_requests()
+
+
+def test_async_scheduling_streams_and_aborts_with_a_step_in_flight(smollm2_dir, chats, reference):
+    """Streaming under async scheduling: every token reaches the client once, in order; a
+    request aborted while its next step is in flight emits nothing more, and the others
+    keep their greedy tokens."""
+    engine = make_llm(smollm2_dir, async_scheduling=True).engine
+    params = SamplingParams(
+        temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    ids = [engine.add_request(chats[i], params) for i in range(4)]
+    got: dict[str, list[int]] = {i: [] for i in ids}
+    text: dict[str, str] = {i: "" for i in ids}
+    step = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.outputs[0].token_ids
+            text[out.request_id] += out.outputs[0].text
+        step += 1
+        if step == 6:
+            assert engine._in_flight is not None  # the abort lands on a launched step
+            engine.abort_request(ids[1])
+            aborted_at = len(got[ids[1]])
+    assert len(got[ids[1]]) == aborted_at < NEW_TOKENS
+    assert got[ids[1]] == reference[1][:aborted_at]
+    for i in (0, 2, 3):
+        assert got[ids[i]] == reference[i]
+        assert text[ids[i]] == engine.tokenizer.decode(reference[i], skip_special_tokens=True)
+    pool = engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_async_scheduling_refuses_speculation():
+    spec = SpeculativeConfig(method="ngram")
+    with pytest.raises(ValueError, match="async_scheduling=True with speculative decoding"):
+        EngineConfig(async_scheduling=True, speculative=spec)
 
 
 @pytest.mark.parametrize(

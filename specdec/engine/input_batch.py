@@ -43,6 +43,15 @@ def _tree_mask(
 
 
 @dataclass
+class PendingTokens:
+    """The tokens the step in flight sampled (async scheduling), still on the device: the
+    next step feeds them to the model without waiting for the host to read them."""
+
+    token_ids: torch.Tensor  # [num_sampled] int64
+    rows: dict[str, int]  # request_id -> its row in token_ids
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
@@ -69,6 +78,7 @@ def build_step_inputs(
     block_table_width: int | None = None,
     trees: dict[int, DraftTree] | None = None,
     pad_trees_to: int | None = None,
+    pending: PendingTokens | None = None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one varlen batch.
 
@@ -84,6 +94,10 @@ def build_step_inputs(
     uniform shape. Fillers (token 0 at the root's position, children of the root) come
     after the tree's nodes; their K/V lands in lookahead slots the step trims, and their
     logits are never returned.
+
+    A request whose last input token is pending (async scheduling) takes it from
+    ``pending`` on the device; it is sampled when this step reaches
+    ``num_tokens_with_pending``.
     """
     trees = trees or {}
     starts = [s.request.num_computed_tokens for s in scheduled]
@@ -113,6 +127,8 @@ def build_step_inputs(
     tree_parents: list[torch.Tensor] = []
     tree_list: list[DraftTree] = []
     tree_token_rows: list[int] = []
+    pending_rows: list[int] = []  # flat rows whose input is a pending token
+    pending_src: list[int] = []  # ... and its row in pending.token_ids
     for row, (sched, start, q_len) in enumerate(zip(scheduled, starts, q_lens, strict=True)):
         request = sched.request
         blocks = request.block_ids
@@ -144,7 +160,19 @@ def build_step_inputs(
             tree_list.append(tree)
             continue
         tree_parents.append(_NO_TREE)
-        input_ids += request.token_ids(start, end)
+        known = request.num_tokens
+        if end <= known:
+            input_ids += request.token_ids(start, end)
+        else:
+            if pending is None or end != known + 1 or request.request_id not in pending.rows:
+                raise RuntimeError(
+                    f"request {request.request_id}: step reaches token {end - 1} but only "
+                    f"{known} are known and no step in flight sampled the next one"
+                )
+            input_ids += request.token_ids(start, known)
+            pending_rows.append(len(input_ids))
+            pending_src.append(pending.rows[request.request_id])
+            input_ids.append(0)  # placeholder: filled on the device below
         if q_len == 1:
             positions.append(start)
             slot_mapping.append(blocks[start // block_size] * block_size + start % block_size)
@@ -152,7 +180,7 @@ def build_step_inputs(
             pos = range(start, end)
             positions += pos
             slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in pos]
-        if end == request.num_tokens:
+        if end == request.num_tokens_with_pending:
             logits_indices.append(len(positions) - 1)
             sampled_rows.append(row)
             logits_counts.append(1)
@@ -166,19 +194,31 @@ def build_step_inputs(
     n, s = num_tokens, len(scheduled)
     packed64 = _to_device(
         np.array(
-            input_ids + positions + slot_mapping + logits_indices + tree_token_rows,
+            input_ids
+            + positions
+            + slot_mapping
+            + logits_indices
+            + tree_token_rows
+            + pending_rows
+            + pending_src,
             dtype=np.int64,
         ),
         device,
     )
     num_logits = len(logits_indices)
+    extra = 3 * n + num_logits  # where the device-filled rows start in packed64
     if tree_list:
-        rows = packed64[3 * n + num_logits :]
+        rows = packed64[extra : extra + len(tree_token_rows)]
         # Trees may live on the host (ngram, root-only) or the device (model proposers).
         tokens = cat_on(device, [t.token_ids for t in tree_list])
         depths = cat_on(device, [t.depths for t in tree_list])
         packed64[:n].index_copy_(0, rows, tokens)
         packed64[n : 2 * n].index_add_(0, rows, depths)
+    if pending_rows:
+        assert pending is not None
+        k, first = len(pending_rows), extra + len(tree_token_rows)
+        dst, src = packed64[first : first + k], packed64[first + k :]
+        packed64[:n].index_copy_(0, dst, pending.token_ids.index_select(0, src))
     packed32 = _to_device(
         np.concatenate([query_start_loc, np.asarray(seq_lens, np.int32), block_tables.ravel()]),
         device,

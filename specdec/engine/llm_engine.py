@@ -1,5 +1,10 @@
 """The engine loop: ``step()`` = schedule → prepare inputs → forward → sample → update
-requests (append tokens, detokenize, check stops, free finished requests' blocks)."""
+requests (append tokens, detokenize, check stops, free finished requests' blocks).
+
+Under async scheduling (``EngineConfig.async_scheduling``) one step stays in flight:
+``step()`` schedules and launches step N+1 (its decode rows read step N's sampled tokens
+on the device), then reads step N's tokens and updates requests while the device runs
+N+1, so host work and device work overlap instead of alternating."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import torch
 from specdec.config import EngineConfig
 from specdec.engine.block_pool import BlockPool
 from specdec.engine.detokenizer import IncrementalDetokenizer
+from specdec.engine.input_batch import PendingTokens
 from specdec.engine.kv_cache_manager import KVCacheManager, cdiv
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.request import Request, RequestStatus
@@ -50,6 +56,42 @@ class _RequestState:
     spec_exit: SpecExitState | None = None  # the request opted into SpecExit
 
 
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read (async scheduling).
+
+    The tokens are copied to a pinned host buffer behind the step's work and an event
+    marks the copy, so reading them waits for this step only, not for the one launched
+    after it.
+    """
+
+    def __init__(
+        self,
+        requests: list[Request],  # each sampled row's request, in row order
+        token_ids: torch.Tensor,  # [num_sampled] int64, on the model's device
+        logprobs: LogprobsTensors | None,
+        host: torch.Tensor | None,  # pinned [>= num_sampled] int64 (CUDA only)
+        event: torch.cuda.Event | None,
+    ) -> None:
+        self.requests = requests
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+        self._host = None
+        self._event = event
+        if host is not None and event is not None:
+            self._host = host[: token_ids.shape[0]]
+            self._host.copy_(token_ids, non_blocking=True)
+            event.record()
+
+    def pending(self) -> PendingTokens:
+        return PendingTokens(self.token_ids, {r.request_id: i for i, r in enumerate(self.requests)})
+
+    def read(self) -> list[int]:
+        if self._host is None:
+            return self.token_ids.tolist()
+        self._event.synchronize()
+        return self._host.tolist()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -74,6 +116,20 @@ class LLMEngine:
         signals = self.proposer.exit_signals if self.proposer is not None else ()
         self.spec_exit = SpecExitRuntime(self.tokenizer, signals) if signals else None
         self._capture_graphs()
+        self.async_scheduling = self.config.async_scheduling
+        if self.async_scheduling is None:  # auto: where the device runs ahead of the host
+            self.async_scheduling = self.proposer is None and self.runner.graphs is not None
+        self._in_flight: _InFlight | None = None
+        self.num_dropped_tokens = 0  # async: tokens computed for requests already stopped
+        # Two pinned token buffers and events, alternating: step N+1's copy must not
+        # overwrite step N's tokens before the host has read them.
+        self._host_tokens: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        if self.async_scheduling and self.runner.device.type == "cuda":
+            n = self.config.scheduler.max_num_seqs
+            self._host_tokens = [
+                (torch.empty(n, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                for _ in range(2)
+            ]
         self.spec_stats = SpecStats()
         # Give decoding rows without a draft a root-only tree when some row has one, so
         # verify steps keep the uniform shape CUDA graphs replay (the GPU path).
@@ -198,17 +254,21 @@ class LLMEngine:
             self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_waiting + self.scheduler.num_running
 
     # ---- the step ----------------------------------------------------------------------
+    @torch.inference_mode()  # also: sampling edits the forward's (inference) logits in place
     def step(self) -> list[RequestOutput]:
         """Run one step; return outputs for requests that produced tokens (per their
         ``output_kind``). With speculation, decoding requests verify a draft tree and may
-        emit several tokens; the step is otherwise the same."""
+        emit several tokens; the step is otherwise the same. Under async scheduling the
+        outputs are those of the step launched by the previous call."""
+        if self.async_scheduling:
+            return self._step_async()
         sched = self.scheduler.schedule(self.lookahead)
         if sched.is_empty:
             return []
@@ -272,6 +332,60 @@ class LLMEngine:
                 self._forget(request.request_id)
         return outputs
 
+    # ---- async scheduling ---------------------------------------------------------------
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch step N+1, then read step N's tokens and update its requests while the
+        device runs N+1. A request that step N stops was scheduled in N+1 too: that token
+        is computed and dropped (its K/V lands in the request's own freed slots, written
+        before any later step can hand them out, as the device runs steps in order)."""
+        sched = self.scheduler.schedule()
+        launched = self._launch(sched.scheduled) if not sched.is_empty else None
+        done, self._in_flight = self._in_flight, launched
+        return self._finish(done) if done is not None else []
+
+    def _launch(self, scheduled) -> _InFlight | None:
+        """Prepare, run and sample one step without reading anything back."""
+        pending = self._in_flight.pending() if self._in_flight is not None else None
+        inputs = self.runner.prepare(scheduled, pending=pending)
+        logits, _ = self.runner.execute(inputs)
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        self.num_steps += 1
+        if not inputs.sampled_rows:
+            return None
+        requests = [scheduled[row].request for row in inputs.sampled_rows]
+        states = [self._states[r.request_id] for r in requests]
+        token_ids, logprobs = self._sample_on_device(states, logits)
+        for request in requests:
+            request.num_pending_tokens += 1
+        host, event = None, None
+        if self._host_tokens:
+            self._host_tokens.reverse()
+            host, event = self._host_tokens[0]
+        return _InFlight(requests, token_ids, logprobs, host, event)
+
+    def _finish(self, done: _InFlight) -> list[RequestOutput]:
+        """Append a launched step's tokens (the step's host sync) and build its outputs."""
+        token_ids = done.read()
+        # Logprobs read back on the current stream, i.e. after the step launched since:
+        # only requests that ask for them pay that wait.
+        logprobs = _logprobs_to_host(done.logprobs, token_ids)
+        now = time.monotonic()
+        outputs = []
+        for i, (request, token_id) in enumerate(zip(done.requests, token_ids, strict=True)):
+            request.num_pending_tokens -= 1
+            state = self._states.get(request.request_id)
+            if state is None or request.is_finished:
+                self.num_dropped_tokens += 1  # stopped or aborted after this step launched
+                continue
+            self._append_token(state, token_id, logprobs[i] if logprobs else None, now)
+            kind = request.sampling_params.output_kind
+            if request.is_finished or kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(state, delta=kind is RequestOutputKind.DELTA))
+            if request.is_finished:
+                self._forget(request.request_id)
+        return outputs
+
     def _forget(self, request_id: str) -> None:
         del self._states[request_id]
         if self.proposer is not None:
@@ -284,14 +398,21 @@ class LLMEngine:
         self, states: list[_RequestState], logits: torch.Tensor
     ) -> tuple[list[int], list[TokenLogprobs]]:
         """One token per row from [rows, vocab] logits (the step's host sync)."""
+        tokens, logprobs = self._sample_on_device(states, logits)
+        token_ids = tokens.tolist()
+        return token_ids, _logprobs_to_host(logprobs, token_ids)
+
+    def _sample_on_device(
+        self, states: list[_RequestState], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, LogprobsTensors | None]:  # [rows] int64, logprobs
+        """One token per row from [rows, vocab] logits, left on the device."""
         params = [st.request.sampling_params for st in states]
         self._suppress_early_stops(logits, [st.request for st in states])
         if all(p.is_greedy and p.logprobs is None for p in params):
-            return logits.argmax(dim=-1).tolist(), []  # no sampling tensors needed
+            return logits.argmax(dim=-1), None  # no sampling tensors needed
         meta = SamplingMetadata.build(params, [st.stream for st in states], self.runner.device)
         sampled = self.sampler(logits, meta)
-        token_ids = sampled.token_ids.tolist()
-        return token_ids, _logprobs_to_host(sampled.logprobs, token_ids)
+        return sampled.token_ids, sampled.logprobs
 
     def _propose(self, scheduled) -> dict[int, DraftTree]:
         """Draft trees for decoding rows that reserved lookahead slots."""
@@ -434,7 +555,8 @@ class LLMEngine:
         (in place, so the sampled distribution is the target's renormalised over the rest)."""
         for row, request in enumerate(requests):
             params = request.sampling_params
-            if request.num_output_tokens >= params.min_tokens:
+            # The row samples output token num_output + pending (async scheduling).
+            if request.num_output_tokens + request.num_pending_tokens >= params.min_tokens:
                 continue
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:

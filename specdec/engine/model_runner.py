@@ -14,7 +14,7 @@ from specdec.attention.custom_op import OpaqueAttention
 from specdec.attention.metadata import AttentionMetadata
 from specdec.config import EngineConfig
 from specdec.engine.cuda_graph import StepGraphs, graph_batch_sizes, tree_graph_batch_sizes
-from specdec.engine.input_batch import StepInputs, build_step_inputs
+from specdec.engine.input_batch import PendingTokens, StepInputs, build_step_inputs
 from specdec.engine.kv_cache_manager import cdiv
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.models import load_config, load_model
@@ -216,10 +216,16 @@ class ModelRunner:
             logger.info("capturing CUDA graphs for %d-node trees, batch sizes %s", tree_size, sizes)
             self.graphs.capture(tree_size, sizes)
 
-    def prepare(self, scheduled: list[ScheduledRequest], trees=None) -> StepInputs:
+    def prepare(
+        self,
+        scheduled: list[ScheduledRequest],
+        trees=None,
+        pending: PendingTokens | None = None,
+    ) -> StepInputs:
         """Step inputs; a verify step is padded to the smallest captured tree size that
         holds every tree (shorter chains near a request's end, ngram chains of uneven
-        length), so that it replays a graph instead of running eagerly."""
+        length), so that it replays a graph instead of running eagerly. ``pending``: the
+        tokens of the step in flight (async scheduling)."""
         pad = None
         if self.graphs is not None and trees and len(trees) == len(scheduled):
             largest = max(t.num_nodes for t in trees.values())
@@ -232,7 +238,7 @@ class ModelRunner:
                 None,
             )
         return build_step_inputs(
-            scheduled, self.block_size, self.device, trees=trees, pad_trees_to=pad
+            scheduled, self.block_size, self.device, trees=trees, pad_trees_to=pad, pending=pending
         )
 
     @torch.inference_mode()

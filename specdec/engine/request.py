@@ -4,6 +4,10 @@
 decode phases: each step computes up to ``num_tokens - num_computed_tokens`` tokens (a
 prefill chunk, or the one newest token when decoding); when a step reaches the last known
 token, the token sampled from its logits is appended to the output.
+
+*Pending tokens* exist only under async scheduling: a step sampled them but the host has
+not read them yet. The next step may already compute a pending token (its id reaches the
+model on the device), so the scheduler counts ``num_tokens_with_pending``.
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ _FINISHED = {
 
 @dataclass(eq=False)
 class Request:
-    """Invariants: ``0 <= num_computed_tokens <= num_tokens``; ``block_ids`` holds exactly
-    the blocks backing slots ``[0, len(block_ids) * block_size)``; block hashes cover only
-    full blocks of known tokens."""
+    """Invariants: ``0 <= num_computed_tokens <= num_tokens_with_pending``; ``block_ids``
+    holds exactly the blocks backing slots ``[0, len(block_ids) * block_size)``; block
+    hashes cover only full blocks of known tokens (never a pending one)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -52,6 +56,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
+    num_pending_tokens: int = 0  # sampled by the step in flight, not yet appended (0 or 1)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
@@ -69,6 +74,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return self.num_tokens + self.num_pending_tokens
 
     def token_id(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -87,6 +87,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Async scheduling: the pending token reaches max_tokens or the context limit, so
+        the request finishes once the host reads it (a stop token is only seen then)."""
+        pending = request.num_pending_tokens
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens_with_pending >= self.max_model_len
+        )
+
     # ---- the step ---------------------------------------------------------------------
     def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
         """Pick this step's work. ``num_lookahead_tokens`` reserves slots for draft tokens
@@ -96,7 +105,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_with_pending(request):
+                i += 1  # its step in flight sampled its last token: nothing left to compute
+                continue
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             lookahead = 0
             if num_new == 1:  # decoding: room for drafts, never past the context limit
                 lookahead = max(
@@ -124,6 +136,8 @@ class Scheduler:
             self._group_open = True
         if not self._group_open:
             return out
+        # A request preempted this step may still have a token in flight; the engine reads
+        # it before the next schedule, and nothing is admitted after a preemption anyway.
         while (
             self.waiting
             and budget > 0
