@@ -105,22 +105,75 @@ def test_alone_equals_batched(llm, chats, reference):
     assert alone[0] == reference[5]
 
 
-def test_preemption_keeps_outputs(smollm2_dir, chats):
-    """32 requests through a pool far too small for all of them at once."""
-    prompts = [c[-(40 + 7 * i) :] for i, c in enumerate(chats * 2)]  # 32 varied prompts
-    params = greedy(24)
-    roomy = make_llm(smollm2_dir, kv_cache_memory=64 << 20)
-    expected = token_ids(roomy.generate(prompts, params, use_tqdm=False))
-    # ~48 blocks of 16 tokens: room for about 3 of these requests at a time.
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    tight = make_llm(smollm2_dir, kv_cache_memory=48 * block_bytes, max_model_len=512)
-    got = tight.generate(prompts, params, use_tqdm=False)
-    assert token_ids(got) == expected
-    assert tight.engine.scheduler.num_preemptions > 0
-    assert sum(o.metrics.num_preemptions for o in got) > 0
-    pool = tight.engine.kv_manager.pool
+# 32 varied prompts with every stopping and sampling mode, through a pool of ~48 blocks of
+# 16 tokens (room for about 3 of these requests at a time) and 64-token prefill chunks.
+MIXED_KINDS = [
+    greedy(24),
+    SamplingParams(temperature=0, max_tokens=24),
+    SamplingParams(temperature=0, max_tokens=24, stop=["."]),
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=7),
+    SamplingParams(temperature=0, max_tokens=1),
+    SamplingParams(temperature=0, max_tokens=8, logprobs=2),
+    SamplingParams(temperature=1.0, max_tokens=24, min_tokens=12, seed=3),
+]
+TIGHT = {
+    "kv_cache_memory": 48 * 2 * 30 * 16 * 3 * 64 * 4,
+    "max_model_len": 512,
+    "max_num_batched_tokens": 64,
+}
+
+
+@pytest.fixture(scope="module")
+def mixed(chats):
+    prompts = [c[-(40 + 7 * i) :] for i, c in enumerate(chats * 2)]
+    return prompts, [MIXED_KINDS[i % len(MIXED_KINDS)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def tight_sync(smollm2_dir, mixed):
+    """The mixed requests through the tight pool, synchronous steps: (llm, outputs)."""
+    llm = make_llm(smollm2_dir, async_scheduling=False, **TIGHT)
+    return llm, llm.generate(*mixed, use_tqdm=False)
+
+
+def _output_key(out) -> tuple:
+    c = out.outputs[0]
+    top = [(lp.token_id, list(lp.top)) for lp in c.logprobs or []]
+    return c.token_ids, c.text, c.finish_reason, c.stop_reason, top
+
+
+def _logprob_values(out) -> list[float]:
+    return [v for lp in out.outputs[0].logprobs or [] for v in (lp.logprob, *lp.top.values())]
+
+
+def assert_same_outputs(got, expected) -> None:
+    """Tokens, text, finish and top-n ids exactly; logprob values to 1e-4 (a row's fp32
+    log-softmax may round differently in another batch composition)."""
+    assert [_output_key(o) for o in got] == [_output_key(o) for o in expected]
+    for a, b in zip(got, expected, strict=True):
+        assert _logprob_values(a) == pytest.approx(_logprob_values(b), abs=1e-4)
+
+
+def assert_pool_free(engine) -> None:
+    pool = engine.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+    assert not engine.has_unfinished_requests()
+
+
+def test_preemption_keeps_outputs(smollm2_dir, mixed, tight_sync):
+    """32 requests through a pool far too small for all of them at once finish with the
+    outputs of a roomy pool, and the pool ends free."""
+    roomy = make_llm(smollm2_dir, async_scheduling=False, kv_cache_memory=64 << 20)
+    expected = roomy.generate(*mixed, use_tqdm=False)
+    tight, got = tight_sync
+    assert_same_outputs(got, expected)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    assert {o.outputs[0].finish_reason for o in got} == {"stop", "length"}
+    floors = [p.min_tokens for p in mixed[1]]
+    assert all(len(o.outputs[0].token_ids) >= m for o, m in zip(got, floors, strict=True))
+    assert_pool_free(tight.engine)
 
 
 def test_prefix_cache_computes_shared_system_prompt_once(llm, chats):
@@ -186,55 +239,19 @@ def test_errors_name_value_and_limit(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def _output_key(out) -> tuple:
-    c = out.outputs[0]
-    top = [(lp.token_id, list(lp.top)) for lp in c.logprobs or []]
-    return c.token_ids, c.text, c.finish_reason, c.stop_reason, top
-
-
-def _logprob_values(out) -> list[float]:
-    return [v for lp in out.outputs[0].logprobs or [] for v in (lp.logprob, *lp.top.values())]
-
-
-def test_async_scheduling_equals_sync(smollm2_dir, chats):
+def test_async_scheduling_equals_sync(smollm2_dir, mixed, tight_sync):
     """One step in flight (step N+1 launched before the host reads step N's tokens, its
     decode rows fed from the device) changes no output: greedy with and without EOS, stop
     strings, min_tokens, max_tokens=1, seeded sampling and logprobs, under chunked prefill,
     prefix caching and preemption. Stopped requests' extra tokens are dropped, and the
     pool ends free."""
-    prompts = [c[-(40 + 7 * i) :] for i, c in enumerate(chats * 2)]  # 32 varied prompts
-    kinds = [
-        greedy(24),
-        SamplingParams(temperature=0, max_tokens=24),
-        SamplingParams(temperature=0, max_tokens=24, stop=["."]),
-        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=7),
-        SamplingParams(temperature=0, max_tokens=1),
-        SamplingParams(temperature=0, max_tokens=8, logprobs=2),
-        SamplingParams(temperature=1.0, max_tokens=24, min_tokens=12, seed=3),
-    ]
-    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    tight = {"kv_cache_memory": 48 * block_bytes, "max_model_len": 512}
-    tight["max_num_batched_tokens"] = 64
-    expected = make_llm(smollm2_dir, async_scheduling=False, **tight).generate(
-        prompts, params, use_tqdm=False
-    )
-    llm = make_llm(smollm2_dir, async_scheduling=True, **tight)
+    llm = make_llm(smollm2_dir, async_scheduling=True, **TIGHT)
     assert llm.engine.async_scheduling
-    got = llm.generate(prompts, params, use_tqdm=False)
-    assert [_output_key(o) for o in got] == [_output_key(o) for o in expected]
-    # A row's fp32 log-softmax may round differently in another batch composition.
-    for a, b in zip(got, expected, strict=True):
-        assert _logprob_values(a) == pytest.approx(_logprob_values(b), abs=1e-5)
-    engine = llm.engine
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.num_dropped_tokens > 0  # stops were seen one step late
-    assert {o.outputs[0].finish_reason for o in got} == {"stop", "length"}
-    floors = [p.min_tokens for p in params]
-    assert all(len(o.outputs[0].token_ids) >= m for o, m in zip(got, floors, strict=True))
-    pool = engine.kv_manager.pool
-    assert pool.num_free_blocks == pool.num_usable_blocks
-    assert not engine.has_unfinished_requests()
+    got = llm.generate(*mixed, use_tqdm=False)
+    assert_same_outputs(got, tight_sync[1])
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.num_dropped_tokens > 0  # stops were seen one step late
+    assert_pool_free(llm.engine)
 
 
 def test_async_scheduling_streams_and_aborts_with_a_step_in_flight(smollm2_dir, chats, reference):
@@ -546,24 +563,32 @@ class EagerGrowGraphs(GrowGraphs):
                 dst.copy_(getattr(out, name))
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "eagle3-dynamic", "draft-chain"])
+@pytest.mark.parametrize("proposer", ["none-async", "ngram", "eagle3-dynamic", "draft-chain"])
 def test_graph_plumbing_keeps_outputs(
     smollm2_dir, random_head_dir, random_draft_dir, chats, reference, proposer, monkeypatch
 ):
     """The GPU path's static buffers, batch-bucket padding, tree padding, root-only rows
-    and captured proposals, run on CPU with graph stand-ins: plain greedy tokens, and
-    every graph path taken."""
+    and captured proposals, and plain decoding with async scheduling (decode graphs fed
+    pending tokens), run on CPU with graph stand-ins: plain greedy tokens, and every
+    graph path taken."""
     from specdec.engine import model_runner
     from specdec.spec import tree_draft
 
     spec = {
+        "none-async": None,
         "ngram": SpeculativeConfig(num_speculative_tokens=4),
         "eagle3-dynamic": SpeculativeConfig(method="eagle3", model=str(random_head_dir), **DYNAMIC),
         "draft-chain": SpeculativeConfig(
             method="draft_model", model=str(random_draft_dir), num_speculative_tokens=3
         ),
     }[proposer]
-    llm = make_llm(smollm2_dir, speculative=spec, max_num_seqs=8, cuda_graph_max_batch_size=8)
+    llm = make_llm(
+        smollm2_dir,
+        speculative=spec,
+        max_num_seqs=8,
+        cuda_graph_max_batch_size=8,
+        async_scheduling=spec is None,
+    )
     engine = llm.engine
     monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
     monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
@@ -573,6 +598,9 @@ def test_graph_plumbing_keeps_outputs(
     picked = [1, 2, 4, 6, 8, 11]  # 6 requests: the 8-bucket pads two sequences
     outs = llm.generate([chats[i] for i in picked], greedy(), use_tqdm=False)
     assert token_ids(outs) == [reference[i] for i in picked]
+    if spec is None:
+        assert engine.runner.graphs.num_replays.get(1, 0) > NEW_TOKENS / 2
+        return
     q = engine.proposer.shape.max_draft_tokens + 1
     assert engine.runner.graphs.num_replays.get(q, 0) > 0
     grower = getattr(engine.proposer, "grower", None)

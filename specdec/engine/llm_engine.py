@@ -26,6 +26,7 @@ from specdec.engine.request import Request, RequestStatus
 from specdec.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.seeded_stream import SeededStream
+from specdec.engine.staging import to_device
 from specdec.models import load_tokenizer, resolve_model
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from specdec.sampling_params import RequestOutputKind, SamplingParams
@@ -474,7 +475,7 @@ class LLMEngine:
                 picked += range(offset, offset + q_len)
                 counts.append(q_len)
             offset += q_len
-        index = torch.tensor(picked, dtype=torch.int64).to(aux.device, non_blocking=True)
+        index = to_device(np.array(picked, dtype=np.int64), aux.device)
         parts = aux.index_select(0, index).split(counts)
         for s, start, part in zip(sched.scheduled, starts, parts, strict=True):
             self.proposer.observe(s.request, start, part)
@@ -488,7 +489,7 @@ class LLMEngine:
             tree_logits = logits  # [sum nodes, vocab]
         else:
             rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec])
-            index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
+            index = to_device(rows, logits.device)
             tree_logits = logits.index_select(0, index)  # [sum nodes, vocab]
         params = [st.request.sampling_params for st in states]
         if all(p.is_greedy for p in params):

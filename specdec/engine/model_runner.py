@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.attention import get_attention_backend
@@ -17,6 +18,7 @@ from specdec.engine.cuda_graph import StepGraphs, graph_batch_sizes, tree_graph_
 from specdec.engine.input_batch import PendingTokens, StepInputs, build_step_inputs
 from specdec.engine.kv_cache_manager import cdiv
 from specdec.engine.scheduler import ScheduledRequest
+from specdec.engine.staging import to_device
 from specdec.models import load_config, load_model
 from specdec.models.config import ModelConfig
 
@@ -251,8 +253,7 @@ class ModelRunner:
         """
         if not src_slots:
             return
-        src = torch.tensor(src_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        dst = torch.tensor(dst_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        src, dst = to_device(np.array([src_slots, dst_slots], dtype=np.int64), self.device)
         for k_cache, v_cache in self.kv_caches:
             for cache in (k_cache, v_cache):
                 flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]

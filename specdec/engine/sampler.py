@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from specdec.engine.seeded_stream import SeededStream, keys_tensor, row_exponentials
+from specdec.engine.staging import to_device
 from specdec.sampling_params import SamplingParams
 
 # Exp(1) draws of exactly 0 would divide by zero; 0/0 is NaN and argmax favours NaN.
@@ -78,16 +80,24 @@ class SamplingMetadata:
                     "when the request arrives and pass it every step"
                 )
         greedy = [p.is_greedy for p in params]
-        return cls(
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-                dtype=torch.float32,
-                device=device,
+        b = len(params)
+        # Two packed copies (float32, int64), staged so the host never waits on the device.
+        floats = to_device(
+            np.array(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+                + [p.top_p for p in params]
+                + [p.min_p for p in params],
+                dtype=np.float32,
             ),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            device,
+        )
+        ints = to_device(np.array([p.top_k for p in params] + greedy, dtype=np.int64), device)
+        return cls(
+            temperature=floats[:b],
+            top_k=ints[:b],
+            top_p=floats[b : 2 * b],
+            min_p=floats[2 * b :],
+            greedy=ints[b:].bool(),
             all_greedy=all(greedy),
             all_random=not any(greedy),
             no_top_k=all(p.top_k == 0 for p in params),
@@ -236,7 +246,7 @@ class Sampler:
                 return drawn
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         if seeded:
-            rows = torch.tensor(seeded, dtype=torch.int64).to(probs.device, non_blocking=True)
+            rows = to_device(np.array(seeded, dtype=np.int64), probs.device)
             q.index_copy_(0, rows, drawn)
         return q.clamp_min_(_MIN_EXPONENTIAL)
 

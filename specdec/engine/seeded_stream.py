@@ -19,7 +19,10 @@ bits.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from specdec.engine.staging import to_device
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
@@ -83,11 +86,10 @@ def uniforms(
 
 
 def keys_tensor(streams: list[SeededStream], device: torch.device | str) -> torch.Tensor:
-    """The next key of each stream, as one [len(streams)] int64 tensor (one copy,
-    non-blocking like the engine's other step inputs: the host does not wait for the
-    device to drain)."""
-    keys = torch.tensor([s.next_key() for s in streams], dtype=torch.int64)
-    return keys.to(device, non_blocking=True)
+    """The next key of each stream, as one [len(streams)] int64 tensor (one staged copy,
+    like the engine's other step inputs: the host does not wait for the device)."""
+    keys = np.array([s.next_key() for s in streams], dtype=np.int64)  # 62-bit keys
+    return to_device(keys, device)
 
 
 def row_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:  # [rows, n] float32

@@ -28,10 +28,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
+from specdec.engine.staging import to_device
 from specdec.models.eagle3_formats import load_eagle3
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
@@ -162,7 +164,7 @@ class Eagle3Proposer(Proposer):
         tokens, last, start = pack_catch_ups(spans, ids, width, self.device)
         # Aux rows land at row b * width + j of a zero-padded [batch * width, 3H] block.
         rows = [b * width + j for b, (s, e) in enumerate(spans) for j in range(e - s)]
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        index = to_device(np.array(rows, dtype=np.int64), self.device)
         flat = torch.cat(aux)  # [sum of catch-up lengths, 3 * hidden]
         padded = flat.new_zeros(len(group) * width, flat.shape[1]).index_copy_(0, index, flat)
         inputs = GrowInputs.build(group, [end for _, end in spans], (), self.device)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.tree_mask import ancestor_closure
+from specdec.engine.staging import to_device
 
 StepLogprobsFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``fn(node_token_ids [n] int64, parent_rows [n] int64, depth) -> logprobs [n, vocab]``.
@@ -206,7 +207,7 @@ def cat_on(device: torch.device, parts: Sequence[torch.Tensor]) -> torch.Tensor:
     host = [i for i, t in enumerate(parts) if t.device.type == "cpu"]
     if not host:
         return torch.cat(list(parts))
-    moved = torch.cat([parts[i] for i in host]).to(device, non_blocking=True)
+    moved = to_device(torch.cat([parts[i] for i in host]).numpy(), device)
     if len(host) == len(parts):
         return moved
     out = list(parts)

@@ -22,11 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.attention.metadata import AttentionMetadata
 from specdec.engine.cuda_graph import tree_graph_batch_sizes
 from specdec.engine.request import Request
+from specdec.engine.staging import to_device
 from specdec.spec.chunk_inputs import ChunkInputs
 from specdec.spec.tree import TreeBatch, TreeShape
 
@@ -54,17 +56,17 @@ class GrowInputs:
         device: torch.device,
     ) -> GrowInputs:
         width = max(len(r.block_ids) for r in requests)
-        tables = torch.zeros(len(requests), width, dtype=torch.int32)
+        tables = np.zeros((len(requests), width), dtype=np.int32)
         for row, request in enumerate(requests):
-            tables[row, : len(request.block_ids)] = torch.tensor(request.block_ids)
+            tables[row, : len(request.block_ids)] = request.block_ids
         roots = [r.token_id(r.num_tokens - 1) for r in requests]
-        # One packed copy; non_blocking: no stream sync (the source is a fresh host tensor).
-        packed = torch.tensor([*roots, *start], dtype=torch.int64).to(device, non_blocking=True)
+        # One packed copy per dtype, staged: the host never waits on the device.
+        packed = to_device(np.array([*roots, *start], dtype=np.int64), device)
         b = len(requests)
         return cls(
             roots=packed[:b],
             start=packed[b:],
-            block_tables=tables.to(device, non_blocking=True),
+            block_tables=to_device(tables, device),
             root_state=root_state,
             start_cpu=list(start),
         )
@@ -196,10 +198,13 @@ def pack_catch_ups(
     for ids in token_ids:
         flat += ids + [0] * (width - len(ids))
     b = len(spans)
-    packed = torch.tensor(
-        [*flat, *(end - start - 1 for start, end in spans), *(s for s, _ in spans)],
-        dtype=torch.int64,
-    ).to(device, non_blocking=True)
+    packed = to_device(
+        np.array(
+            [*flat, *(end - start - 1 for start, end in spans), *(s for s, _ in spans)],
+            dtype=np.int64,
+        ),
+        device,
+    )
     return packed[: b * width].view(b, width), packed[b * width : -b], packed[-b:]
 
 
