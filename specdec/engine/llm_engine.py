@@ -553,7 +553,11 @@ class LLMEngine:
 
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Rows below ``min_tokens`` must not produce EOS or a stop token id: mask them
-        (in place, so the sampled distribution is the target's renormalised over the rest)."""
+        (in place, so the sampled distribution is the target's renormalised over the rest).
+        One staged index copy for the batch: indexing with a Python list would copy from
+        pageable memory, which waits for the step in flight."""
+        rows: list[int] = []
+        cols: list[int] = []
         for row, request in enumerate(requests):
             params = request.sampling_params
             # The row samples output token num_output + pending (async scheduling).
@@ -562,8 +566,11 @@ class LLMEngine:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
                 banned += request.eos_token_ids
-            if banned:
-                logits[row, banned] = float("-inf")
+            rows += [row] * len(banned)
+            cols += banned
+        if rows:
+            index = to_device(np.array([rows, cols], dtype=np.int64), logits.device)
+            logits[index[0], index[1]] = float("-inf")
 
     def _append_token(self, state: _RequestState, token_id: int, logprob, now: float) -> None:
         request = state.request
