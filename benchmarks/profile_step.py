@@ -3,7 +3,9 @@
 Each phase (propose, prepare, execute, verify/sample, observe) is wrapped with a timer that
 synchronises the device before and after, so a phase's figure is its own host work plus
 the device work it launched. Synchronising changes the overlap the real loop has, so the
-sum is an upper bound of a step; the split is what matters. Greedy decoding of
+sum is an upper bound of a step; the split is what matters (under async scheduling, plain
+decoding's default on the GPU, the phases lose their overlap entirely: `step (total)` is
+then a synchronous step's cost, not the async loop's). Greedy decoding of
 ``--batch`` chat prompts, ``--max-tokens`` each, after one warm-up generation; medians per
 step over the timed generation. ``--spec`` and ``--batch`` take lists: one engine per
 spec, every batch size on it. "graphed" counts target forwards replayed from a CUDA graph
@@ -122,6 +124,8 @@ def profile(llm: LLM, name: str, batch: int, max_tokens: int, kernels: int) -> N
         (engine.runner, "execute"),
         (engine, "_verify"),
         (engine, "_sample"),
+        (engine, "_sample_on_device"),  # async scheduling: sampling without the read-back
+        (engine, "_finish"),  # async scheduling: reading a launched step's tokens
         (engine, "_observe"),
         (engine.runner, "move_kv"),
         (engine.scheduler, "schedule"),
