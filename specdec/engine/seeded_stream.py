@@ -19,10 +19,14 @@ bits.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from specdec.engine.staging import to_device
+
+logger = logging.getLogger(__name__)
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
@@ -92,10 +96,31 @@ def keys_tensor(streams: list[SeededStream], device: torch.device | str) -> torc
     return to_device(keys, device)
 
 
+_fused_uniforms = None  # torch.compile(uniforms) once a CUDA draw needs it; False: failed
+
+
+def _uniforms_on_cuda(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``uniforms`` as one fused kernel. Eagerly it is ~26 elementwise int64 kernels, each
+    over the whole [rows, vocab] block (100 MB at 256 x 49,152), a millisecond and more
+    per sampling step. Integer ops and the exact float conversion give the same bits
+    (``test_stream_uniforms_are_the_same_bits_on_the_gpu``); if compiling fails, eager."""
+    global _fused_uniforms
+    if _fused_uniforms is None:
+        _fused_uniforms = torch.compile(uniforms, dynamic=True)
+    if _fused_uniforms is not False:
+        try:
+            return _fused_uniforms(keys, index)
+        except Exception as e:  # no working compiler here: correctness over speed
+            logger.warning("fused seeded uniforms unavailable (%s); running them eagerly", e)
+            _fused_uniforms = False
+    return uniforms(keys, index)
+
+
 def row_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:  # [rows, n] float32
     """``n`` uniforms per row: row r is the draw with key ``keys[r]``."""
     index = torch.arange(n, dtype=torch.int64, device=keys.device)
-    return uniforms(keys[:, None], index[None, :])
+    draw = _uniforms_on_cuda if keys.is_cuda else uniforms
+    return draw(keys[:, None], index[None, :])
 
 
 def row_exponentials(keys: torch.Tensor, n: int) -> torch.Tensor:  # [rows, n] float32 > 0
