@@ -169,6 +169,7 @@ def sampling_params(
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            speculate=body.speculate,
             spec_exit=spec_exit,
         )
     except (ValueError, TypeError) as e:

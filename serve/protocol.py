@@ -2,8 +2,9 @@
 
 Shapes follow OpenAI's completions and chat.completions APIs so the official clients work
 unchanged; a few vLLM extensions (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``) are accepted too, and specdec's own ``spec_exit`` (SpecExit opt-in,
-docs/spec_exit.md: ``true``, or an object overriding the server's settings). Bounds that
+``stop_token_ids``) are accepted too, and specdec's own ``speculate`` (false: this request
+decodes without speculation) and ``spec_exit`` (SpecExit opt-in, docs/spec_exit.md:
+``true``, or an object overriding the server's settings). Bounds that
 the engine would otherwise reject deep inside a step (``top_k`` fits int64, ``logprobs``
 <= 20, finite floats) are enforced here, so a request body can never reach the engine in a
 state that would fail a whole batch.
@@ -80,6 +81,9 @@ class SamplingFields(_Request):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    speculate: bool = Field(
+        True, description="false: decode this request without speculation (specdec extension)"
+    )
     spec_exit: bool | SpecExitBody | None = Field(
         None, description="SpecExit: true, false, or settings (default: the server's)"
     )

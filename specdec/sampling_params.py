@@ -54,6 +54,10 @@ class SamplingParams:
     contains a string from ``stop``. Neither EOS, stop token ids nor stop strings end a
     request that has fewer than ``min_tokens`` output tokens.
 
+    ``speculate=False`` decodes the request plainly even when the engine speculates (one
+    token per step; the others in the batch still speculate). Outputs are the same either
+    way; it trades the request's latency for the batch's verify work.
+
     ``spec_exit`` opts the request into SpecExit (docs/spec_exit.md): with an EAGLE-3 head
     that has exit channels, its thinking may end early at a step boundary (the output then
     differs from plain decoding by design). None: the output is plain decoding's.
@@ -73,6 +77,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    speculate: bool = True
     spec_exit: SpecExitParams | None = None
 
     def __post_init__(self) -> None:
@@ -90,6 +95,8 @@ class SamplingParams:
                     f"logprobs={self.logprobs} is invalid; use 0..{MAX_LOGPROBS} "
                     "(0 returns only the sampled token's logprob), or None for none"
                 )
+        if not isinstance(self.speculate, bool):
+            raise TypeError(f"speculate={self.speculate!r} is invalid; pass True or False")
         if self.spec_exit is not None and not isinstance(self.spec_exit, SpecExitParams):
             raise TypeError(
                 f"spec_exit={self.spec_exit!r} is invalid; pass SpecExitParams(...) or None"

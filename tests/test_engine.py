@@ -346,6 +346,23 @@ def test_speculation_alone_equals_plain(smollm2_dir, random_head_dir, chats, ref
     assert llm.engine.spec_stats.steps > 0
 
 
+@pytest.mark.parametrize("uniform_verify", [False, True], ids=["mixed-step", "root-only-tree"])
+def test_speculation_can_be_switched_off_per_request(smollm2_dir, chats, reference, uniform_verify):
+    """``speculate=False`` decodes that request plainly (no drafts, no spec steps; with
+    uniform verify steps, as on the GPU, through a root-only tree) while the rest of the
+    batch speculates; every output is the plain greedy one."""
+    llm = make_llm(smollm2_dir, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    llm.engine.uniform_verify = uniform_verify
+    picked = [3, 7, 9]
+    params = [greedy(), dataclasses.replace(greedy(), speculate=False), greedy()]
+    outs = llm.generate([chats[i] for i in picked], params, use_tqdm=False)
+    assert token_ids(outs) == [reference[i] for i in picked]
+    steps = [o.metrics.spec_steps for o in outs]
+    assert steps[1] == 0 and steps[0] > 0 and steps[2] > 0, steps
+    with pytest.raises(TypeError, match="speculate"):
+        SamplingParams(speculate="no")
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "eagle3-dynamic"])
 def test_verify_steps_padded_to_a_graph_shape_are_lossless(
     smollm2_dir, random_head_dir, chats, reference, proposer

@@ -442,9 +442,10 @@ class LLMEngine:
         return {r: t for r, t in zip(rows, drafts, strict=True) if t is not None}
 
     def _add_root_only_trees(self, scheduled, trees: dict[int, DraftTree]) -> None:
-        """A root-only tree for every other row that plainly decodes one token and could
-        have been drafted for; verifying it samples the root's next token exactly as plain
-        decoding does. Rows that need per-token logprobs or min_tokens stay plain."""
+        """A root-only tree for every other row that plainly decodes one token (no draft,
+        or opted out of speculation); verifying it samples the root's next token exactly
+        as plain decoding does. Rows that need per-token logprobs or min_tokens stay
+        plain."""
         extra: dict[int, DraftTree] = {}
         for row, s in enumerate(scheduled):
             if row in trees:
@@ -453,7 +454,7 @@ class LLMEngine:
             if (
                 s.num_new_tokens != 1
                 or request.num_computed_tokens + 1 != request.num_tokens
-                or _decodes_plainly(request)
+                or _samples_per_token(request)
             ):
                 return  # a prefill chunk or a plain-only row: the step cannot be uniform
             extra[row] = root_only_tree(request.token_id(request.num_tokens - 1))
@@ -666,10 +667,16 @@ class LLMEngine:
         )
 
 
-def _decodes_plainly(request: Request) -> bool:
-    """logprobs and min_tokens act per emitted token: such requests never verify trees."""
+def _samples_per_token(request: Request) -> bool:
+    """logprobs and min_tokens act per emitted token: such rows are sampled plainly, never
+    through a tree (not even a root-only one)."""
     params = request.sampling_params
     return params.logprobs is not None or request.num_output_tokens < params.min_tokens
+
+
+def _decodes_plainly(request: Request) -> bool:
+    """No drafts: the request opted out of speculation, or samples per token."""
+    return not request.sampling_params.speculate or _samples_per_token(request)
 
 
 def _logprobs_to_host(lp: LogprobsTensors | None, token_ids: list[int]) -> list[TokenLogprobs]:
