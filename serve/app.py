@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import APIRouter, FastAPI, Request, Security
+from fastapi import APIRouter, Body, FastAPI, Request, Security
 from fastapi.openapi.utils import get_openapi
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,6 +25,8 @@ from specdec.serve.config import ServeConfig
 from specdec.serve.errors import error_response, install_error_handlers
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import (
+    CHAT_EXAMPLES,
+    COMPLETION_EXAMPLES,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -97,11 +100,17 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
         )
 
     @v1.post("/completions", response_model=CompletionResponse, responses=_STREAM_200)
-    async def create_completion(body: CompletionRequest, raw: Request):
+    async def create_completion(
+        body: Annotated[CompletionRequest, Body(openapi_examples=COMPLETION_EXAMPLES)],
+        raw: Request,
+    ):
         return await serving.completions(body, raw)
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=_STREAM_200)
-    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+    async def create_chat_completion(
+        body: Annotated[ChatCompletionRequest, Body(openapi_examples=CHAT_EXAMPLES)],
+        raw: Request,
+    ):
         return await serving.chat(body, raw)
 
     app.include_router(v1)

@@ -137,6 +137,26 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
 
 
+# Request examples for /docs (OpenAPI ``examples``; API fuzzers replay them as known-good
+# bodies). Short answers: they fit a server's tightest max_tokens limits.
+COMPLETION_EXAMPLES = {
+    "greedy": {
+        "summary": "greedy completion",
+        "value": {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+    },
+}
+CHAT_EXAMPLES = {
+    "greedy": {
+        "summary": "greedy chat",
+        "value": {
+            "messages": [{"role": "user", "content": "Name a prime number."}],
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+    },
+}
+
+
 # ---- responses ---------------------------------------------------------------------------
 
 
