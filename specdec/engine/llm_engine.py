@@ -326,11 +326,7 @@ class LLMEngine:
                     break
             if sched.scheduled[row].num_lookahead_tokens and not request.is_finished:
                 self.kv_manager.trim(request, request.num_computed_tokens)
-            kind = request.sampling_params.output_kind
-            if request.is_finished or kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(state, delta=kind is RequestOutputKind.DELTA))
-            if request.is_finished:
-                self._forget(request.request_id)
+            self._report(state, outputs)
         return outputs
 
     # ---- async scheduling ---------------------------------------------------------------
@@ -380,12 +376,17 @@ class LLMEngine:
                 self.num_dropped_tokens += 1  # stopped or aborted after this step launched
                 continue
             self._append_token(state, token_id, logprobs[i] if logprobs else None, now)
-            kind = request.sampling_params.output_kind
-            if request.is_finished or kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(state, delta=kind is RequestOutputKind.DELTA))
-            if request.is_finished:
-                self._forget(request.request_id)
+            self._report(state, outputs)
         return outputs
+
+    def _report(self, state: _RequestState, outputs: list[RequestOutput]) -> None:
+        """Add the request's output if its kind reports this step; forget it once done."""
+        request = state.request
+        kind = request.sampling_params.output_kind
+        if request.is_finished or kind is not RequestOutputKind.FINAL_ONLY:
+            outputs.append(self._make_output(state, delta=kind is RequestOutputKind.DELTA))
+        if request.is_finished:
+            self._forget(request.request_id)
 
     def _forget(self, request_id: str) -> None:
         del self._states[request_id]
