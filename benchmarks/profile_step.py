@@ -123,8 +123,7 @@ def profile(llm: LLM, name: str, batch: int, max_tokens: int, kernels: int) -> N
         (engine.runner, "prepare"),
         (engine.runner, "execute"),
         (engine, "_verify"),
-        (engine, "_sample"),
-        (engine, "_sample_on_device"),  # async scheduling: sampling without the read-back
+        (engine, "_sample_on_device"),  # sampling (the synchronous path's read-back: step)
         (engine, "_finish"),  # async scheduling: reading a launched step's tokens
         (engine, "_observe"),
         (engine.runner, "move_kv"),

@@ -1,6 +1,6 @@
-"""Pinned staging of host-to-device copies: values, dtypes and shapes arrive intact, a
-reused ring buffer never corrupts a copy still in flight, and (on CUDA) staging does not
-make the host wait for the stream."""
+"""Pinned staging of host-to-device copies (and ``to_host``, the way back): values,
+dtypes and shapes arrive intact, a reused ring buffer never corrupts a copy still in
+flight, and (on CUDA) staging does not make the host wait for the stream."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.engine.staging import to_device
+from specdec.engine.staging import to_device, to_host
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.float32, np.bool_])
@@ -17,6 +17,7 @@ def test_cpu_values_dtype_and_shape(dtype):
     out = to_device(array, "cpu")
     assert out.shape == (4, 6) and out.dtype == torch.from_numpy(array).dtype
     assert np.array_equal(out.numpy(), array)
+    assert to_host(out).tolist() == array.tolist()
 
 
 @pytest.mark.gpu
@@ -33,3 +34,10 @@ def test_cuda_copies_do_not_wait_and_survive_ring_reuse():
     torch.cuda.synchronize()
     for a, out in zip(arrays, outs, strict=True):
         assert np.array_equal(out.cpu().numpy(), a)
+    # The way back: queued behind a busy stream, each read waits for its own copy only.
+    torch.cuda._sleep(200_000_000)
+    backs = [to_host(out) for out in outs[:16]]  # one per buffer of the host ring
+    assert not stream.query()
+    assert [b.tolist() for b in backs] == [a.tolist() for a in arrays[:16]]
+    backs = [to_host(out) for out in outs]  # the ring wraps: the last 16 are intact
+    assert [b.tolist() for b in backs[-16:]] == [a.tolist() for a in arrays[-16:]]

@@ -35,9 +35,9 @@ def _tree_mask(
     if any(m is None or m.shape[0] != q for m, q in zip(masks, q_lens, strict=True)):
         return build_tree_mask([p.to(device) for p in tree_parents])
     sizes = np.asarray(q_lens, dtype=np.int64) ** 2
-    offsets = _to_device(np.cumsum(sizes) - sizes, device)
+    offsets = to_device(np.cumsum(sizes) - sizes, device)
     return TreeMask(
-        tree_lens=_to_device(np.asarray(q_lens, dtype=np.int32), device),
+        tree_lens=to_device(np.asarray(q_lens, dtype=np.int32), device),
         tree_mask_offsets=offsets,
         tree_mask=torch.cat([m.flatten() for m in masks]).to(device, non_blocking=True),
         max_tree_len=max(q_lens),
@@ -66,10 +66,6 @@ class StepInputs:
     # to q nodes): the shape CUDA graphs replay. Their outputs cover every token, so the
     # logits rows are then ``logits_indices`` of the graph's output.
     uniform_q: int | None = None
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return to_device(array, device)  # pinned staging: the host never waits on the device
 
 
 def build_step_inputs(
@@ -193,7 +189,7 @@ def build_step_inputs(
     np.cumsum(q_lens, out=query_start_loc[1:])
     # Two host-to-device copies per step (one per dtype) instead of one per tensor.
     n, s = num_tokens, len(scheduled)
-    packed64 = _to_device(
+    packed64 = to_device(
         np.array(
             input_ids
             + positions
@@ -220,7 +216,7 @@ def build_step_inputs(
         k, first = len(pending_rows), extra + len(tree_token_rows)
         dst, src = packed64[first : first + k], packed64[first + k :]
         packed64[:n].index_copy_(0, dst, pending.token_ids.index_select(0, src))
-    packed32 = _to_device(
+    packed32 = to_device(
         np.concatenate([query_start_loc, np.asarray(seq_lens, np.int32), block_tables.ravel()]),
         device,
     )

@@ -26,7 +26,7 @@ from specdec.engine.request import Request, RequestStatus
 from specdec.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.seeded_stream import SeededStream
-from specdec.engine.staging import to_device
+from specdec.engine.staging import to_device, to_host
 from specdec.models import load_tokenizer, resolve_model
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from specdec.sampling_params import RequestOutputKind, SamplingParams
@@ -59,37 +59,24 @@ class _RequestState:
 
 class _InFlight:
     """A launched step whose sampled tokens the host has not read (async scheduling).
-
-    The tokens are copied to a pinned host buffer behind the step's work and an event
-    marks the copy, so reading them waits for this step only, not for the one launched
-    after it.
-    """
+    Their copy to the host is queued behind the step (``to_host``), so reading them waits
+    for this step only, not for the one launched after it."""
 
     def __init__(
         self,
         requests: list[Request],  # each sampled row's request, in row order
         token_ids: torch.Tensor,  # [num_sampled] int64, on the model's device
         logprobs: LogprobsTensors | None,
-        host: torch.Tensor | None,  # pinned [>= num_sampled] int64 (CUDA only)
-        event: torch.cuda.Event | None,
     ) -> None:
         self.requests = requests
         self.token_ids = token_ids
         self.logprobs = logprobs
-        self._host = None
-        self._event = event
-        if host is not None and event is not None:
-            self._host = host[: token_ids.shape[0]]
-            self._host.copy_(token_ids, non_blocking=True)
-            event.record()
+        self._host = to_host(token_ids)
 
     def pending(self) -> PendingTokens:
         return PendingTokens(self.token_ids, {r.request_id: i for i, r in enumerate(self.requests)})
 
     def read(self) -> list[int]:
-        if self._host is None:
-            return self.token_ids.tolist()
-        self._event.synchronize()
         return self._host.tolist()
 
 
@@ -122,15 +109,6 @@ class LLMEngine:
             self.async_scheduling = self.proposer is None and self.runner.graphs is not None
         self._in_flight: _InFlight | None = None
         self.num_dropped_tokens = 0  # async: tokens computed for requests already stopped
-        # Two pinned token buffers and events, alternating: step N+1's copy must not
-        # overwrite step N's tokens before the host has read them.
-        self._host_tokens: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-        if self.async_scheduling and self.runner.device.type == "cuda":
-            n = self.config.scheduler.max_num_seqs
-            self._host_tokens = [
-                (torch.empty(n, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                for _ in range(2)
-            ]
         self.spec_stats = SpecStats()
         # Give decoding rows without a draft a root-only tree when some row has one, so
         # verify steps keep the uniform shape CUDA graphs replay (the GPU path).
@@ -355,11 +333,7 @@ class LLMEngine:
         token_ids, logprobs = self._sample_on_device(states, logits)
         for request in requests:
             request.num_pending_tokens += 1
-        host, event = None, None
-        if self._host_tokens:
-            self._host_tokens.reverse()
-            host, event = self._host_tokens[0]
-        return _InFlight(requests, token_ids, logprobs, host, event)
+        return _InFlight(requests, token_ids, logprobs)
 
     def _finish(self, done: _InFlight) -> list[RequestOutput]:
         """Append a launched step's tokens (the step's host sync) and build its outputs."""

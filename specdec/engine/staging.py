@@ -7,9 +7,14 @@ synchronous speculative step, preparing the verify inputs would wait for the dra
 growth). A copy from *pinned* memory is queued like a kernel and returns at once.
 
 ``to_device`` stages an array in a pinned buffer taken from a ring per dtype and queues
-the copy. A buffer is reused only once the copy that last read it has finished (an event
+the copy. A buffer is reused only once the copy that last used it has finished (an event
 per buffer); with a ring deeper than the copies of two steps that never waits. Off CUDA
 the array is wrapped without a copy.
+
+``to_host`` is the way back: a device tensor queued into a pinned buffer of a separate
+ring, read with ``HostCopy.tolist()``, which waits for that copy only (not for work
+queued after it). Read a copy before ``_RING_DEPTH`` more host copies of its dtype reuse
+its buffer.
 """
 
 from __future__ import annotations
@@ -31,29 +36,57 @@ class _PinnedRing:
         self.events: list[torch.cuda.Event | None] = [None] * depth
         self.next = 0
 
-    def copy(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
+    def _take(self, n: int) -> tuple[int, torch.Tensor, torch.cuda.Event]:
+        """The next slot's index, buffer (>= ``n`` elements) and event, once the copy that
+        last used the buffer has finished."""
         i = self.next
         self.next = (i + 1) % len(self.buffers)
         event = self.events[i]
-        if event is not None:
-            event.synchronize()  # the copy that last read this buffer is done
-        n = array.size
-        buffer, view = self.buffers[i], self.views[i]
-        if buffer is None or buffer.numel() < n:
-            size = max(_MIN_ELEMENTS, 1 << (n - 1).bit_length())
-            buffer = torch.empty(size, dtype=self.dtype, pin_memory=True)
-            view = buffer.numpy()
-            self.buffers[i], self.views[i] = buffer, view
-        assert view is not None
-        view[:n] = array.reshape(-1)
-        out = buffer[:n].to(device, non_blocking=True)
         if event is None:
             event = self.events[i] = torch.cuda.Event()
+        else:
+            event.synchronize()
+        buffer = self.buffers[i]
+        if buffer is None or buffer.numel() < n:
+            size = max(_MIN_ELEMENTS, 1 << max(n - 1, 0).bit_length())
+            buffer = self.buffers[i] = torch.empty(size, dtype=self.dtype, pin_memory=True)
+            self.views[i] = None
+        return i, buffer, event
+
+    def copy(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
+        n = array.size
+        i, buffer, event = self._take(n)
+        view = self.views[i]
+        if view is None:
+            view = self.views[i] = buffer.numpy()
+        view[:n] = array.reshape(-1)
+        out = buffer[:n].to(device, non_blocking=True)
         event.record()
         return out.view(array.shape)
 
+    def copy_to_host(self, tensor: torch.Tensor) -> HostCopy:
+        _, buffer, event = self._take(tensor.numel())
+        values = buffer[: tensor.numel()].view(tensor.shape)
+        values.copy_(tensor, non_blocking=True)
+        event.record()
+        return HostCopy(values, event)
 
-_rings: dict[torch.dtype, _PinnedRing] = {}
+
+class HostCopy:
+    """A tensor on its way into host memory (``to_host``)."""
+
+    def __init__(self, values: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.values = values  # host tensor; complete once the event has passed
+        self.event = event
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()  # this copy only, not what was queued after it
+        return self.values.tolist()
+
+
+_rings: dict[torch.dtype, _PinnedRing] = {}  # host -> device
+_host_rings: dict[torch.dtype, _PinnedRing] = {}  # device -> host
 
 
 def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -65,7 +98,19 @@ def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     tensor = torch.from_numpy(array)
     if device.type != "cuda":
         return tensor.to(device)
-    ring = _rings.get(tensor.dtype)
+    return _ring(_rings, tensor.dtype).copy(array, device)
+
+
+def to_host(tensor: torch.Tensor) -> HostCopy:
+    """Queue ``tensor``'s copy into pinned host memory without waiting for it; off CUDA
+    the tensor is already there."""
+    if not tensor.is_cuda:
+        return HostCopy(tensor, None)
+    return _ring(_host_rings, tensor.dtype).copy_to_host(tensor)
+
+
+def _ring(rings: dict[torch.dtype, _PinnedRing], dtype: torch.dtype) -> _PinnedRing:
+    ring = rings.get(dtype)
     if ring is None:
-        ring = _rings[tensor.dtype] = _PinnedRing(tensor.dtype)
-    return ring.copy(array, device)
+        ring = rings[dtype] = _PinnedRing(dtype)
+    return ring

@@ -51,6 +51,7 @@ import torch
 
 from specdec.engine.sampler import SamplingMetadata, probs_from_logits
 from specdec.engine.seeded_stream import SeededStream, keys_tensor, row_exponentials, uniforms
+from specdec.engine.staging import to_device
 from specdec.spec.tree import DraftTree, cat_on
 
 # Divisor floor: Exp(1) draws of exactly 0 (as in the sampler) and emptied distributions.
@@ -120,7 +121,7 @@ def _layout(trees: list[DraftTree], rows: torch.Tensor, name: str) -> _Layout:
     shift = np.repeat(offsets[:-1], [t.num_nodes for t in trees])  # each node's tree start
     # Trees may live on the host (ngram, root-only) or on the proposer's device.
     local = cat_on(device, [t.parents for t in trees])  # [total]
-    parents = local + torch.from_numpy(shift).to(device, non_blocking=True)
+    parents = local + to_device(shift, device)
     parent_list = parents.tolist()  # sync: structure
     children: list[list[int]] = [[] for _ in parent_list]
     for i, p in enumerate(parent_list):
@@ -168,7 +169,7 @@ def greedy_accept_batch(
             "(one row per tree node, trees back to back, each root first in node order)"
         )
     device = target_logits.device
-    shift = torch.from_numpy(np.repeat(offsets[:-1], counts)).to(device, non_blocking=True)
+    shift = to_device(np.repeat(offsets[:-1], counts), device)
     # Trees may live on the host (ngram, root-only) or on the proposer's device.
     parents = cat_on(device, [t.parents for t in trees]) + shift
     tokens = cat_on(device, [t.token_ids for t in trees])
@@ -374,10 +375,8 @@ def _seeded_draws(
         nodes += range(lo, hi)
         local += range(hi - lo)
         owner += [j] * (hi - lo)
-    packed = torch.tensor(nodes + local + owner + trees_b, dtype=torch.int64)
-    nodes_t, local_t, owner_t, rows = packed.to(device, non_blocking=True).split(
-        [len(nodes)] * 3 + [len(trees_b)]
-    )  # one copy
+    packed = to_device(np.array(nodes + local + owner + trees_b, dtype=np.int64), device)
+    nodes_t, local_t, owner_t, rows = packed.split([len(nodes)] * 3 + [len(trees_b)])  # one copy
     coins.index_copy_(0, nodes_t, uniforms(keys[owner_t, 0], local_t))
     race.index_copy_(0, rows, row_exponentials(keys[:, 1], race.shape[1]))
 

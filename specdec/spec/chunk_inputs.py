@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.attention.metadata import AttentionMetadata
 from specdec.engine.request import Request
+from specdec.engine.staging import to_device
 
 
 @dataclass
@@ -47,24 +49,30 @@ def build_chunk_inputs(chunks: list[Chunk], block_size: int, device: torch.devic
         q_lens.append(len(chunk.token_ids))
         seq_lens.append(end)
     width = max(len(c.request.block_ids) for c in chunks)
-    tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+    tables = np.zeros((len(chunks), width), dtype=np.int32)
     for row, chunk in enumerate(chunks):
-        tables[row, : len(chunk.request.block_ids)] = torch.tensor(chunk.request.block_ids)
-    qsl = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+        tables[row, : len(chunk.request.block_ids)] = chunk.request.block_ids
+    qsl = np.zeros(len(chunks) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=qsl[1:])
+    # Two staged copies (int64, int32), as for the engine's step inputs.
+    n, b = len(ids), len(chunks)
+    packed64 = to_device(np.array(ids + pos + slots + list(qsl[1:] - 1), dtype=np.int64), device)
+    packed32 = to_device(
+        np.concatenate([qsl, np.asarray(seq_lens, np.int32), tables.ravel()]), device
+    )
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
-        query_start_loc=qsl.to(device, non_blocking=True),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-        block_tables=tables.to(device, non_blocking=True),
+        slot_mapping=packed64[2 * n : 3 * n],
+        query_start_loc=packed32[: b + 1],
+        seq_lens=packed32[b + 1 : 2 * b + 1],
+        block_tables=packed32[2 * b + 1 :].view(b, width),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=q_lens,
         seq_lens_cpu=seq_lens,
     )
     return ChunkInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),
-        positions=torch.tensor(pos, dtype=torch.int64).to(device, non_blocking=True),
+        input_ids=packed64[:n],
+        positions=packed64[n : 2 * n],
         meta=meta,
-        last_rows=(qsl[1:].long() - 1).to(device, non_blocking=True),
+        last_rows=packed64[3 * n :],
     )
