@@ -130,11 +130,21 @@ def _run_killed(cfg_path: Path, kill_after: int) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_kill_and_resume_equals_an_uninterrupted_run(data, tmp_path):
+@pytest.fixture(scope="module")
+def straight(data, tmp_path_factory) -> Path:
+    """The default config's run, uninterrupted, in one process: 12 steps of 2 micro-batches."""
+    out = tmp_path_factory.mktemp("straight")
+    train(config(data, out))
+    return out
+
+
+def _head(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(next((out / "head").glob("*.safetensors"))))
+
+
+def test_kill_and_resume_equals_an_uninterrupted_run(data, straight, tmp_path):
     """SIGKILL after step 6 (last checkpoint: step 4), resume: the final head equals an
     uninterrupted run's to 1e-6 (fp32), and so do the optimizer's moments."""
-    straight = config(data, tmp_path / "straight")
-    train(straight)
 
     resumed = config(data, tmp_path / "resumed")
     cfg_path = tmp_path / "resumed.yaml"
@@ -144,12 +154,11 @@ def test_kill_and_resume_equals_an_uninterrupted_run(data, tmp_path):
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "resumed")] == ["ckpt-00000004"]
     train(TrainConfig.load(cfg_path))
 
-    a = load_file(str(next((tmp_path / "straight" / "head").glob("*.safetensors"))))
-    b = load_file(str(next((tmp_path / "resumed" / "head").glob("*.safetensors"))))
+    a, b = _head(straight), _head(tmp_path / "resumed")
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
-    opt_a = torch.load(tmp_path / "straight" / "ckpt-00000012" / "optimizer.bin", weights_only=True)
+    opt_a = torch.load(straight / "ckpt-00000012" / "optimizer.bin", weights_only=True)
     opt_b = torch.load(tmp_path / "resumed" / "ckpt-00000012" / "optimizer.bin", weights_only=True)
     for sa, sb in zip(opt_a["state"].values(), opt_b["state"].values(), strict=True):
         torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], atol=1e-6, rtol=0)
@@ -157,6 +166,31 @@ def test_kill_and_resume_equals_an_uninterrupted_run(data, tmp_path):
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "resumed")] == [
         "ckpt-00000004", "ckpt-00000008", "ckpt-00000012"
     ]  # fmt: skip
+
+
+def test_two_processes_follow_one_process_at_equal_global_batch(data, straight, tmp_path):
+    """Data parallelism: 2 processes (torchrun, gloo on CPU) x 1 micro-batch per step
+    follow 1 process x 2 micro-batches — the same micro-batches, the mean of the same
+    gradients — to float rounding: losses, held-out figures and the final head. The
+    held-out split does not divide evenly between the two, which used to deadlock the
+    first evaluation (DDP's forward is itself a collective) and then break its reduction."""
+    two = config(data, tmp_path / "two", optim={"grad_accum": 1})
+    cfg_path = tmp_path / "two.yaml"
+    cfg_path.write_text(json.dumps(two.to_dict()))
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "specdec.cli", "train-draft", "--config", str(cfg_path)]  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(run, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one_log, two_log = log(straight), log(tmp_path / "two")
+    assert [r["step"] for r in one_log] == [r["step"] for r in two_log]
+    for a, b in zip(one_log, two_log, strict=True):
+        for key in ("train/loss", "train/tokens", "eval/loss", "eval/tokens", "eval/acc_0"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+    a, b = _head(straight), _head(tmp_path / "two")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-5)
 
 
 def test_config_errors_name_the_key():

@@ -42,6 +42,35 @@ def lr_schedule(optimizer: torch.optim.Optimizer, optim_cfg) -> torch.optim.lr_s
     )
 
 
+def evaluate_shards(
+    model: torch.nn.Module,
+    plan: list,  # the held-out batches (refs), the same list on every process
+    load,  # ref -> batch with .to(device) and .num_tokens
+    accelerator,
+    tally: Tally,
+) -> None:
+    """Held-out forwards, each process taking every world-th batch of ``plan``, summed
+    into ``tally`` (then ``tally.summary``, a collective).
+
+    Every process runs the same number of forwards: a process whose share is one short
+    repeats a batch and drops its output. A wrapped model's forward can be a collective
+    itself (DDP broadcasts buffers before a forward, ZeRO-3 gathers parameters), so one
+    forward more on one process than on another deadlocks the run; a 2-process run on
+    CPU hung at its first evaluation before this.
+    """
+    rank, world = accelerator.process_index, accelerator.num_processes
+    share = plan[rank::world]
+    rounds = -(-len(plan) // world)
+    model.eval()
+    with torch.no_grad():
+        for i in range(rounds):
+            counted = i < len(share)
+            batch = load(share[i] if counted else plan[0]).to(accelerator.device)
+            out = model(batch)
+            if counted:
+                tally.add(out, batch.num_tokens)
+
+
 class Tally(Protocol):
     """What a loop sums its micro-batches' outputs into (``trainer.Tally``, ``sft.Tally``)."""
 

@@ -33,7 +33,14 @@ from tqdm.auto import tqdm
 
 from specdec.train import checkpoint
 from specdec.train.data import Schedule
-from specdec.train.loop import KILL_ENV, RunLogger, TimeLimit, lr_schedule, optimizer_step
+from specdec.train.loop import (
+    KILL_ENV,
+    RunLogger,
+    TimeLimit,
+    evaluate_shards,
+    lr_schedule,
+    optimizer_step,
+)
 from specdec.train.packed_attention import PackedMeta, packed_attention
 from specdec.train.sft_config import SFTConfig
 from specdec.train.sft_data import ChatRecords, SFTBatch, read_chat_records, spread
@@ -229,11 +236,7 @@ def evaluate(model, source: ChatRecords, accelerator) -> dict[str, Any]:
     """Held-out loss and next-token accuracy on assistant tokens (each process takes
     every world-th batch)."""
     tally = Tally()
-    model.eval()
-    with torch.no_grad():
-        for ref in source.eval_plan()[accelerator.process_index :: accelerator.num_processes]:
-            batch = source.load(ref).to(accelerator.device)
-            tally.add(model(batch), batch.num_tokens)
+    evaluate_shards(model, source.eval_plan(), source.load, accelerator, tally)
     return tally.summary(accelerator, "eval/")
 
 

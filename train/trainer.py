@@ -26,7 +26,14 @@ from tqdm.auto import tqdm
 from specdec.train import checkpoint
 from specdec.train.config import TrainConfig
 from specdec.train.data import OfflineShards, OnlineRecords, Schedule, Source
-from specdec.train.loop import KILL_ENV, RunLogger, TimeLimit, lr_schedule, optimizer_step
+from specdec.train.loop import (
+    KILL_ENV,
+    RunLogger,
+    TimeLimit,
+    evaluate_shards,
+    lr_schedule,
+    optimizer_step,
+)
 from specdec.train.model import TargetIO, TTTModel, attention_backend, build_head, load_vocab
 from specdec.train.spec_exit_labels import ExitLabeler
 from specdec.train.spec_exit_loss import SpecExitLoss
@@ -63,17 +70,23 @@ class Tally:
         self.batches += 1
         self.tokens += tokens
 
-    def summary(self, accelerator, prefix: str, signals: tuple[str, ...] = ()) -> dict[str, Any]:
+    def summary(
+        self, accelerator, prefix: str, positions: int, signals: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
         """Figures over every process (a collective call: all processes must call it);
-        ``signals``: the head's SpecExit signals, reported as ``exit_loss_<signal>``."""
+        ``positions``: the TTT steps (``loss_i``, ``acc_i``); ``signals``: the head's
+        SpecExit signals, reported as ``exit_loss_<signal>``. A process that summed no
+        batch sends zeros of the same sizes: a size mismatch breaks the reduction."""
         device = accelerator.device
-        t = [torch.as_tensor(x, dtype=torch.float64, device=device).reshape(-1) for x in (
-            self.loss, self.step_loss, self.correct, self.valid, self.leading, self.valid0,
-            float(self.batches), float(self.tokens),
-        )]  # fmt: skip
-        for sums in (self.exit_loss, self.exit_count):  # same sizes on every process
-            values = torch.as_tensor(sums, dtype=torch.float64, device=device).reshape(-1)
-            t.append(values if values.numel() == len(signals) else values.new_zeros(len(signals)))
+
+        def sums(x, n: int) -> torch.Tensor:  # [n] float64
+            values = torch.as_tensor(x, dtype=torch.float64, device=device).reshape(-1)
+            return values if values.numel() == n else values.new_zeros(n)
+
+        t = [sums(self.loss, 1), sums(self.step_loss, positions), sums(self.correct, positions),
+             sums(self.valid, positions), sums(self.leading, 1), sums(self.valid0, 1),
+             sums(float(self.batches), 1), sums(float(self.tokens), 1),
+             sums(self.exit_loss, len(signals)), sums(self.exit_count, len(signals))]  # fmt: skip
         sizes = [x.numel() for x in t]
         flat = accelerator.reduce(torch.cat(t), reduction="sum").tolist()
         parts, i = [], 0
@@ -173,7 +186,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     tally, t0 = Tally(), time.perf_counter()
     evals: dict[str, Any] = {}
     if state.step == 0:  # the fresh head's figures: the baseline every later eval beats
-        log.write(0, evaluate(model, source, accelerator, exit_cfg.signals))
+        log.write(0, evaluate(model, source, accelerator, config.ttt.steps, exit_cfg.signals))
     kill_after = int(os.environ.get(KILL_ENV, "0"))
     limit = TimeLimit(run.time_limit_s, accelerator)
     model.train()
@@ -185,7 +198,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         bar.update(1)
         last = state.step == optim_cfg.max_steps or limit.reached()
         if state.step % run.log_every == 0 or last:
-            figures = tally.summary(accelerator, "train/", exit_cfg.signals)
+            figures = tally.summary(accelerator, "train/", config.ttt.steps, exit_cfg.signals)
             seconds = time.perf_counter() - t0
             figures["train/tokens_per_s"] = figures["train/tokens"] / max(seconds, 1e-9)
             figures["lr"] = scheduler.get_last_lr()[0]
@@ -196,7 +209,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                             tok_s=f"{figures['train/tokens_per_s']:,.0f}")  # fmt: skip
             tally, t0 = Tally(), time.perf_counter()
         if state.step % run.eval_every == 0 or last:
-            evals = evaluate(model, source, accelerator, exit_cfg.signals)
+            evals = evaluate(model, source, accelerator, config.ttt.steps, exit_cfg.signals)
             log.write(state.step, evals)
             model.train()
         if state.step % run.save_every == 0 or last:
@@ -211,17 +224,14 @@ def train(config: TrainConfig) -> dict[str, Any]:
     return {"step": state.step, "head": str(head_dir), "time_limited": limit.hit, **evals}
 
 
-def evaluate(model, source: Source, accelerator, signals: tuple[str, ...] = ()) -> dict[str, Any]:
+def evaluate(
+    model, source: Source, accelerator, positions: int, signals: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Held-out loss_i, acc_i, simulated τ and SpecExit losses of ``signals`` (each
     process takes every world-th batch)."""
-    plan = source.eval_plan()
     tally = Tally()
-    model.eval()
-    with torch.no_grad():
-        for ref in plan[accelerator.process_index :: accelerator.num_processes]:
-            batch = source.load(ref).to(accelerator.device)
-            tally.add(model(batch), batch.num_tokens)
-    return tally.summary(accelerator, "eval/", signals)
+    evaluate_shards(model, source.eval_plan(), source.load, accelerator, tally)
+    return tally.summary(accelerator, "eval/", positions, signals)
 
 
 def _exit_labeler(config: TrainConfig) -> ExitLabeler | None:
