@@ -102,7 +102,9 @@ def run_variant(opts: Options, variant: str, cache_root: Path | None) -> None:
             before = _count_entries(cache_root)
             t = time.perf_counter()
             llm.generate([ids], params, use_tqdm=False)
-            rows.append((rep, n, (time.perf_counter() - t) * 1e3, _count_entries(cache_root) - before))
+            rows.append(
+                (rep, n, (time.perf_counter() - t) * 1e3, _count_entries(cache_root) - before)
+            )
     print("| pass | prompt tokens | ms to first token | new kernel cache entries |")
     print("|---|---:|---:|---:|")
     for rep, n, ms, new in rows:
@@ -115,7 +117,9 @@ def run_variant(opts: Options, variant: str, cache_root: Path | None) -> None:
 def parse_args(argv: list[str] | None = None) -> Options:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--variants", default="graphs+compile", help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument(
+        "--variants", default="graphs+compile", help=f"comma-separated, from {list(VARIANTS)}"
+    )
     p.add_argument("--prompt-lens", default="37,64,100,128,257,581,1000,1357")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory", type=int, default=4 << 30)

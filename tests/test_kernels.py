@@ -278,6 +278,62 @@ def test_prefill_tiles_and_splits_fill_the_gpu():
     assert choose(65, 1, 2048, sms=1) == (128, 1)
 
 
+def test_warm_up_compiles_every_variant_the_launchers_choose(monkeypatch):
+    """Every (tile rows, warps, split-K, tree) the varlen launcher picks over a sweep of
+    batch shapes on an H200-sized GPU, and both decode paths, are among the warm-up's
+    launches: no request compiles a kernel on its first token."""
+    import specdec.kernels.decode as decode_module
+    import specdec.kernels.prefill as prefill_module
+    from specdec.kernels.warmup import warm_up_attention
+
+    launched: set[tuple] = set()
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                keys = ("BLOCK_M", "num_warps", "SINGLE_SPLIT", "HAS_TREE")
+                launched.add((self.name, *(kw.get(k) for k in keys)))
+
+            return launch
+
+    for module, kernel in [
+        (prefill_module, "_prefill_kernel"),
+        (prefill_module, "_prefill_combine_kernel"),
+        (decode_module, "_decode_split_kernel"),
+        (decode_module, "_decode_combine_kernel"),
+    ]:
+        monkeypatch.setattr(module, kernel, Recorder(kernel))
+    num_heads, num_kv_heads, head_dim = 9, 3, 64  # SmolLM2-135M
+    k_cache = torch.zeros(8, 16, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    launches = warm_up_attention(k_cache, k_cache, num_heads, torch.bfloat16, trees=True)
+    assert launches == 4 * 2 * 2 + 2  # tile sizes 16-128 x split x tree, + decode x split
+    warmed = set(launched)
+    for q_len in (1, 2, 5, 17, 33, 65, 129, 300, 581, 1000, 2048, 8192):
+        for num_seqs in (1, 2, 3, 8, 16, 64):
+            for tree in (False, True):
+                config = prefill_module.default_prefill_config(
+                    q_len, 3, torch.bfloat16, num_seqs=num_seqs, num_kv_heads=3, num_sms=132
+                )
+                tiles = -(-q_len // (config.block_m // 3))
+                splits = choose_num_splits(tiles * 3 * num_seqs, 4096, config.block_n, 132)
+                key = ("_prefill_kernel", config.block_m, config.num_warps, splits == 1, tree)
+                assert key in warmed, key
+    assert {k[3] for k in warmed if k[0] == "_decode_split_kernel"} == {True, False}
+
+
+def test_warm_up_runs_and_leaves_the_caches_alone():
+    from specdec.kernels.warmup import warm_up_attention
+
+    k_cache = torch.randn(8, 16, 2, 32, device=DEVICE)
+    v_cache = torch.randn(8, 16, 2, 32, device=DEVICE)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    assert warm_up_attention(k_cache, v_cache, 4, torch.float32, trees=True) == 3 * 2 * 2 + 2
+    assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
 # --- decode ------------------------------------------------------------------------------
 
 

@@ -297,6 +297,55 @@ def test_decode_step_compiles_as_one_graph(tmp_path: Path) -> None:
             torch.testing.assert_close(got_aux, want_aux, atol=1e-6, rtol=0)
 
 
+def test_compiled_regions_equal_eager_and_share_one_layer_compilation(tmp_path: Path) -> None:
+    """What CUDA-graph capture runs (``compile_regions``, attention behind the custom op):
+    the same outputs as eager across batch sizes, and every decoder layer served by the
+    same compiled entries — a per-layer compilation would multiply cold start by the depth.
+    """
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from specdec.attention.custom_op import OpaqueAttention
+    from specdec.models.llama import DecoderLayer
+
+    save_tiny("qwen3", tmp_path)
+    model = load_model(str(tmp_path), attention=OpaqueAttention("torch"))
+    eager, compiled = PagedDriver(load_model(str(tmp_path))), PagedDriver(model)
+    prefill = [(0, [1, 2, 3, 4, 5]), (1, [6, 7]), (2, [8, 9, 10])]
+    eager.step(prefill)
+    compiled.step(prefill)
+    torch._dynamo.reset()
+    model.compile_regions(backend="eager", fullgraph=True)  # fullgraph: no break in a region
+    compiled.model = _CompiledCall(model)
+    for step, batch in enumerate([[0, 1, 2], [0, 1], [0, 1, 2], [0], [0, 1]]):
+        chunks = [(seq, [11 + step + seq]) for seq in batch]
+        for (want, want_aux), (got, got_aux) in zip(
+            eager.step(chunks, (1, 2)), compiled.step(chunks, (1, 2)), strict=True
+        ):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got_aux, want_aux, atol=1e-5, rtol=0)
+    # A first static shape, the dynamic one, batch 1, a changed context bound: <= 4
+    # entries for all 4 layers (separate compilations would hold 4 per layer).
+    entries = _debug_get_cache_entry_list(DecoderLayer.forward.__code__)
+    assert 2 <= len(entries) <= 4, len(entries)
+
+
+@dataclass
+class _CompiledCall:
+    """A ``CausalLM`` whose calls run its compiled regions (for ``PagedDriver``)."""
+
+    model: CausalLM
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def __call__(self, *args):
+        return self.model(*args, compiled=True)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
 # ---------------------------------------------------------------------- RoPE
 
 

@@ -68,6 +68,23 @@ class StepInputs:
     uniform_q: int | None = None
 
 
+def _packed_on_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
+    """``parts`` (one dtype) on ``device`` in one copy, each starting 16 bytes apart.
+
+    Triton specialises a kernel on whether each pointer argument is 16-byte aligned, so a
+    view at an offset that moves with the batch size (seq_lens after ``num_seqs + 1``
+    entries) would compile a new variant for some batch sizes, mid-request.
+    """
+    per = 16 // parts[0].itemsize
+    sizes = [p.size for p in parts]
+    starts = np.cumsum([0] + [-(-k // per) * per for k in sizes[:-1]])
+    packed = np.zeros(int(starts[-1]) + sizes[-1], dtype=parts[0].dtype)
+    for start, part in zip(starts, parts, strict=True):
+        packed[start : start + part.size] = part
+    on_device = to_device(packed, device)
+    return [on_device[a : a + k] for a, k in zip(starts.tolist(), sizes, strict=True)]
+
+
 def build_step_inputs(
     scheduled: list[ScheduledRequest],
     block_size: int,
@@ -216,15 +233,14 @@ def build_step_inputs(
         k, first = len(pending_rows), extra + len(tree_token_rows)
         dst, src = packed64[first : first + k], packed64[first + k :]
         packed64[:n].index_copy_(0, dst, pending.token_ids.index_select(0, src))
-    packed32 = to_device(
-        np.concatenate([query_start_loc, np.asarray(seq_lens, np.int32), block_tables.ravel()]),
-        device,
+    qsl, lens, tables = _packed_on_device(
+        [query_start_loc, np.asarray(seq_lens, np.int32), block_tables.ravel()], device
     )
     meta = AttentionMetadata(
         slot_mapping=packed64[2 * n : 3 * n],
-        query_start_loc=packed32[: s + 1],
-        seq_lens=packed32[s + 1 : 2 * s + 1],
-        block_tables=packed32[2 * s + 1 :].view(s, width),
+        query_start_loc=qsl,
+        seq_lens=lens,
+        block_tables=tables.view(s, width),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=q_lens,

@@ -103,6 +103,7 @@ class LLMEngine:
         # SpecExit (docs/spec_exit.md) needs a proposer whose trees carry exit signals.
         signals = self.proposer.exit_signals if self.proposer is not None else ()
         self.spec_exit = SpecExitRuntime(self.tokenizer, signals) if signals else None
+        self.runner.warm_up_kernels(trees=self.proposer is not None)
         self._capture_graphs()
         self.async_scheduling = self.config.async_scheduling
         if self.async_scheduling is None:  # auto: where the device runs ahead of the host

@@ -5,6 +5,7 @@ same process with its own runner)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -193,8 +194,30 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------
     def _forward_graphed(self, input_ids, positions, meta):
-        hidden, aux = self.model(input_ids, positions, self.kv_caches, meta, self.aux_layer_ids)
+        hidden, aux = self.model(
+            input_ids,
+            positions,
+            self.kv_caches,
+            meta,
+            self.aux_layer_ids,
+            compiled=self.use_compile,
+        )
         return self.model.compute_logits(hidden), aux
+
+    def warm_up_kernels(self, trees: bool) -> None:
+        """Compile the Triton attention variants serving could need (kernels/warmup.py)
+        now rather than on some request's first token; ``trees``: verify steps may carry
+        a tree mask. No-op off the Triton path."""
+        if self.device.type != "cuda" or self.runtime.attention_backend != "triton":
+            return
+        from specdec.kernels.warmup import warm_up_attention  # imports triton
+
+        t0 = time.perf_counter()
+        k_cache, v_cache = self.kv_caches[0]
+        n = warm_up_attention(
+            k_cache, v_cache, self.model_config.num_heads, self.dtype, trees=trees
+        )
+        logger.info("warmed up %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def capture_graphs(self, tree_size: int | None = None, max_tree_batch: int = 0) -> None:
@@ -204,12 +227,14 @@ class ModelRunner:
         if not self.runtime.use_cuda_graphs or self.graphs is not None:
             return
         max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
-        forward = self._forward_graphed
         if self.use_compile:
-            # One dynamic-shape compilation serves every bucket; each bucket then gets
-            # its own graph of the compiled kernels.
-            forward = torch.compile(forward, dynamic=True)
-        self.graphs = StepGraphs(forward, self.block_table_width, self.max_model_len, self.device)
+            # Per-region compilation (seconds, see compile_regions); automatic dynamic
+            # shapes: the first bucket compiles static, the second turns the token dim
+            # dynamic for every later bucket, batch 1 gets its own (0/1 specialisation).
+            self.model.compile_regions()
+        self.graphs = StepGraphs(
+            self._forward_graphed, self.block_table_width, self.max_model_len, self.device
+        )
         sizes = graph_batch_sizes(max_bs)
         logger.info("capturing CUDA graphs for decode batch sizes %s", sizes)
         self.graphs.capture(1, sizes)

@@ -30,6 +30,7 @@ import triton.language as tl
 from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.torch_backend import paged_decode_ref
 from specdec.kernels.launch import (
+    RUNTIME_INTS,
     dot_precision,
     gqa_group,
     next_power_of_2,
@@ -74,7 +75,7 @@ def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     return DecodeConfig(block_n=128 if row_bytes <= 128 else 64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -166,7 +167,7 @@ def _decode_split_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _decode_combine_kernel(
     seq_lens_ptr,
     part_acc_ptr,

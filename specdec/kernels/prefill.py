@@ -44,6 +44,7 @@ import triton.language as tl
 from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.torch_backend import paged_attention_ref
 from specdec.kernels.launch import (
+    RUNTIME_INTS,
     dot_precision,
     gqa_group,
     next_power_of_2,
@@ -61,6 +62,8 @@ __all__ = [
     "default_prefill_config",
     "paged_attention",
     "paged_attention_ref",
+    "prefill_block_m_choices",
+    "prefill_config_for",
 ]
 
 # Finite stand-in for -inf as the running max's start: padded rows see no key at all, and
@@ -85,6 +88,24 @@ class PrefillConfig:
                 raise ValueError(f"{name} {n} must be a power of two >= 16 (tl.dot)")
 
 
+def prefill_block_m_choices(group: int, dtype: torch.dtype) -> list[int]:
+    """Every ``block_m`` ``default_prefill_config`` may pick, smallest first: powers of two
+    from the smallest that holds a GQA group (at least 16, for ``tl.dot``) up to 128 (64
+    in fp32, whose FMA-unit dots spill registers at 128)."""
+    cap = 64 if dtype == torch.float32 else 128
+    block_m = max(16, next_power_of_2(group))
+    choices = [block_m]
+    while block_m < cap:
+        block_m *= 2
+        choices.append(block_m)
+    return choices
+
+
+def prefill_config_for(block_m: int) -> PrefillConfig:
+    """The launch knobs that go with ``block_m`` (eight warps from 128 rows)."""
+    return PrefillConfig(block_m=block_m, num_warps=8 if block_m >= 128 else 4)
+
+
 def default_prefill_config(
     max_query_len: int,
     group: int,
@@ -94,20 +115,20 @@ def default_prefill_config(
     num_kv_heads: int = 1,
     num_sms: int = 1,
 ) -> PrefillConfig:
-    """Rows sized to the work and to the GPU: the largest tile (up to 128 rows; 64 in fp32,
-    whose FMA-unit dots spill registers at 128; never more rows than a sequence has) whose
-    grid still gives every SM a program, else the smallest — a 64-node verify step at batch
-    1 runs 16-row tiles (plus split-K) where 128-row ones would leave 126 of 132 SMs idle.
-    Powers of two keep the number of compiled variants small."""
-    cap = 64 if dtype == torch.float32 else 128
-    smallest = max(16, next_power_of_2(group))
-    block_m = min(cap, max(smallest, next_power_of_2(max_query_len * group)))
+    """Rows sized to the work and to the GPU: the largest tile (``prefill_block_m_choices``;
+    never more rows than a sequence has) whose grid still gives every SM a program, else
+    the smallest — a 64-node verify step at batch 1 runs 16-row tiles (plus split-K) where
+    128-row ones would leave 126 of 132 SMs idle. Powers of two keep the number of
+    compiled variants small."""
+    choices = prefill_block_m_choices(group, dtype)
+    smallest = choices[0]
+    block_m = min(choices[-1], max(smallest, next_power_of_2(max_query_len * group)))
     while block_m > smallest:
         tiles = triton.cdiv(max(max_query_len, 1), block_m // group)
         if tiles * num_kv_heads * num_seqs >= num_sms:
             break
         block_m //= 2
-    return PrefillConfig(block_m=block_m, num_warps=8 if block_m >= 128 else 4)
+    return prefill_config_for(block_m)
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
@@ -212,7 +233,7 @@ def _tile_rows(
     return q_start, q_len, first_tok, tok, head, row_mask, (q_start + tok).to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -326,7 +347,7 @@ def _prefill_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _prefill_combine_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,

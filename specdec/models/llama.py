@@ -12,7 +12,8 @@ back to the HF checkpoint keys it is assembled from.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -131,6 +132,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm block. The residual stream travels split in two, ``x + residual``, as
+    in vLLM: each norm then sits in the same compiled region as the add before it (one
+    fused kernel) even when every layer is compiled on its own (``compile_regions``)."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -140,14 +145,25 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]: the residual stream entering the layer
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor,  # [num_tokens, hidden]: the stream entering is x + residual
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]: the residual stream leaving it
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (x, residual): the stream leaving, split
+        stream = x + residual  # the residual stream entering the layer (HF hidden_states[i])
+        stream = stream + self.self_attn(self.input_layernorm(stream), cos, sin, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm(stream)), stream
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """How ``CausalLM.forward`` runs: eager modules, or their compiled regions."""
+
+    enter: Callable  # (input_ids, positions) -> (x, residual, cos, sin)
+    layers: Sequence[Callable]  # (x, residual, cos, sin, kv_cache, meta) -> (x, residual)
+    leave: Callable  # (x, residual) -> hidden after the final norm
 
 
 class CausalLM(nn.Module):
@@ -186,6 +202,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding.for_config(config, max_positions or config.max_context_len)
         self.tie_weights()
+        # A plain attribute, not submodules: the compiled wrappers share these parameters.
+        self._compiled: _Stages | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config ties them. Call again after
@@ -200,24 +218,61 @@ class CausalLM(nn.Module):
         kv_caches: Sequence[KVCache],  # one (k_cache, v_cache) per layer
         meta: AttentionMetadata,
         aux_layer_ids: Sequence[int] = (),
+        *,
+        compiled: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns ``hidden`` [num_tokens, hidden] after the final norm, and ``aux``
-        [num_tokens, len(aux_layer_ids) * hidden] (None when no ids are asked for)."""
+        [num_tokens, len(aux_layer_ids) * hidden] (None when no ids are asked for).
+        ``compiled``: run the regions ``compile_regions`` built (same results)."""
         num_layers = self.config.num_layers
         if any(not 0 <= i < num_layers for i in aux_layer_ids):
             raise ValueError(
                 f"aux_layer_ids {list(aux_layer_ids)} must lie in [0, {num_layers}) "
                 "(the residual stream entering layer i)"
             )
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        cos, sin = self.rotary(positions, hidden.dtype)
+        if not compiled:
+            stages = _Stages(self._enter, self.layers, self._leave)
+        elif self._compiled is None:
+            raise RuntimeError("forward(compiled=True) needs compile_regions() first")
+        else:
+            stages = self._compiled
+        x, residual, cos, sin = stages.enter(input_ids, positions)
         entering: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(stages.layers):
             if i in aux_layer_ids:
-                entering[i] = hidden
-            hidden = layer(hidden, cos, sin, kv_caches[i], meta)
+                entering[i] = x + residual
+            x, residual = layer(x, residual, cos, sin, kv_caches[i], meta)
         aux = torch.cat([entering[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
-        return self.norm(hidden), aux
+        return stages.leave(x, residual), aux
+
+    def _enter(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # x, residual, cos, sin
+        """The stream entering layer 0 as (embedding, zeros): adding zero is exact, and a
+        zero tensor rather than None keeps one compiled variant for every layer."""
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary(positions, x.dtype)
+        return x, torch.zeros_like(x), cos, sin
+
+    def _leave(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + residual)  # [num_tokens, hidden]
+
+    def compile_regions(self, **compile_kwargs) -> None:
+        """Compile the repeated region, not the whole model: ``torch.compile`` per decoder
+        layer (every layer shares one compilation: same code, parameters as inputs) plus
+        the small regions before and after. A whole-model graph took ~1 min per
+        compilation on the H200's host, and shapes need three (a static first shape, the
+        dynamic one, batch 1); a layer's graph is a thirtieth of it. Kernels only fuse within a
+        region, so the split residual stream (``DecoderLayer``) keeps add + norm fused.
+        ``forward(..., compiled=True)`` runs the compiled regions; eager callers (prefill,
+        mixed steps) keep the plain modules, whose varying shapes would recompile."""
+        self._compiled = _Stages(
+            enter=torch.compile(self._enter, **compile_kwargs),
+            layers=tuple(torch.compile(layer, **compile_kwargs) for layer in self.layers),
+            leave=torch.compile(self._leave, **compile_kwargs),
+        )
 
     def compute_logits(
         self,
