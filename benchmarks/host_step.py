@@ -69,7 +69,6 @@ def main() -> None:
             max_model_len=2048,
             max_num_seqs=a.batch,
             max_num_batched_tokens=16384,
-            enable_prefix_caching=False,
             async_scheduling=a.async_,
         )
         run(llm, a)
