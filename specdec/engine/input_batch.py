@@ -7,6 +7,7 @@ waits for the device.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,20 @@ def _tree_mask(
         tree_mask=torch.cat([m.flatten() for m in masks]).to(device, non_blocking=True),
         max_tree_len=max(q_lens),
     )
+
+
+def _block_tables(table_rows: list[list[int]], width: int) -> np.ndarray:  # [rows, width]
+    """The rows' block ids, zero-padded to ``width``: one flat copy and one scatter for
+    the batch (a numpy assignment per row costs more than the row's few ids)."""
+    lens = np.fromiter(map(len, table_rows), dtype=np.int64, count=len(table_rows))
+    tables = np.zeros((len(table_rows), width), dtype=np.int32)
+    total = int(lens.sum())
+    if total:
+        flat = np.fromiter(itertools.chain.from_iterable(table_rows), np.int32, count=total)
+        rows = np.repeat(np.arange(len(table_rows)), lens)
+        cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        tables[rows, cols] = flat
+    return tables
 
 
 @dataclass
@@ -157,8 +172,10 @@ def build_step_inputs(
             tree_list.append(tree)
             continue
         tree_parents.append(_NO_TREE)
-        known = request.num_tokens
-        if end <= known:
+        known = len(request.prompt_token_ids) + len(request.output_token_ids)
+        if q_len == 1 and start < known:  # a decode with its token known (synchronous)
+            input_ids.append(request.token_id(start))
+        elif end <= known:
             input_ids += request.token_ids(start, end)
         else:
             if pending is None or end != known + 1 or request.request_id not in pending.rows:
@@ -177,13 +194,11 @@ def build_step_inputs(
             pos = range(start, end)
             positions += pos
             slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in pos]
-        if end == request.num_tokens_with_pending:
+        if end == known + request.num_pending_tokens:
             logits_indices.append(len(positions) - 1)
             sampled_rows.append(row)
             logits_counts.append(1)
-    block_tables = np.zeros((len(scheduled), width), dtype=np.int32)
-    for row, blocks in enumerate(table_rows):
-        block_tables[row, : len(blocks)] = blocks
+    block_tables = _block_tables(table_rows, width)
 
     query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
     np.cumsum(q_lens, out=query_start_loc[1:])
