@@ -7,15 +7,17 @@ runs to the end) on a tiny random model with SmolLM2's tokenizer (2 layers, 64 w
 
 Per decode step it reports the step's wall time and its *host* time: the step's CPU time
 minus the model forward (``runner.execute``) and the sampling kernels (``Sampler.__call__``
-less its host-side draw of the seeded rows' keys), the two parts that on a GPU are launches (a graph replay and a few kernels) whose device
-time runs behind the host. That host share is device-independent: it is what bounds a
-large batch on the H200 (18.6k tok/s at batch 256 ≈ 13.7 ms a step, ~2 ms of it device).
+less its host-side draw of the seeded rows' keys), the two parts that on a GPU are
+launches (a graph replay and a few kernels) whose device time runs behind the host. One
+torch thread, so CPU time is this thread's and another process's load does not count.
+That host share is device-independent: it is what bounds a large batch on the H200
+(18.6k tok/s at batch 256 ≈ 13.7 ms a step, ~2 ms of it device).
 
 ``--async`` runs the engine's async-scheduling path (the H200's default for plain
 decoding); ``--profile N`` prints the N costliest functions of the decode steps
-(cProfile, cumulative).
+(cProfile). ``--vocab 1024 --prompt-len 64`` is a quick run (same host work per step).
 
-    OMP_NUM_THREADS=2 python benchmarks/host_step.py --smollm2 /tmp/smk/m --async
+    OMP_NUM_THREADS=1 python benchmarks/host_step.py --smollm2 /tmp/smk/m --async
 """
 
 from __future__ import annotations
