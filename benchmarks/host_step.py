@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--vocab", type=int, default=49152, help="logits width (SmolLM2: 49,152)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (then wall time is the bar)")
     p.add_argument("--prompt-len", type=int, default=0, help="truncate prompts (0: keep)")
     p.add_argument("--async", dest="async_", action="store_true", help="async scheduling")
     p.add_argument("--repeats", type=int, default=1, help="timed generations (medians pool)")
@@ -68,7 +69,7 @@ def main() -> None:
             make_weights(model)
         llm = LLM(
             str(model),
-            device="cpu",
+            device=a.device,
             max_model_len=2048,
             max_num_seqs=a.batch,
             max_num_batched_tokens=16384,
