@@ -377,3 +377,17 @@ def test_stream_uniforms_are_the_same_bits_on_the_gpu() -> None:
     gpu = row_exponentials(keys.cuda(), 49152).cpu()
     assert torch.equal(row_uniforms(keys, 49152), row_uniforms(keys.cuda(), 49152).cpu())
     torch.testing.assert_close(gpu, cpu, rtol=1e-6, atol=0)  # log may differ in the last ulp
+
+
+def test_batch_keys_equal_the_streams_own_keys_draw_by_draw() -> None:
+    """``keys_tensor`` hashes the batch in numpy; it must give each stream exactly its
+    ``next_key`` sequence, a stream listed twice (acceptance's two draws) included, for
+    seeds across the whole int64 range and beyond."""
+    seeds = [0, 1, 5, 2**40 + 3, 2**63 - 1, -7, 2**64 + 9]
+    batch = [SeededStream(s) for s in seeds]
+    alone = [SeededStream(s) for s in seeds]
+    for step in range(3):
+        rows = [s for s in batch for _ in range(1 + step % 2)]
+        expected = [s.next_key() for s in alone for _ in range(1 + step % 2)]
+        assert keys_tensor(rows, CPU).tolist() == expected
+    assert [s.draws for s in batch] == [s.draws for s in alone] == [4] * len(seeds)

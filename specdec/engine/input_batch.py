@@ -7,6 +7,7 @@ waits for the device.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,55 @@ def _tree_mask(
         tree_mask=torch.cat([m.flatten() for m in masks]).to(device, non_blocking=True),
         max_tree_len=max(q_lens),
     )
+
+
+def _block_tables(table_rows: list[list[int]], width: int) -> np.ndarray:  # [rows, width]
+    """The rows' block ids, zero-padded to ``width``: one flat copy and one scatter for
+    the batch (a numpy assignment per row costs more than the row's few ids)."""
+    lens = np.fromiter(map(len, table_rows), dtype=np.int64, count=len(table_rows))
+    tables = np.zeros((len(table_rows), width), dtype=np.int32)
+    total = int(lens.sum())
+    if total:
+        flat = np.fromiter(itertools.chain.from_iterable(table_rows), np.int32, count=total)
+        rows = np.repeat(np.arange(len(table_rows)), lens)
+        cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        tables[rows, cols] = flat
+    return tables
+
+
+def _decode_rows(
+    scheduled: list[ScheduledRequest], starts: list[int], pending: PendingTokens | None
+) -> tuple[list[int], list[list[int]], list[int], list[int], list[int]]:
+    """``build_step_inputs``'s per-row lists when every row computes one token and none
+    verifies a tree: input ids, block-id lists, sampled rows, pending rows and their rows
+    in ``pending`` (the general loop's values; row ``i`` is flat token ``i``)."""
+    input_ids: list[int] = []
+    table_rows: list[list[int]] = []
+    sampled_rows: list[int] = []
+    pending_rows: list[int] = []
+    pending_src: list[int] = []
+    pending_of = pending.rows if pending is not None else {}
+    for row, (sched, start) in enumerate(zip(scheduled, starts, strict=True)):
+        request = sched.request
+        table_rows.append(request.block_ids)
+        prompt, output = request.prompt_token_ids, request.output_token_ids
+        n = len(prompt)
+        known = n + len(output)
+        if start < known:
+            input_ids.append(prompt[start] if start < n else output[start - n])
+        else:
+            src = pending_of.get(request.request_id) if start == known else None
+            if src is None:
+                raise RuntimeError(
+                    f"request {request.request_id}: step reaches token {start} but only "
+                    f"{known} are known and no step in flight sampled the next one"
+                )
+            pending_rows.append(row)
+            pending_src.append(src)
+            input_ids.append(0)  # placeholder: filled on the device
+        if start + 1 == known + request.num_pending_tokens:
+            sampled_rows.append(row)
+    return input_ids, table_rows, sampled_rows, pending_rows, pending_src
 
 
 @dataclass
@@ -133,7 +183,7 @@ def build_step_inputs(
     # more than the work for the one-token rows that dominate decoding.
     input_ids: list[int] = []
     positions: list[int] = []
-    slot_mapping: list[int] = []
+    slot_mapping: list[int] | np.ndarray = []
     table_rows: list[list[int]] = []
     logits_indices: list[int] = []
     sampled_rows: list[int] = []
@@ -143,79 +193,91 @@ def build_step_inputs(
     tree_token_rows: list[int] = []
     pending_rows: list[int] = []  # flat rows whose input is a pending token
     pending_src: list[int] = []  # ... and its row in pending.token_ids
-    for row, (sched, start, q_len) in enumerate(zip(scheduled, starts, q_lens, strict=True)):
-        request = sched.request
-        blocks = request.block_ids
-        table_rows.append(blocks)
-        end = start + q_len
-        tree = trees.get(row)
-        if tree is not None:
-            m = tree.num_nodes
-            if m != sched.num_new_tokens:
-                raise ValueError(
-                    f"row {row}: tree of {m} nodes, {sched.num_new_tokens} tokens scheduled"
-                )
-            # Token ids and depths stay on the proposer's device: placeholders here (the
-            # start, so positions = start + depth once the depths are added on device).
-            first = len(positions)
-            tree_token_rows += range(first, first + m)
-            input_ids += [0] * q_len
-            positions += [start] * q_len
-            slot_mapping += [
-                blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
-            ]
-            logits_indices += range(first, first + m)
-            sampled_rows.append(row)
-            logits_counts.append(m)
-            parents = tree.parents
-            if q_len > m:  # fillers hang below the root
-                parents = torch.cat([parents, parents.new_zeros(q_len - m)])
-            tree_parents.append(parents)
-            tree_list.append(tree)
-            continue
-        tree_parents.append(_NO_TREE)
-        known = request.num_tokens
-        if end <= known:
-            input_ids += request.token_ids(start, end)
-        else:
-            if pending is None or end != known + 1 or request.request_id not in pending.rows:
-                raise RuntimeError(
-                    f"request {request.request_id}: step reaches token {end - 1} but only "
-                    f"{known} are known and no step in flight sampled the next one"
-                )
-            input_ids += request.token_ids(start, known)
-            pending_rows.append(len(input_ids))
-            pending_src.append(pending.rows[request.request_id])
-            input_ids.append(0)  # placeholder: filled on the device below
-        if q_len == 1:
-            positions.append(start)
-            slot_mapping.append(blocks[start // block_size] * block_size + start % block_size)
-        else:
-            pos = range(start, end)
-            positions += pos
-            slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in pos]
-        if end == request.num_tokens_with_pending:
-            logits_indices.append(len(positions) - 1)
-            sampled_rows.append(row)
-            logits_counts.append(1)
-    block_tables = np.zeros((len(scheduled), width), dtype=np.int32)
-    for row, blocks in enumerate(table_rows):
-        block_tables[row, : len(blocks)] = blocks
+    decode_only = not trees and all(q == 1 for q in q_lens)
+    if decode_only:  # the common step at large batch: per-row work kept to the minimum
+        input_ids, table_rows, sampled_rows, pending_rows, pending_src = _decode_rows(
+            scheduled, starts, pending
+        )
+        positions = starts
+        logits_indices = sampled_rows  # one token per row: its flat row is its row
+        logits_counts = [1] * len(sampled_rows)
+    else:
+        for row, (sched, start, q_len) in enumerate(zip(scheduled, starts, q_lens, strict=True)):
+            request = sched.request
+            blocks = request.block_ids
+            table_rows.append(blocks)
+            end = start + q_len
+            tree = trees.get(row)
+            if tree is not None:
+                m = tree.num_nodes
+                if m != sched.num_new_tokens:
+                    raise ValueError(
+                        f"row {row}: tree of {m} nodes, {sched.num_new_tokens} tokens scheduled"
+                    )
+                # Token ids and depths stay on the proposer's device: placeholders here (the
+                # start, so positions = start + depth once the depths are added on device).
+                first = len(positions)
+                tree_token_rows += range(first, first + m)
+                input_ids += [0] * q_len
+                positions += [start] * q_len
+                slot_mapping += [
+                    blocks[p // block_size] * block_size + p % block_size for p in range(start, end)
+                ]
+                logits_indices += range(first, first + m)
+                sampled_rows.append(row)
+                logits_counts.append(m)
+                parents = tree.parents
+                if q_len > m:  # fillers hang below the root
+                    parents = torch.cat([parents, parents.new_zeros(q_len - m)])
+                tree_parents.append(parents)
+                tree_list.append(tree)
+                continue
+            tree_parents.append(_NO_TREE)
+            known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if q_len == 1 and start < known:  # a decode with its token known (synchronous)
+                input_ids.append(request.token_id(start))
+            elif end <= known:
+                input_ids += request.token_ids(start, end)
+            else:
+                if pending is None or end != known + 1 or request.request_id not in pending.rows:
+                    raise RuntimeError(
+                        f"request {request.request_id}: step reaches token {end - 1} but only "
+                        f"{known} are known and no step in flight sampled the next one"
+                    )
+                input_ids += request.token_ids(start, known)
+                pending_rows.append(len(input_ids))
+                pending_src.append(pending.rows[request.request_id])
+                input_ids.append(0)  # placeholder: filled on the device below
+            if q_len == 1:
+                positions.append(start)
+                slot_mapping.append(blocks[start // block_size] * block_size + start % block_size)
+            else:
+                pos = range(start, end)
+                positions += pos
+                slot_mapping += [blocks[p // block_size] * block_size + p % block_size for p in pos]
+            if end == known + request.num_pending_tokens:
+                logits_indices.append(len(positions) - 1)
+                sampled_rows.append(row)
+                logits_counts.append(1)
+    block_tables = _block_tables(table_rows, width)
+    if decode_only:  # every row's one slot, from the table just built
+        pos = np.asarray(starts, dtype=np.int64)
+        blocks = block_tables[np.arange(len(starts)), pos // block_size].astype(np.int64)
+        slot_mapping = blocks * block_size + pos % block_size
 
     query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
     np.cumsum(q_lens, out=query_start_loc[1:])
     # Two host-to-device copies per step (one per dtype) instead of one per tensor.
     n, s = num_tokens, len(scheduled)
     packed64 = to_device(
-        np.array(
-            input_ids
-            + positions
-            + slot_mapping
-            + logits_indices
-            + tree_token_rows
-            + pending_rows
-            + pending_src,
-            dtype=np.int64,
+        np.concatenate(
+            [
+                np.asarray(input_ids + positions, dtype=np.int64),
+                np.asarray(slot_mapping, dtype=np.int64),
+                np.asarray(
+                    logits_indices + tree_token_rows + pending_rows + pending_src, dtype=np.int64
+                ),
+            ]
         ),
         device,
     )

@@ -64,8 +64,14 @@ class KVCacheManager:
         advance ``num_computed_tokens``. Returns False, changing nothing, when the pool
         cannot supply the blocks.
         """
-        computed_blocks = computed_blocks or []
         bs = self.block_size
+        if not computed_blocks:
+            # Decoding: the request's blocks usually hold the new slots already.
+            num_computed = request.num_computed_tokens
+            if num_computed + num_new_tokens + num_lookahead_tokens <= len(request.block_ids) * bs:
+                self._register_full_blocks(request, num_computed + num_new_tokens)
+                return True
+        computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * bs
         total = num_computed + num_new_tokens + num_lookahead_tokens
         needed = cdiv(total, bs) - len(request.block_ids) - len(computed_blocks)
@@ -87,12 +93,14 @@ class KVCacheManager:
         """Publish blocks that will be full once ``num_tokens`` tokens are computed. They are
         published before the forward that fills them: within one forward every layer writes
         K/V before any attention reads it, so a same-step reader still sees them."""
-        if not self.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching:
             return
         num_tokens = min(num_tokens, request.num_tokens)
-        self._extend_hashes(request, num_tokens)
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = num_tokens // self.block_size
+        if end <= start:  # no block filled up (hashes already cover the first ``start``)
+            return
+        self._extend_hashes(request, num_tokens)
         for i in range(start, end):
             self.pool.cache(request.block_ids[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = max(start, end)

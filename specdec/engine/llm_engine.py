@@ -344,10 +344,11 @@ class LLMEngine:
         logprobs = _logprobs_to_host(done.logprobs, token_ids)
         now = time.monotonic()
         outputs = []
+        states = self._states
         for i, (request, token_id) in enumerate(zip(done.requests, token_ids, strict=True)):
             request.num_pending_tokens -= 1
-            state = self._states.get(request.request_id)
-            if state is None or request.is_finished:
+            state = states.get(request.request_id)
+            if state is None or request.status.is_finished:
                 self.num_dropped_tokens += 1  # stopped or aborted after this step launched
                 continue
             self._append_token(state, token_id, logprobs[i] if logprobs else None, now)
@@ -357,10 +358,11 @@ class LLMEngine:
     def _report(self, state: _RequestState, outputs: list[RequestOutput]) -> None:
         """Add the request's output if its kind reports this step; forget it once done."""
         request = state.request
+        finished = request.status.is_finished
         kind = request.sampling_params.output_kind
-        if request.is_finished or kind is not RequestOutputKind.FINAL_ONLY:
+        if finished or kind is not RequestOutputKind.FINAL_ONLY:
             outputs.append(self._make_output(state, delta=kind is RequestOutputKind.DELTA))
-        if request.is_finished:
+        if finished:
             self._forget(request.request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -576,7 +578,7 @@ class LLMEngine:
 
     def _stop_status(self, request: Request, token_id: int, stop_str) -> RequestStatus | None:
         params = request.sampling_params
-        n_out = request.num_output_tokens
+        n_out = len(request.output_token_ids)  # per token and request: no properties
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 request.stop_reason = None
@@ -587,7 +589,10 @@ class LLMEngine:
             if stop_str is not None:
                 request.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            n_out >= request.max_tokens
+            or len(request.prompt_token_ids) + n_out >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -27,16 +27,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-}
+    def __init__(self, value: str) -> None:
+        # A plain attribute, not a set lookup: it is read several times per request and
+        # step, and an enum member hashes in Python.
+        self.is_finished = value in ("stop", "length", "abort")
 
 
 @dataclass(eq=False)

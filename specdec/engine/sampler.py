@@ -73,25 +73,39 @@ class SamplingMetadata:
                 f"got {len(streams)} streams for {len(params)} rows; pass one per row "
                 "(None for unseeded rows)"
             )
+        # One pass over the rows (this runs every step for the whole batch).
+        temperature: list[float] = []
+        top_p: list[float] = []
+        min_p: list[float] = []
+        top_k: list[int] = []
+        greedy: list[bool] = []
+        row_streams: list[SeededStream | None] = []
+        max_num_logprobs = None
         for i, (p, g) in enumerate(zip(params, streams, strict=True)):
-            if p.seed is not None and not p.is_greedy and g is None:
-                raise ValueError(
-                    f"row {i} has seed={p.seed} but no stream; create SeededStream(seed) "
-                    "when the request arrives and pass it every step"
-                )
-        greedy = [p.is_greedy for p in params]
+            is_greedy = p.is_greedy
+            if is_greedy:
+                temperature.append(1.0)
+                row_streams.append(None)  # greedy rows never draw: the stream stays put
+            else:
+                if g is None and p.seed is not None:
+                    raise ValueError(
+                        f"row {i} has seed={p.seed} but no stream; create SeededStream(seed) "
+                        "when the request arrives and pass it every step"
+                    )
+                temperature.append(p.temperature)
+                row_streams.append(g)
+            greedy.append(is_greedy)
+            top_p.append(p.top_p)
+            min_p.append(p.min_p)
+            top_k.append(p.top_k)
+            if p.logprobs is not None and (
+                max_num_logprobs is None or p.logprobs > max_num_logprobs
+            ):
+                max_num_logprobs = p.logprobs
         b = len(params)
         # Two packed copies (float32, int64), staged so the host never waits on the device.
-        floats = to_device(
-            np.array(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-                + [p.top_p for p in params]
-                + [p.min_p for p in params],
-                dtype=np.float32,
-            ),
-            device,
-        )
-        ints = to_device(np.array([p.top_k for p in params] + greedy, dtype=np.int64), device)
+        floats = to_device(np.array(temperature + top_p + min_p, dtype=np.float32), device)
+        ints = to_device(np.array(top_k + greedy, dtype=np.int64), device)
         return cls(
             temperature=floats[:b],
             top_k=ints[:b],
@@ -100,14 +114,11 @@ class SamplingMetadata:
             greedy=ints[b:].bool(),
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            no_top_k=all(p.top_k == 0 for p in params),
-            no_top_p=all(p.top_p == 1.0 for p in params),
-            no_min_p=all(p.min_p == 0.0 for p in params),
-            # Greedy rows never draw; dropping their stream keeps its counter unmoved.
-            streams=[None if gr else g for g, gr in zip(streams, greedy, strict=True)],
-            max_num_logprobs=max(
-                (p.logprobs for p in params if p.logprobs is not None), default=None
-            ),
+            no_top_k=not any(top_k),
+            no_top_p=top_p.count(1.0) == b,
+            no_min_p=min_p.count(0.0) == b,
+            streams=row_streams,
+            max_num_logprobs=max_num_logprobs,
         )
 
 

@@ -19,7 +19,7 @@ from specdec.engine.kv_cache_manager import KVCacheManager
 from specdec.engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at num_computed_tokens
@@ -102,26 +102,32 @@ class Scheduler:
         (speculation) on requests that are decoding."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # This loop runs once per running request and step, so it reads each request's
+        # counters once (no properties) and keeps the step's objects in locals.
+        running, scheduled = self.running, out.scheduled
+        allocate_slots = self.kv.allocate_slots
+        max_model_len = self.max_model_len
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if self._ends_with_pending(request):
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            pending = request.num_pending_tokens
+            if pending and self._ends_with_pending(request):
                 i += 1  # its step in flight sampled its last token: nothing left to compute
                 continue
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            num_new = min(num_tokens + pending - request.num_computed_tokens, budget)
             lookahead = 0
-            if num_new == 1:  # decoding: room for drafts, never past the context limit
-                lookahead = max(
-                    0, min(num_lookahead_tokens, self.max_model_len - request.num_tokens)
-                )
-            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
-                victim = self.running.pop()  # the newest
+            if num_new == 1 and num_lookahead_tokens:
+                # Decoding: room for drafts, never past the context limit.
+                lookahead = max(0, min(num_lookahead_tokens, max_model_len - num_tokens))
+            while not allocate_slots(request, num_new, num_lookahead_tokens=lookahead):
+                victim = running.pop()  # the newest
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, lookahead))
+                scheduled.append(ScheduledRequest(request, num_new, lookahead))
                 budget -= num_new
                 i += 1
                 continue

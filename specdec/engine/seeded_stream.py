@@ -47,15 +47,16 @@ class SeededStream:
     and pass the same object every step: its draw counter is the stream's state, so the
     request's k-th use of randomness always gets the same key."""
 
-    __slots__ = ("draws", "seed")
+    __slots__ = ("base", "draws", "seed")
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
+        self.base = _splitmix64(seed & _MASK64)  # the seed's half of every key
         self.draws = 0
 
     def next_key(self) -> int:
         """A 62-bit key (fits int64) for the next draw; advances the stream."""
-        key = _splitmix64(_splitmix64(self.seed & _MASK64) ^ self.draws) >> 2
+        key = _splitmix64(self.base ^ self.draws) >> 2
         self.draws += 1
         return key
 
@@ -89,11 +90,28 @@ def uniforms(
     return ((x >> (32 - _UNIFORM_BITS)).float() + 0.5) * (2.0**-_UNIFORM_BITS)
 
 
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:  # uint64, any shape
+    """``_splitmix64`` elementwise: uint64 arithmetic wraps modulo 2**64 exactly as the
+    masked Python integers do, so every element gets the same bits."""
+    x = x + np.uint64(_GOLDEN)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 def keys_tensor(streams: list[SeededStream], device: torch.device | str) -> torch.Tensor:
     """The next key of each stream, as one [len(streams)] int64 tensor (one staged copy,
-    like the engine's other step inputs: the host does not wait for the device)."""
-    keys = np.array([s.next_key() for s in streams], dtype=np.int64)  # 62-bit keys
-    return to_device(keys, device)
+    like the engine's other step inputs: the host does not wait for the device). Equal to
+    ``[s.next_key() for s in streams]``, a stream listed twice included (its draws are
+    numbered in list order), with the hashing done for the whole batch in numpy."""
+    bases: list[int] = []
+    draws: list[int] = []
+    for s in streams:
+        bases.append(s.base)
+        draws.append(s.draws)
+        s.draws += 1
+    mixed = _splitmix64_array(np.array(bases, np.uint64) ^ np.array(draws, np.uint64))
+    return to_device((mixed >> np.uint64(2)).astype(np.int64), device)  # 62-bit keys
 
 
 _fused_uniforms = None  # torch.compile(uniforms) once a CUDA draw needs it; False: failed

@@ -1,0 +1,64 @@
+"""Step inputs: the decode-only fast path of ``build_step_inputs`` builds exactly what
+the general loop builds for the same rows."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from specdec.engine.input_batch import PendingTokens, build_step_inputs
+from specdec.engine.request import Request
+from specdec.engine.scheduler import ScheduledRequest
+from specdec.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+BS = 16
+
+
+def _request(rng: random.Random, i: int, pending: bool) -> Request:
+    n, o = rng.randint(1, 70), rng.randint(0, 40)
+    r = Request(str(i), [rng.randrange(1000) for _ in range(n)], SamplingParams(), max_tokens=99)
+    r.output_token_ids = [rng.randrange(1000) for _ in range(o)]
+    if rng.random() < 0.2 and n + o > 2:  # a one-token chunk inside the known tokens
+        r.num_computed_tokens = rng.randrange(n + o - 1)
+    elif pending:  # async scheduling: the input is the step in flight's token
+        r.num_computed_tokens, r.num_pending_tokens = n + o, 1
+    else:
+        r.num_computed_tokens = n + o - 1
+    r.block_ids = rng.sample(range(5000), (n + o + 1) // BS + 1 + rng.randint(0, 2))
+    return r
+
+
+def test_decode_rows_match_the_general_path() -> None:
+    """A decode-only batch takes the fast path; the same rows followed by a prefill row
+    take the general loop. Every per-row input of the decode rows must agree."""
+    rng = random.Random(0)
+    for trial in range(60):
+        asyncish = trial % 3
+        rows = [_request(rng, i, pending=asyncish and rng.random() < 0.7) for i in range(20)]
+        in_flight = [r for r in rows if r.num_pending_tokens]
+        pending = PendingTokens(
+            torch.randint(1000, (max(len(in_flight), 1),)),
+            {r.request_id: k for k, r in enumerate(in_flight)},
+        )
+        prefill = Request("p", list(range(40)), SamplingParams(), max_tokens=9)
+        prefill.block_ids = [4999, 4998, 4997]
+        decode = [ScheduledRequest(r, 1) for r in rows]
+        fast = build_step_inputs(decode, BS, CPU, pending=pending)
+        general = build_step_inputs(
+            [*decode, ScheduledRequest(prefill, 40)], BS, CPU, pending=pending
+        )
+        assert fast.is_decode_only and not general.is_decode_only
+        n = len(rows)
+        assert torch.equal(fast.input_ids, general.input_ids[:n])
+        assert torch.equal(fast.positions, general.positions[:n])
+        assert torch.equal(fast.meta.slot_mapping, general.meta.slot_mapping[:n])
+        assert torch.equal(fast.logits_indices, general.logits_indices[:-1])
+        assert fast.sampled_rows == general.sampled_rows[:-1]
+        assert fast.logits_counts == general.logits_counts[:-1]
+        assert torch.equal(fast.meta.seq_lens, general.meta.seq_lens[:n])
+        assert torch.equal(fast.meta.query_start_loc, general.meta.query_start_loc[: n + 1])
+        width = fast.meta.block_tables.shape[1]
+        assert torch.equal(fast.meta.block_tables, general.meta.block_tables[:n, :width])
+        assert not general.meta.block_tables[:n, width:].any()
