@@ -43,6 +43,7 @@ def varied_conversations(n: int) -> list[list[dict[str, str]]]:
     convs = []
     for i in range(n):
         doc = document(i * 10 // max(n - 1, 1), offset=i)
-        content = f"{doc}\n\n{QUESTIONS[i % len(QUESTIONS)]}" if doc else QUESTIONS[i]
+        question = QUESTIONS[i % len(QUESTIONS)]
+        content = f"{doc}\n\n{question}" if doc else question
         convs.append([{"role": "user", "content": content}])
     return convs
