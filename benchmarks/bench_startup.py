@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench_engine import VARIANTS  # this script's folder is on sys.path
 
 
 @dataclass
@@ -33,16 +34,8 @@ class Options:
     warm_caches: bool
 
 
-VARIANTS = {
-    # name: engine keyword overrides (bench_engine's names)
-    "graphs+compile": {},
-    "graphs": {"compile": False},
-    "eager": {"enforce_eager": True},
-}
-
-
 def _isolate_caches() -> Path:
-    """Fresh Triton and Inductor cache dirs, set before torch or triton is imported."""
+    """Fresh Triton and Inductor cache dirs (both read their variable when they compile)."""
     root = Path(tempfile.mkdtemp(prefix="specdec-startup-"))
     os.environ["TRITON_CACHE_DIR"] = str(root / "triton")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
@@ -142,6 +135,5 @@ def parse_args(argv: list[str] | None = None) -> Options:
 if __name__ == "__main__":
     options = parse_args()
     root = None if options.warm_caches else _isolate_caches()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     for name in options.variants:
         run_variant(options, name, root / "triton" if root else None)
