@@ -1,5 +1,6 @@
 """Step inputs: the decode-only fast path of ``build_step_inputs`` builds exactly what
-the general loop builds for the same rows."""
+the general loop builds for the same rows, and a step staged in a CUDA graph's buffers
+builds what an unstaged one does, laid out as the graph reads it."""
 
 from __future__ import annotations
 
@@ -62,3 +63,46 @@ def test_decode_rows_match_the_general_path() -> None:
         width = fast.meta.block_tables.shape[1]
         assert torch.equal(fast.meta.block_tables, general.meta.block_tables[:n, :width])
         assert not general.meta.block_tables[:n, width:].any()
+
+
+def test_staged_inputs_are_the_plain_ones_laid_out_for_their_graph() -> None:
+    """A uniform step built into a CUDA graph's buffers (``GraphStaging``) yields the same
+    tensors as one built on its own, and the buffers hold what the graph of its bucket
+    reads: token rows padded to ``bucket * q`` with zeros (the null block's slot 0) and
+    seq_lens padded with ``q``, so the replay needs no device-side copy of them."""
+    from specdec.engine.cuda_graph import GraphStaging, _Buffers
+
+    rng = random.Random(1)
+    buffers = _Buffers(1, 32, width=64, device=CPU)
+    for trial in range(30):
+        rows = [_request(rng, i, pending=trial % 2 == 1) for i in range(rng.randint(1, 32))]
+        in_flight = [r for r in rows if r.num_pending_tokens]
+        pending = PendingTokens(
+            torch.randint(1000, (max(len(in_flight), 1),)),
+            {r.request_id: k for k, r in enumerate(in_flight)},
+        )
+        n = len(rows)
+        bucket = next(b for b in (1, 2, 4, 8, 16, 24, 32) if b >= n)
+        buffers.int64.fill_(-7)  # whatever an earlier step left
+        buffers.int32.fill_(-7)
+
+        def staging(q: int, num_seqs: int, bucket=bucket) -> GraphStaging | None:
+            return GraphStaging(q, bucket, buffers.int64, buffers.int32) if q == 1 else None
+
+        decode = [ScheduledRequest(r, 1) for r in rows]
+        plain = build_step_inputs(decode, BS, CPU, pending=pending)
+        staged = build_step_inputs(decode, BS, CPU, pending=pending, staging=staging)
+        assert staged.staged and not plain.staged
+        for name in ("input_ids", "positions", "logits_indices"):
+            assert torch.equal(getattr(staged, name), getattr(plain, name)), name
+        for name in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"):
+            assert torch.equal(getattr(staged.meta, name), getattr(plain.meta, name)), name
+        ids, positions, slots = buffers.tokens(bucket)
+        assert torch.equal(ids[:n], plain.input_ids) and not ids[n:].any()
+        assert torch.equal(positions[:n], plain.positions) and not positions[n:].any()
+        assert torch.equal(slots[:n], plain.meta.slot_mapping) and not slots[n:].any()
+        assert torch.equal(buffers.seq_lens[:n], plain.meta.seq_lens)
+        assert (buffers.seq_lens[n:bucket] == 1).all()
+        # Views of the buffers: what the graph's static inputs are.
+        assert staged.input_ids.data_ptr() == ids.data_ptr()
+        assert staged.meta.seq_lens.data_ptr() == buffers.seq_lens.data_ptr()

@@ -20,6 +20,20 @@ def test_cpu_values_dtype_and_shape(dtype):
     assert to_host(out).tolist() == array.tolist()
 
 
+def test_into_a_given_buffer_and_its_errors():
+    """``out=``: the copy lands in the buffer's first elements and the result is their view
+    (how a step lands in a CUDA graph's static inputs); a wrong buffer is refused."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    buffer = torch.full((10,), -1, dtype=torch.int64, device=device)
+    got = to_device(np.arange(6, dtype=np.int64).reshape(2, 3), device, out=buffer)
+    assert got.shape == (2, 3) and got.data_ptr() == buffer.data_ptr()
+    assert buffer.tolist() == [0, 1, 2, 3, 4, 5, -1, -1, -1, -1]
+    with pytest.raises(ValueError, match=r"cannot take a torch\.int32 array of 6"):
+        to_device(np.arange(6, dtype=np.int32), device, out=buffer)
+    with pytest.raises(ValueError, match=r"cannot take a torch\.int64 array of 11"):
+        to_device(np.arange(11, dtype=np.int64), device, out=buffer)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_copies_do_not_wait_and_survive_ring_reuse():

@@ -1,9 +1,11 @@
 """CUDA graphs for uniform steps, one per (tokens per sequence, bucketed batch size).
 
 On the H200 a step of a small model is launch-bound (hundreds of small kernels), so steps
-whose shape repeats replay a captured graph: inputs are copied into static buffers, the
-graph runs the whole forward plus the lm_head (and the aux residual streams a proposer
-reads), and the outputs come out of static buffers. Two shapes repeat:
+whose shape repeats replay a captured graph: the step's inputs are built in its static
+buffers (``GraphStaging``: the host-to-device copies land there, padded on the host, so
+only the block tables and a tree mask are copied on the device), the graph runs the
+whole forward plus the lm_head (and the aux residual streams a proposer reads), and the
+outputs come out of static buffers. Two shapes repeat:
 
 - decode steps: every sequence computes ``q = 1`` token;
 - verify steps: every sequence computes a draft tree of ``q`` nodes (root included). Their
@@ -16,6 +18,7 @@ null block (slot 0) with ``q`` tokens of context and their outputs are ignored.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,17 +46,50 @@ def tree_graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def _aligned(n: int) -> int:
+    """``n`` int32 entries rounded up to 16 bytes (a Triton pointer argument is then
+    aligned whatever the batch size; ``input_batch._packed_on_device`` lays parts out so)."""
+    return -(-n // 4) * 4
+
+
+@dataclass(frozen=True)
+class GraphStaging:
+    """Where a step that replays graph ``(q, bucket)`` stages its inputs: in the graph's
+    own static buffers, so the step's two host-to-device copies land where the graph reads
+    and no device-side copy follows. ``build_step_inputs`` writes the layout:
+
+    - ``int64``: input ids, positions, slot mapping, each ``bucket * q`` long (the rows
+      past the step's tokens zero: padding sequences compute token 0 into the null
+      block's slot 0), then the step's other int64 rows;
+    - ``int32``: seq_lens, ``bucket`` long (padding sequences: ``q``), then the rest of
+      the packed int32 parts, each starting 16 bytes apart.
+
+    Block tables (and a tree mask) are still copied on the device: the graph reads them
+    at the cache's full width, which the host does not send every step.
+    """
+
+    q: int
+    bucket: int
+    int64: torch.Tensor
+    int32: torch.Tensor
+
+
 class _Buffers:
     """Static inputs of every graph with ``q`` tokens per sequence (sized for the largest
-    bucket); graphs of smaller buckets use prefixes."""
+    bucket). The token rows of bucket ``bs`` are the first ``3 * bs * q`` of ``int64``
+    (ids, positions, slots; the layout of ``GraphStaging``); other inputs are prefixes."""
 
     def __init__(self, q: int, max_batch: int, width: int, device: torch.device) -> None:
         n = max_batch * q
         self.q = q
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
-        self.seq_lens = torch.full((max_batch,), q, dtype=torch.int32, device=device)
+        # Token rows (3n), then room for the step's logits rows (<= n), tree rows (<= n)
+        # and pending-token rows and sources (<= max_batch each).
+        self.int64 = torch.zeros(5 * n + 2 * max_batch, dtype=torch.int64, device=device)
+        # seq_lens, query_start_loc and the step's block tables (at its own width).
+        size = _aligned(max_batch) + _aligned(max_batch + 1) + max_batch * width
+        self.int32 = torch.zeros(size, dtype=torch.int32, device=device)
+        self.seq_lens = self.int32[:max_batch]
+        self.seq_lens.fill_(q)
         self.block_tables = torch.zeros(max_batch, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(
             0, (max_batch + 1) * q, q, dtype=torch.int32, device=device
@@ -63,6 +99,11 @@ class _Buffers:
         tril = torch.ones(q, q, dtype=torch.bool, device=device).tril()
         self.causal = tril.repeat(max_batch, 1).flatten()  # [max_batch * q * q]
         self.tree_mask = self.causal.clone()
+
+    def tokens(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Bucket ``bs``'s input ids, positions and slot mapping: [bs * q] int64 each."""
+        n = bs * self.q
+        return self.int64[:n], self.int64[n : 2 * n], self.int64[2 * n : 3 * n]
 
     def meta(self, bs: int, max_seq_len: int) -> AttentionMetadata:
         q = self.q
@@ -75,7 +116,7 @@ class _Buffers:
                 "max_tree_len": q,
             }
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[: bs * q],
+            slot_mapping=self.tokens(bs)[2],
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs],
@@ -116,11 +157,8 @@ class StepGraphs:
         self.batch_sizes[q] = sizes
         # Largest first, so smaller graphs reuse the memory pool the largest one set up.
         for bs in reversed(sizes):
-            args = (
-                buffers.input_ids[: bs * q],
-                buffers.positions[: bs * q],
-                buffers.meta(bs, self.max_seq_len),
-            )
+            input_ids, positions, _ = buffers.tokens(bs)
+            args = (input_ids, positions, buffers.meta(bs, self.max_seq_len))
             self.outputs[q, bs] = self._capture((q, bs), args)
 
     def _capture(
@@ -148,33 +186,49 @@ class StepGraphs:
                 return bs
         return None
 
+    def staging(self, q: int, num_seqs: int) -> GraphStaging | None:
+        """Where a step of ``num_seqs`` sequences x ``q`` tokens stages its inputs to replay
+        a graph (None: no graph holds it)."""
+        bs = self.bucket(q, num_seqs)
+        if bs is None:
+            return None
+        buf = self._buffers[q]
+        return GraphStaging(q, bs, buf.int64, buf.int32)
+
     def run(
         self,
         q: int,
         input_ids: torch.Tensor,  # [num_seqs * q] int64
         positions: torch.Tensor,  # [num_seqs * q] int64
         meta: AttentionMetadata,
+        staged: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [num_seqs * q, vocab], aux
+        """Replay the graph for the step. ``staged``: the inputs were built into this
+        graph's buffers (``staging``; token rows and seq_lens padded on the host), so only
+        the block tables and the tree mask are copied here."""
         num_seqs = meta.num_seqs
         bs = self.bucket(q, num_seqs)
         assert bs is not None, f"no graph for {num_seqs} sequences of {q} tokens"
         buf = self._buffers[q]
         n = num_seqs * q
         width = meta.block_tables.shape[1]
-        buf.input_ids[:n].copy_(input_ids)
-        buf.positions[:n].copy_(positions)
-        buf.slot_mapping[:n].copy_(meta.slot_mapping)
-        buf.seq_lens[:num_seqs].copy_(meta.seq_lens)
+        if not staged:
+            ids, pos, slots = buf.tokens(bs)
+            ids[:n].copy_(input_ids)
+            pos[:n].copy_(positions)
+            slots[:n].copy_(meta.slot_mapping)
+            buf.seq_lens[:num_seqs].copy_(meta.seq_lens)
+            if num_seqs < bs:  # padding sequences read and write the null block only
+                ids[n:].zero_()
+                pos[n:].zero_()
+                slots[n:].zero_()
+                buf.seq_lens[num_seqs:bs].fill_(q)
         buf.block_tables[:num_seqs, :width].copy_(meta.block_tables)
+        if num_seqs < bs:
+            buf.block_tables[num_seqs:bs].zero_()
         if q > 1:
             mask = meta.tree_mask if meta.tree_mask is not None else buf.causal
             buf.tree_mask[: n * q].copy_(mask[: n * q])
-        if num_seqs < bs:  # padding sequences read and write the null block only
-            buf.input_ids[n : bs * q].zero_()
-            buf.positions[n : bs * q].zero_()
-            buf.slot_mapping[n : bs * q].zero_()
-            buf.seq_lens[num_seqs:bs].fill_(q)
-            buf.block_tables[num_seqs:bs].zero_()
         self._replay((q, bs))
         self.num_replays[q] = self.num_replays.get(q, 0) + 1
         logits, aux = self.outputs[q, bs]

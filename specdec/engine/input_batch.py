@@ -8,6 +8,7 @@ waits for the device.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.tree_mask import TreeMask, build_tree_mask
+from specdec.engine.cuda_graph import GraphStaging
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.staging import to_device
 from specdec.spec.tree import DraftTree, cat_on
@@ -116,10 +118,14 @@ class StepInputs:
     # to q nodes): the shape CUDA graphs replay. Their outputs cover every token, so the
     # logits rows are then ``logits_indices`` of the graph's output.
     uniform_q: int | None = None
+    staged: bool = False  # built in a CUDA graph's static buffers (cuda_graph.GraphStaging)
 
 
-def _packed_on_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
-    """``parts`` (one dtype) on ``device`` in one copy, each starting 16 bytes apart.
+def _packed_on_device(
+    parts: list[np.ndarray], device, out: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """``parts`` (one dtype) on ``device`` in one copy, each starting 16 bytes apart
+    (into ``out``'s first elements when given: ``staging.to_device``).
 
     Triton specialises a kernel on whether each pointer argument is 16-byte aligned, so a
     view at an offset that moves with the batch size (seq_lens after ``num_seqs + 1``
@@ -131,7 +137,7 @@ def _packed_on_device(parts: list[np.ndarray], device) -> list[torch.Tensor]:
     packed = np.zeros(int(starts[-1]) + sizes[-1], dtype=parts[0].dtype)
     for start, part in zip(starts, parts, strict=True):
         packed[start : start + part.size] = part
-    on_device = to_device(packed, device)
+    on_device = to_device(packed, device, out)
     return [on_device[a : a + k] for a, k in zip(starts.tolist(), sizes, strict=True)]
 
 
@@ -143,6 +149,7 @@ def build_step_inputs(
     trees: dict[int, DraftTree] | None = None,
     pad_trees_to: int | None = None,
     pending: PendingTokens | None = None,
+    staging: Callable[[int, int], GraphStaging | None] | None = None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one varlen batch.
 
@@ -162,6 +169,10 @@ def build_step_inputs(
     A request whose last input token is pending (async scheduling) takes it from
     ``pending`` on the device; it is sampled when this step reaches
     ``num_tokens_with_pending``.
+
+    ``staging(q, num_seqs)``: for a uniform step (every sequence computes ``q`` tokens),
+    the CUDA graph's buffers to build the inputs in (``cuda_graph.GraphStaging``), or
+    None; the returned tensors are then views of them (``StepInputs.staged``).
     """
     trees = trees or {}
     starts = [s.request.num_computed_tokens for s in scheduled]
@@ -267,41 +278,60 @@ def build_step_inputs(
 
     query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
     np.cumsum(q_lens, out=query_start_loc[1:])
-    # Two host-to-device copies per step (one per dtype) instead of one per tensor.
     n, s = num_tokens, len(scheduled)
+    q = q_lens[0]
+    uniform = all(x == q for x in q_lens) and (
+        (q == 1 and not tree_list) or len(tree_list) == len(scheduled)
+    )
+    stage = staging(q, s) if staging is not None and uniform else None
+    # Token rows: ids, positions, slots, each `rows` long (a staged step pads them to its
+    # graph's bucket: zeros, the null block's slot 0).
+    rows = stage.bucket * q if stage is not None else n
+    pad = np.zeros(rows - n, dtype=np.int64)
+    # Two host-to-device copies per step (one per dtype) instead of one per tensor.
     packed64 = to_device(
         np.concatenate(
             [
-                np.asarray(input_ids + positions, dtype=np.int64),
+                np.asarray(input_ids, dtype=np.int64),
+                pad,
+                np.asarray(positions, dtype=np.int64),
+                pad,
                 np.asarray(slot_mapping, dtype=np.int64),
+                pad,
                 np.asarray(
                     logits_indices + tree_token_rows + pending_rows + pending_src, dtype=np.int64
                 ),
             ]
         ),
         device,
+        stage.int64 if stage is not None else None,
     )
     num_logits = len(logits_indices)
-    extra = 3 * n + num_logits  # where the device-filled rows start in packed64
+    extra = 3 * rows + num_logits  # where the device-filled rows start in packed64
     if tree_list:
-        rows = packed64[extra : extra + len(tree_token_rows)]
+        tree_rows = packed64[extra : extra + len(tree_token_rows)]
         # Trees may live on the host (ngram, root-only) or the device (model proposers).
         tokens = cat_on(device, [t.token_ids for t in tree_list])
         depths = cat_on(device, [t.depths for t in tree_list])
-        packed64[:n].index_copy_(0, rows, tokens)
-        packed64[n : 2 * n].index_add_(0, rows, depths)
+        packed64[:n].index_copy_(0, tree_rows, tokens)
+        packed64[rows : rows + n].index_add_(0, tree_rows, depths)
     if pending_rows:
         assert pending is not None
         k, first = len(pending_rows), extra + len(tree_token_rows)
         dst, src = packed64[first : first + k], packed64[first + k :]
         packed64[:n].index_copy_(0, dst, pending.token_ids.index_select(0, src))
-    qsl, lens, tables = _packed_on_device(
-        [query_start_loc, np.asarray(seq_lens, np.int32), block_tables.ravel()], device
+    lens = np.asarray(seq_lens, np.int32)
+    if stage is not None:  # padding sequences: q tokens of context on the null block
+        lens = np.concatenate([lens, np.full(stage.bucket - s, q, dtype=np.int32)])
+    lens_on, qsl, tables = _packed_on_device(
+        [lens, query_start_loc, block_tables.ravel()],
+        device,
+        stage.int32 if stage is not None else None,
     )
     meta = AttentionMetadata(
-        slot_mapping=packed64[2 * n : 3 * n],
+        slot_mapping=packed64[2 * rows : 2 * rows + n],
         query_start_loc=qsl,
-        seq_lens=lens,
+        seq_lens=lens_on[:s],
         block_tables=tables.view(s, width),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
@@ -311,17 +341,14 @@ def build_step_inputs(
     if any(not t.is_chain for t in tree_list):
         # A chain is plain causal attention; only branching trees need the mask.
         meta = _tree_mask(scheduled, trees, tree_parents, q_lens, device).attach(meta)
-    q = q_lens[0]
-    uniform = all(x == q for x in q_lens) and (
-        (q == 1 and not tree_list) or len(tree_list) == len(scheduled)
-    )
     return StepInputs(
         input_ids=packed64[:n],
-        positions=packed64[n : 2 * n],
+        positions=packed64[rows : rows + n],
         meta=meta,
-        logits_indices=packed64[3 * n : 3 * n + num_logits],
+        logits_indices=packed64[3 * rows : 3 * rows + num_logits],
         logits_counts=logits_counts,
         sampled_rows=sampled_rows,
         is_decode_only=max(q_lens) == 1 and not trees,
         uniform_q=q if uniform else None,
+        staged=stage is not None,
     )

@@ -252,7 +252,8 @@ class ModelRunner:
         """Step inputs; a verify step is padded to the smallest captured tree size that
         holds every tree (shorter chains near a request's end, ngram chains of uneven
         length), so that it replays a graph instead of running eagerly. ``pending``: the
-        tokens of the step in flight (async scheduling)."""
+        tokens of the step in flight (async scheduling). A step that will replay a graph is
+        built in the graph's own input buffers (``StepGraphs.staging``)."""
         pad = None
         if self.graphs is not None and trees and len(trees) == len(scheduled):
             largest = max(t.num_nodes for t in trees.values())
@@ -265,7 +266,13 @@ class ModelRunner:
                 None,
             )
         return build_step_inputs(
-            scheduled, self.block_size, self.device, trees=trees, pad_trees_to=pad, pending=pending
+            scheduled,
+            self.block_size,
+            self.device,
+            trees=trees,
+            pad_trees_to=pad,
+            pending=pending,
+            staging=self.graphs.staging if self.graphs is not None else None,
         )
 
     @torch.inference_mode()
@@ -295,7 +302,9 @@ class ModelRunner:
             and self.graphs is not None
             and self.graphs.bucket(q, inputs.meta.num_seqs) is not None
         ):
-            logits, aux = self.graphs.run(q, inputs.input_ids, inputs.positions, inputs.meta)
+            logits, aux = self.graphs.run(
+                q, inputs.input_ids, inputs.positions, inputs.meta, staged=inputs.staged
+            )
             if logits.shape[0] != inputs.logits_indices.shape[0]:  # padding, unsampled rows
                 logits = logits.index_select(0, inputs.logits_indices)
             return logits, aux

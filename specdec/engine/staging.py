@@ -53,14 +53,19 @@ class _PinnedRing:
             self.views[i] = None
         return i, buffer, event
 
-    def copy(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
+    def copy(
+        self, array: np.ndarray, device: torch.device, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         n = array.size
         i, buffer, event = self._take(n)
         view = self.views[i]
         if view is None:
             view = self.views[i] = buffer.numpy()
         view[:n] = array.reshape(-1)
-        out = buffer[:n].to(device, non_blocking=True)
+        if out is None:
+            out = buffer[:n].to(device, non_blocking=True)
+        else:
+            out.copy_(buffer[:n], non_blocking=True)
         event.record()
         return out.view(array.shape)
 
@@ -89,16 +94,29 @@ _rings: dict[torch.dtype, _PinnedRing] = {}  # host -> device
 _host_rings: dict[torch.dtype, _PinnedRing] = {}  # device -> host
 
 
-def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+def to_device(
+    array: np.ndarray, device: torch.device | str, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``array`` as a tensor on ``device`` (same dtype and shape), copied without making
     the host wait for the device; on CUDA the caller may reuse ``array`` at once, off
-    CUDA the tensor shares its memory (pass a fresh array)."""
+    CUDA the tensor shares its memory (pass a fresh array). ``out``: a contiguous device
+    tensor of the same dtype whose first ``array.size`` elements receive the copy (a
+    CUDA graph's static input, so no device-side copy follows); the result is their view."""
     device = torch.device(device)
     array = np.ascontiguousarray(array)
     tensor = torch.from_numpy(array)
+    if out is not None:
+        if out.dtype != tensor.dtype or not out.is_contiguous() or out.numel() < array.size:
+            raise ValueError(
+                f"out ({out.dtype}, {out.numel()} elements) cannot take a {tensor.dtype} "
+                f"array of {array.size}: it must be contiguous, same dtype, large enough"
+            )
+        out = out[: array.size]
+        if out.device.type != "cuda":
+            return out.copy_(tensor.reshape(-1)).view(array.shape)
     if device.type != "cuda":
         return tensor.to(device)
-    return _ring(_rings, tensor.dtype).copy(array, device)
+    return _ring(_rings, tensor.dtype).copy(array, device, out)
 
 
 def to_host(tensor: torch.Tensor) -> HostCopy:
