@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_engine import VARIANTS  # this script's folder is on sys.path
+import common  # this script's folder is on sys.path
+from bench_engine import VARIANTS
 
 
 @dataclass
@@ -118,14 +119,14 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--kv-cache-memory", type=int, default=4 << 30)
     p.add_argument("--warm-caches", action="store_true", help="keep the user's kernel caches")
     a = p.parse_args(argv)
-    variants = tuple(v for v in a.variants.split(",") if v)
+    variants = tuple(common.parse_str_list(a.variants))
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown variants {bad}; choose from {list(VARIANTS)}")
     return Options(
         model=a.model,
         variants=variants,
-        prompt_lens=tuple(int(x) for x in a.prompt_lens.split(",") if x),
+        prompt_lens=tuple(common.parse_int_list(a.prompt_lens)),
         max_num_seqs=a.max_num_seqs,
         kv_cache_memory=a.kv_cache_memory,
         warm_caches=a.warm_caches,
