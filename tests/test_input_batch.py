@@ -77,9 +77,12 @@ def test_staged_inputs_are_the_plain_ones_laid_out_for_their_graph() -> None:
     for trial in range(30):
         rows = [_request(rng, i, pending=trial % 2 == 1) for i in range(rng.randint(1, 32))]
         in_flight = [r for r in rows if r.num_pending_tokens]
+        # The step in flight's rows in its order, or (some trials) shuffled among more rows.
+        more = trial % 4 == 3
+        where = rng.sample(range(len(in_flight) + 3), len(in_flight)) if more else None
         pending = PendingTokens(
-            torch.randint(1000, (max(len(in_flight), 1),)),
-            {r.request_id: k for k, r in enumerate(in_flight)},
+            torch.randint(1000, (max(len(in_flight) + 3 * more, 1),)),
+            {r.request_id: where[k] if more else k for k, r in enumerate(in_flight)},
         )
         n = len(rows)
         bucket = next(b for b in (1, 2, 4, 8, 16, 24, 32) if b >= n)
@@ -97,6 +100,9 @@ def test_staged_inputs_are_the_plain_ones_laid_out_for_their_graph() -> None:
             assert torch.equal(getattr(staged, name), getattr(plain, name)), name
         for name in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"):
             assert torch.equal(getattr(staged.meta, name), getattr(plain.meta, name)), name
+        for row, r in enumerate(rows):  # pending inputs: the step in flight's tokens
+            if r.num_pending_tokens:
+                assert plain.input_ids[row] == pending.token_ids[pending.rows[r.request_id]]
         ids, positions, slots = buffers.tokens(bucket)
         assert torch.equal(ids[:n], plain.input_ids) and not ids[n:].any()
         assert torch.equal(positions[:n], plain.positions) and not positions[n:].any()
