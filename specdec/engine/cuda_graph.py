@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.metadata import AttentionMetadata
+from specdec.engine.staging import aligned
 
 ForwardFn = Callable[
     [torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor | None]
@@ -46,12 +47,6 @@ def tree_graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def _aligned(n: int) -> int:
-    """``n`` int32 entries rounded up to 16 bytes (a Triton pointer argument is then
-    aligned whatever the batch size; ``input_batch._packed_on_device`` lays parts out so)."""
-    return -(-n // 4) * 4
-
-
 @dataclass(frozen=True)
 class GraphStaging:
     """Where a step that replays graph ``(q, bucket)`` stages its inputs: in the graph's
@@ -62,7 +57,7 @@ class GraphStaging:
       past the step's tokens zero: padding sequences compute token 0 into the null
       block's slot 0), then the step's other int64 rows;
     - ``int32``: seq_lens, ``bucket`` long (padding sequences: ``q``), then the rest of
-      the packed int32 parts, each starting 16 bytes apart.
+      the packed int32 parts, each starting 16 bytes apart (``staging.to_device_packed``).
 
     Block tables (and a tree mask) are still copied on the device: the graph reads them
     at the cache's full width, which the host does not send every step.
@@ -86,7 +81,7 @@ class _Buffers:
         # and pending-token rows and sources (<= max_batch each).
         self.int64 = torch.zeros(5 * n + 2 * max_batch, dtype=torch.int64, device=device)
         # seq_lens, query_start_loc and the step's block tables (at its own width).
-        size = _aligned(max_batch) + _aligned(max_batch + 1) + max_batch * width
+        size = aligned(max_batch, 4) + aligned(max_batch + 1, 4) + max_batch * width
         self.int32 = torch.zeros(size, dtype=torch.int32, device=device)
         self.seq_lens = self.int32[:max_batch]
         self.seq_lens.fill_(q)

@@ -18,7 +18,7 @@ from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.tree_mask import TreeMask, build_tree_mask
 from specdec.engine.cuda_graph import GraphStaging
 from specdec.engine.scheduler import ScheduledRequest
-from specdec.engine.staging import to_device
+from specdec.engine.staging import to_device, to_device_packed
 from specdec.spec.tree import DraftTree, cat_on
 
 _NO_TREE = torch.empty(0, dtype=torch.int64)
@@ -119,26 +119,6 @@ class StepInputs:
     # logits rows are then ``logits_indices`` of the graph's output.
     uniform_q: int | None = None
     staged: bool = False  # built in a CUDA graph's static buffers (cuda_graph.GraphStaging)
-
-
-def _packed_on_device(
-    parts: list[np.ndarray], device, out: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """``parts`` (one dtype) on ``device`` in one copy, each starting 16 bytes apart
-    (into ``out``'s first elements when given: ``staging.to_device``).
-
-    Triton specialises a kernel on whether each pointer argument is 16-byte aligned, so a
-    view at an offset that moves with the batch size (seq_lens after ``num_seqs + 1``
-    entries) would compile a new variant for some batch sizes, mid-request.
-    """
-    per = 16 // parts[0].itemsize
-    sizes = [p.size for p in parts]
-    starts = np.cumsum([0] + [-(-k // per) * per for k in sizes[:-1]])
-    packed = np.zeros(int(starts[-1]) + sizes[-1], dtype=parts[0].dtype)
-    for start, part in zip(starts, parts, strict=True):
-        packed[start : start + part.size] = part
-    on_device = to_device(packed, device, out)
-    return [on_device[a : a + k] for a, k in zip(starts.tolist(), sizes, strict=True)]
 
 
 def build_step_inputs(
@@ -328,7 +308,7 @@ def build_step_inputs(
     lens = np.asarray(seq_lens, np.int32)
     if stage is not None:  # padding sequences: q tokens of context on the null block
         lens = np.concatenate([lens, np.full(stage.bucket - s, q, dtype=np.int32)])
-    lens_on, qsl, tables = _packed_on_device(
+    lens_on, qsl, tables = to_device_packed(
         [lens, query_start_loc, block_tables.ravel()],
         device,
         stage.int32 if stage is not None else None,

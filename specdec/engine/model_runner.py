@@ -228,9 +228,9 @@ class ModelRunner:
             return
         max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
         if self.use_compile:
-            # Per-region compilation (seconds, see compile_regions); automatic dynamic
-            # shapes: the first bucket compiles static, the second turns the token dim
-            # dynamic for every later bucket, batch 1 gets its own (0/1 specialisation).
+            # Per-region compilation (compile_regions); automatic dynamic shapes: the
+            # first bucket compiles static, the second turns the token dim dynamic for
+            # every later bucket, batch 1 gets its own (0/1 specialisation).
             self.model.compile_regions()
         self.graphs = StepGraphs(
             self._forward_graphed, self.block_table_width, self.max_model_len, self.device

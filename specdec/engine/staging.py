@@ -119,6 +119,32 @@ def to_device(
     return _ring(_rings, tensor.dtype).copy(array, device, out)
 
 
+def aligned(n: int, itemsize: int) -> int:
+    """``n`` elements of ``itemsize`` bytes rounded up to a multiple of 16 bytes."""
+    per = 16 // itemsize
+    return -(-n // per) * per
+
+
+def to_device_packed(
+    parts: list[np.ndarray], device: torch.device | str, out: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """``parts`` (one dtype) on ``device`` in one copy (``to_device``, into ``out`` when
+    given), each part starting 16 bytes apart; returns one view per part.
+
+    Triton specialises a kernel on whether each pointer argument is 16-byte aligned, so a
+    view at an offset that moves with the batch size (seq_lens after ``num_seqs + 1``
+    entries) would compile a new variant for some batch sizes, mid-request.
+    """
+    itemsize = parts[0].itemsize
+    sizes = [p.size for p in parts]
+    starts = np.cumsum([0] + [aligned(k, itemsize) for k in sizes[:-1]]).tolist()
+    packed = np.zeros(starts[-1] + sizes[-1], dtype=parts[0].dtype)
+    for start, part in zip(starts, parts, strict=True):
+        packed[start : start + part.size] = part.reshape(-1)
+    on_device = to_device(packed, device, out)
+    return [on_device[a : a + k] for a, k in zip(starts, sizes, strict=True)]
+
+
 def to_host(tensor: torch.Tensor) -> HostCopy:
     """Queue ``tensor``'s copy into pinned host memory without waiting for it; off CUDA
     the tensor is already there."""

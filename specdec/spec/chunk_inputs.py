@@ -14,7 +14,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata
 from specdec.engine.request import Request
-from specdec.engine.staging import to_device
+from specdec.engine.staging import to_device, to_device_packed
 
 
 @dataclass
@@ -57,14 +57,14 @@ def build_chunk_inputs(chunks: list[Chunk], block_size: int, device: torch.devic
     # Two staged copies (int64, int32), as for the engine's step inputs.
     n, b = len(ids), len(chunks)
     packed64 = to_device(np.array(ids + pos + slots + list(qsl[1:] - 1), dtype=np.int64), device)
-    packed32 = to_device(
-        np.concatenate([qsl, np.asarray(seq_lens, np.int32), tables.ravel()]), device
+    qsl_on, lens_on, tables_on = to_device_packed(
+        [qsl, np.asarray(seq_lens, np.int32), tables.ravel()], device
     )
     meta = AttentionMetadata(
         slot_mapping=packed64[2 * n : 3 * n],
-        query_start_loc=packed32[: b + 1],
-        seq_lens=packed32[b + 1 : 2 * b + 1],
-        block_tables=packed32[2 * b + 1 :].view(b, width),
+        query_start_loc=qsl_on,
+        seq_lens=lens_on,
+        block_tables=tables_on.view(b, width),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=q_lens,
