@@ -234,7 +234,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--endpoint", default=d.endpoint, choices=["chat", "completions"])
     p.add_argument("--model", default=None, help="default: the server's first model")
-    p.add_argument("--prompts-file", help=".txt (one per line) or .jsonl with a prompt key")
+    p.add_argument(
+        "--prompts-file", help=".txt (one per line) or .jsonl ({prompt} or {messages} objects)"
+    )
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts cycle")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature)

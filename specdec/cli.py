@@ -46,7 +46,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens computed per step (default: 8192; data-gen regenerate: 32768)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument(
         "--admit-batch",
@@ -168,17 +173,23 @@ def _engine_kwargs(args: argparse.Namespace, draft_fallback: str | None = None) 
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        **({} if args.admit_batch is None else {"admit_batch": args.admit_batch}),
+        **_given(max_num_batched_tokens=args.max_num_batched_tokens, admit_batch=args.admit_batch),
         seed=args.seed,
         speculative=_speculative(args, draft_fallback),
         async_scheduling=args.async_scheduling,
     )
 
 
+def _given(**kwargs) -> dict:
+    """The flags the user set: unset ones (None) keep the config's (or a command's) default."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 def _read_prompts(path: str) -> list[str]:
-    """One prompt per line (.txt) or one ``{"prompt": ...}`` object per line (.jsonl)."""
+    """One prompt per line (.txt), or per line of a .jsonl one ``{"prompt": ...}`` object or
+    one ``{"messages": [...]}`` object (``specdec bench --export-prompts``' format), whose
+    last user message is the prompt."""
     file = Path(path)
     if not file.exists():
         raise SystemExit(f"error: prompts file {path!r} does not exist")
@@ -186,21 +197,37 @@ def _read_prompts(path: str) -> list[str]:
     for n, line in enumerate(file.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        if file.suffix == ".jsonl":
-            try:
-                prompts.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise SystemExit(
-                    f'error: {path}:{n} is not a {{"prompt": ...}} JSON object ({e})'
-                ) from None
-        else:
+        if file.suffix != ".jsonl":
             prompts.append(line)
+            continue
+        try:
+            prompts.append(_jsonl_prompt(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise SystemExit(
+                f'error: {path}:{n} is neither a {{"prompt": "..."}} nor a {{"messages": '
+                f"[...]}} JSON object with a user message ({e})"
+            ) from None
     return prompts
+
+
+def _jsonl_prompt(record: dict) -> str:
+    if "prompt" in record:
+        prompt = record["prompt"]
+    else:
+        users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+        if not users:
+            raise ValueError("no user message")
+        prompt = users[-1]
+    if not isinstance(prompt, str):
+        raise TypeError(f"the prompt is a {type(prompt).__name__}, not a string")
+    return prompt
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="*", help="prompts (default: three example prompts)")
-    p.add_argument("--prompts-file", help=".txt (one per line) or .jsonl with a prompt key")
+    p.add_argument(
+        "--prompts-file", help=".txt (one per line) or .jsonl ({prompt} or {messages} objects)"
+    )
     p.add_argument(
         "--raw",
         action="store_true",

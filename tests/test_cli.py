@@ -46,3 +46,25 @@ def test_generate_bad_input_is_a_clear_error(smollm2_dir, capsys, extra, message
         args += ["--model", str(smollm2_dir)]
     assert main([*args, *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_prompt_files_take_prompt_and_messages_lines(tmp_path):
+    """A bench set's exported file (``{"messages": ...}`` lines) feeds generate and
+    bench-serve as is; a line that is neither kind names its line and both formats."""
+    from specdec.cli import _read_prompts
+
+    good = tmp_path / "p.jsonl"
+    system, user = {"role": "system", "content": "s"}, {"role": "user", "content": "a"}
+    lines = [
+        {"prompt": "one"},
+        {"id": "x", "messages": [system, {"role": "user", "content": "two"}]},
+        {"messages": [user, {"role": "assistant", "content": "b"},
+                      {"role": "user", "content": "three"}]},
+    ]  # fmt: skip
+    good.write_text("\n".join(json.dumps(r) for r in lines) + "\n\n")
+    assert _read_prompts(str(good)) == ["one", "two", "three"]
+    for bad in ({"text": "x"}, {"messages": [{"role": "system", "content": "s"}]}, {"prompt": 3}):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(SystemExit, match=r"bad.jsonl:2 is neither"):
+            _read_prompts(str(path))

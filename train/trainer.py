@@ -118,6 +118,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
         precision = "bf16" if torch.cuda.is_available() else "no"
     accelerator = Accelerator(mixed_precision=precision,
                               gradient_accumulation_steps=optim_cfg.grad_accum)  # fmt: skip
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        # DeepSpeed clips inside its own step (clip_grad_norm_ does nothing there), and
+        # accelerate fills the config's "auto" clipping with 1.0, not optim.grad_clip.
+        plugin.deepspeed_config["gradient_clipping"] = optim_cfg.grad_clip
     set_seed(run.seed)
     out_dir = Path(run.output_dir)
     device = accelerator.device

@@ -49,7 +49,11 @@ class _PinnedRing:
         buffer = self.buffers[i]
         if buffer is None or buffer.numel() < n:
             size = max(_MIN_ELEMENTS, 1 << max(n - 1, 0).bit_length())
-            buffer = self.buffers[i] = torch.empty(size, dtype=self.dtype, pin_memory=True)
+            # A normal tensor even when the first use runs under inference_mode (an engine
+            # step): inference tensors cannot be written outside it, normal ones anywhere.
+            with torch.inference_mode(False):
+                buffer = torch.empty(size, dtype=self.dtype, pin_memory=True)
+            self.buffers[i] = buffer
             self.views[i] = None
         return i, buffer, event
 
