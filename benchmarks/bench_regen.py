@@ -114,6 +114,7 @@ def run_variant(llm, args, variant: Variant, convs, out_dir: Path) -> dict:
         temperature=args.temperature,
         max_tokens=args.max_tokens,
         records_per_shard=args.records_per_shard,
+        record_workers=args.record_workers,
     )
     regen = Regenerator(config, llm)
     tally = StepTally()
@@ -134,6 +135,7 @@ def run_variant(llm, args, variant: Variant, convs, out_dir: Path) -> dict:
             break
         regen.step()
         regen.finished_shards()
+    regen.close()
     if profiler:
         profiler.disable()
     wall = time.perf_counter() - t0
@@ -173,6 +175,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--records-per-shard", type=int, default=100)
+    p.add_argument("--record-workers", type=int, default=None, help="default: by core count")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: profiled)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")

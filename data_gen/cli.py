@@ -56,6 +56,13 @@ def _regenerate_args(p: argparse.ArgumentParser) -> None:
         "--max-inflight", type=int, default=None, help="queued requests (default 4 x max-num-seqs)"
     )
     p.add_argument("--no-verify", action="store_true", help="resume without re-hashing shards")
+    p.add_argument(
+        "--record-workers",
+        type=int,
+        default=None,
+        help="processes turning answered conversations into records while the engine runs "
+        "(0: inline; default: a quarter of the cores, at most 4, none below 8 cores)",
+    )
     _add_engine_args(p)
 
 
@@ -226,6 +233,7 @@ def _regenerate(args) -> int:
         chat_template=args.chat_template,
         records_per_shard=args.records_per_shard,
         max_inflight=args.max_inflight,
+        record_workers=args.record_workers,
         verify=not args.no_verify,
     )
     stats = run_regenerate(config)

@@ -9,7 +9,9 @@ batches stay large (continuous batching across conversations, turns and shards).
 
 Shard ``i`` holds input conversations ``[i*R, (i+1)*R)`` (skipped ones leave no line) and
 belongs to rank ``i % world_size``. Sampling is seeded per request from (seed, record id,
-turn), so a redone shard gets the same answers whatever else shares its batches.
+turn), so a redone shard gets the same answers whatever else shares its batches. Finished
+conversations become records in worker processes (``record_pool``) while the engine runs;
+a shard is written once all its records are built.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import hashlib
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from specdec.data_gen.chat import check_chat_template, render, tokenize_conversation
-from specdec.data_gen.records import BadRecord, Conversation, SkipCounts, dumps_record
+from specdec.data_gen.chat import check_chat_template, render
+from specdec.data_gen.record_pool import RecordPool, default_workers
+from specdec.data_gen.records import Conversation, SkipCounts, dumps_record
 from specdec.data_gen.shards import RankInfo, ShardStore, chunk_ranges, digest_json
 from specdec.data_gen.sources import read_source
 from specdec.data_gen.stage import finish_stage, write_plan
@@ -55,6 +59,11 @@ class RegenerateConfig:
     records_per_shard: int = 1000
     max_inflight: int | None = None  # requests queued in the engine; default 4 x max_num_seqs
     verify: bool = True
+    record_workers: int | None = None  # processes building records; None: by core count
+
+    # Settings that change how fast shards are made, never what they hold: left out of the
+    # shard digests, so changing them does not redo finished shards.
+    RUN_ONLY = ("input", "output", "engine", "max_inflight", "verify", "record_workers")
 
     def __post_init__(self) -> None:
         if self.records_per_shard < 1:
@@ -63,6 +72,10 @@ class RegenerateConfig:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"max_turns={self.max_turns} must be >= 1 (or None for all)")
+        if self.record_workers is not None and self.record_workers < 0:
+            raise ValueError(
+                f"record_workers={self.record_workers} must be >= 0 (0 builds records inline)"
+            )
 
 
 @dataclass
@@ -80,9 +93,31 @@ class _Conv:
 @dataclass
 class _Shard:
     records: list[dict | None]  # by slot; None while open or when skipped
-    open: int
+    open: int  # conversations still generating
     counts: SkipCounts = field(default_factory=SkipCounts)
     generated_tokens: int = 0
+    building: list[tuple[_Conv, Future]] = field(default_factory=list)  # records in the pool
+
+    @property
+    def ready(self) -> bool:
+        return self.open == 0 and all(f.done() for _, f in self.building)
+
+    def collect(self) -> None:
+        """Move built records into their slots (every future done)."""
+        for c, future in self.building:
+            built = future.result()
+            if isinstance(built, str):
+                self.counts.add(built)
+                continue
+            input_ids, loss_mask = built
+            self.records[c.slot] = {
+                "id": c.conv.id,
+                "source": c.conv.source,
+                "conversations": c.history,
+                "input_ids": input_ids,
+                "loss_mask": loss_mask,
+            }
+        self.building = []
 
 
 def request_seed(seed: int, record_id: str, turn: int) -> int:
@@ -106,9 +141,17 @@ class Regenerator:
         self.config = config
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
-        if config.chat_template:
-            self.tokenizer.chat_template = Path(config.chat_template).read_text()
+        template = Path(config.chat_template).read_text() if config.chat_template else None
+        if template is not None:
+            self.tokenizer.chat_template = template
         check_chat_template(self.tokenizer, config.model)
+        workers = config.record_workers
+        self.records = RecordPool(
+            self.tokenizer,
+            self.engine.resolved.hf_dir,
+            template,
+            default_workers() if workers is None else workers,
+        )
         self.max_model_len = self.engine.max_model_len
         self._params = SamplingParams(
             temperature=config.temperature,
@@ -153,17 +196,7 @@ class Regenerator:
         else:
             if c.users:
                 shard.counts.add("turns_truncated")
-            try:
-                tok = tokenize_conversation(self.tokenizer, c.history)
-                shard.records[c.slot] = {
-                    "id": c.conv.id,
-                    "source": c.conv.source,
-                    "conversations": c.history,
-                    "input_ids": tok.input_ids,
-                    "loss_mask": tok.loss_mask,
-                }
-            except BadRecord as e:
-                shard.counts.add(e.reason)
+            shard.building.append((c, self.records.build(c.history)))
         shard.open -= 1
         self.resolved += 1
 
@@ -187,11 +220,19 @@ class Regenerator:
             self.generated_tokens += n
             self._advance(c)
 
-    def finished_shards(self) -> list[tuple[int, _Shard]]:
-        ready = [(i, s) for i, s in self._shards.items() if s.open == 0]
-        for i, _ in ready:
+    def finished_shards(self, block: bool = False) -> list[tuple[int, _Shard]]:
+        """Shards whose conversations are all answered and records all built; ``block``
+        first waits for the records of answered shards (when nothing else is left)."""
+        if block:
+            wait([f for s in self._shards.values() if s.open == 0 for _, f in s.building])
+        ready = [(i, s) for i, s in self._shards.items() if s.ready]
+        for i, shard in ready:
+            shard.collect()
             del self._shards[i]
         return ready
+
+    def close(self) -> None:
+        self.records.close()
 
     @property
     def num_inflight(self) -> int:
@@ -224,11 +265,7 @@ def run_regenerate(config: RegenerateConfig, rank: RankInfo | None = None, llm=N
     if not convs:
         raise ValueError(f"{config.input} holds no usable conversations ({skipped.as_dict()})")
     ranges = list(chunk_ranges(len(convs), config.records_per_shard))
-    gen = {
-        k: v
-        for k, v in asdict(config).items()
-        if k not in ("input", "output", "engine", "max_inflight", "verify")
-    }
+    gen = {k: v for k, v in asdict(config).items() if k not in RegenerateConfig.RUN_ONLY}
     if config.chat_template:
         gen["chat_template"] = Path(config.chat_template).read_text()
     digests = [digest_json([gen, [c.to_json() for c in convs[a:b]]]) for a, b in ranges]
@@ -269,7 +306,8 @@ def _drive(config, llm, store, todo, ranges, convs, digests) -> dict[str, Any]:
             if regen.num_inflight:
                 regen.step()
             bar.update(regen.resolved - bar.n)
-            for i, shard in regen.finished_shards():
+            # With nothing left to generate, wait for the last records instead of spinning.
+            for i, shard in regen.finished_shards(block=not (todo or regen.num_inflight)):
                 data, counts = shard_payload(shard)
                 store.write(i, data, digests[i], counts)
                 written += 1
@@ -277,6 +315,7 @@ def _drive(config, llm, store, todo, ranges, convs, digests) -> dict[str, Any]:
             bar.set_postfix(gen_tok_s=f"{regen.generated_tokens / max(elapsed, 1e-9):,.0f}")
     finally:
         bar.close()
+        regen.close()
     seconds = time.perf_counter() - t0
     return {
         "generated_tokens": regen.generated_tokens,
