@@ -350,3 +350,16 @@ def test_paged_backend_is_the_serving_one():
     """The engine's head uses the registered backend; TTT backends are not registered."""
     assert get_attention_backend("torch").name == "torch"
     assert not hasattr(TTTAttention, "name")
+
+
+def test_auto_attention_is_compiled_flex_on_cuda_and_the_reference_elsewhere():
+    from specdec.train.model import attention_backend
+    from specdec.train.ttt_attention import TTTFlexAttention
+
+    cuda = attention_backend("auto", torch.device("cuda"))
+    assert isinstance(cuda, TTTFlexAttention) and cuda.compile and cuda.static_tokens
+    cpu = attention_backend("auto", torch.device("cpu"))
+    assert type(cpu) is TTTAttention
+    flex_cpu = attention_backend("flex", torch.device("cpu"))  # eager flex: no compile
+    assert isinstance(flex_cpu, TTTFlexAttention) and not flex_cpu.compile
+    assert type(attention_backend("reference", torch.device("cuda"))) is TTTAttention

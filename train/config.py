@@ -62,7 +62,7 @@ class DataSection:
 class TTTSection:
     steps: int = 7  # unrolled draft steps
     decay: float = 0.8  # step i's loss weight is decay**i
-    attention: str = "auto"  # auto (= reference for now) | flex | reference
+    attention: str = "auto"  # auto (flex on CUDA, else reference) | flex | reference
 
     def __post_init__(self) -> None:
         _at_least("ttt", self, 1, "steps")

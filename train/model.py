@@ -76,11 +76,11 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attention_backend(name: str, device: torch.device) -> TTTAttention:
-    """``flex``: FlexAttention over the steps' key buffer (compiled on GPU). ``auto`` is
-    the reference until the flex path is measured on the H200: its first run there fell
-    back to FlexAttention's unfused path (recompilations past torch.compile's limit, now
-    removed by static shapes: ``TTTFlexAttention``) and ran out of memory."""
-    if name == "flex":
+    """``flex``: FlexAttention over the steps' key buffer (static shapes, compiled on GPU).
+    ``auto``: flex on CUDA, the reference elsewhere. On the H200 the trainer's flex path
+    ran 62-64k tok/s against the reference's 19-23k with the same losses (BENCHMARKS.md,
+    session 9); on CPU, compiling it costs more than it saves in a test-sized run."""
+    if name == "flex" or (name == "auto" and device.type == "cuda"):
         return TTTFlexAttention(compile=device.type == "cuda")
     return TTTAttention()
 

@@ -96,12 +96,18 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        n, h, d = x.shape[0], self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
+        if isinstance(self.q_norm, nn.Identity):
+            # q and k rotated as one tensor: one fused kernel per layer instead of two (a
+            # decode step is launch-bound); q and k are strided views, which the kernels take.
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+        else:  # Qwen3: per-head norms first
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q = apply_rotary(self.q_norm(q.view(n, h, d)), cos, sin)
+            k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, d)), cos, sin)
         out = self.attend(q, k, v, kv_cache, meta)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(n, self.q_size))
 
