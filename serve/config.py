@@ -23,6 +23,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # The server's default speculation for a model that ships no EAGLE-3 head: n-gram prompt
 # lookup (model-free). A model with a shipped head (specdec/heads) drafts with it.
 DEFAULT_DRAFT_METHOD = "ngram"
+# ...speculating while at most this many requests run; larger batches decode plainly with
+# async scheduling. On the H200 n-gram chains won at batch 1 (1.3-1.5x on the bench sets)
+# and lost from 16 on (0.65-0.84x in `specdec bench`; half the throughput of the plain
+# server at 16 and 64 concurrent requests): BENCHMARKS.md, sessions 7 and 9.
+DEFAULT_DRAFT_CUTOFF = 4
 
 
 def default_speculative(model: str | None = None) -> SpeculativeConfig:
@@ -32,7 +37,11 @@ def default_speculative(model: str | None = None) -> SpeculativeConfig:
     from specdec.models.packaged_heads import default_speculative as shipped
 
     spec = shipped(model or EngineConfig.model)
-    return spec if spec is not None else SpeculativeConfig(method=DEFAULT_DRAFT_METHOD)
+    if spec is not None:
+        return spec
+    return SpeculativeConfig(
+        method=DEFAULT_DRAFT_METHOD, disable_by_batch_size=DEFAULT_DRAFT_CUTOFF
+    )
 
 
 def default_engine_config() -> EngineConfig:

@@ -146,8 +146,11 @@ class EngineConfig:
     ``async_scheduling``: keep one step in flight, so the host schedules and prepares step
     N+1 and handles step N's outputs while the device runs them (vLLM's async scheduling).
     Outputs are the same; a request that stops at step N has one more token computed and
-    dropped. None (auto) turns it on for plain decoding on the CUDA-graph path; speculative
-    decoding steps wait for their acceptance and run synchronously.
+    dropped. None (auto) turns it on on the CUDA-graph path. It applies to plain steps:
+    speculative steps wait for their acceptance (the next draft starts from it) and run
+    synchronously, so with speculation the engine runs plain steps asynchronously while
+    more requests run than ``speculative.disable_by_batch_size`` and speculates (in step)
+    at or below it.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -165,11 +168,14 @@ class EngineConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.async_scheduling and self.speculative is not None:
+        spec = self.speculative
+        if self.async_scheduling and spec is not None and spec.disable_by_batch_size is None:
             raise ValueError(
-                "async_scheduling=True with speculative decoding is not supported: a verify "
-                "step needs its acceptance before the next draft; leave async_scheduling "
-                "unset (auto) or False"
+                "async_scheduling=True with speculative decoding needs "
+                "speculative.disable_by_batch_size: speculative steps run synchronously (a "
+                "verify step needs its acceptance before the next draft), so only batches "
+                "above that size, which decode plainly, can run asynchronously; set it, or "
+                "leave async_scheduling unset (auto) or False"
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid; choose one of {sorted(_DTYPES)}")

@@ -284,10 +284,43 @@ def test_async_scheduling_streams_and_aborts_with_a_step_in_flight(smollm2_dir, 
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 
-def test_async_scheduling_refuses_speculation():
+def test_async_scheduling_with_speculation_needs_a_batch_cutoff():
     spec = SpeculativeConfig(method="ngram")
-    with pytest.raises(ValueError, match="async_scheduling=True with speculative decoding"):
+    with pytest.raises(ValueError, match=r"needs speculative\.disable_by_batch_size"):
         EngineConfig(async_scheduling=True, speculative=spec)
+    cutoff = SpeculativeConfig(method="ngram", disable_by_batch_size=4)
+    assert EngineConfig(async_scheduling=True, speculative=cutoff).async_scheduling
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "eagle3-dynamic"])
+def test_plain_steps_run_async_above_the_speculation_cutoff(
+    smollm2_dir, random_head_dir, chats, reference, proposer
+):
+    """Async scheduling with a proposer: while more requests run than the cutoff, steps are
+    plain and asynchronous (EAGLE-3 still observes every computed token's states); once
+    the batch shrinks to the cutoff, the step in flight is drained and speculation takes
+    over. Every output equals plain greedy decoding and the pool ends free."""
+    if proposer == "ngram":
+        spec = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2)
+    else:
+        spec = SpeculativeConfig(
+            method="eagle3", model=str(random_head_dir), disable_by_batch_size=2, **DYNAMIC
+        )
+    llm = make_llm(smollm2_dir, speculative=spec, async_scheduling=True)
+    engine = llm.engine
+    launched: list[int] = []  # batch sizes of the asynchronous (plain) steps
+    launch = engine._launch
+    engine._launch = lambda scheduled: launched.append(len(scheduled)) or launch(scheduled)
+    lengths = [NEW_TOKENS * (i % 3 + 1) // 3 for i in range(6)]  # requests end at 3 steps
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    got = token_ids(llm.generate(chats[:6], params, use_tqdm=False))
+    assert got == [ref[:n] for ref, n in zip(reference[:6], lengths, strict=True)]
+    # Asynchronous while more than 2 requests were unfinished (a step may then schedule
+    # fewer: a request whose pending token is its last is not scheduled again).
+    assert launched[:3] == [6, 6, 6] and len(launched) > NEW_TOKENS // 3
+    assert engine.spec_stats.steps > 0  # and speculative at or below it
+    assert engine.spec_stats.accepted_tokens > 0 or proposer != "ngram"
+    assert_pool_free(engine)
 
 
 @pytest.mark.parametrize(

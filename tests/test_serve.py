@@ -29,7 +29,10 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server_proc():
     args = [*CPU_ARGS, "--model", SMOLLM2, "--max-model-len", str(MAX_MODEL_LEN)]
-    server = start_server([*args, "--api-key", API_KEY, "--draft", "ngram"])
+    # Speculation at every batch size (the default n-gram server stops above 4 requests):
+    # the concurrent tests below then verify drafts inside large batches.
+    spec = ["--draft", "ngram", "--spec-disable-by-batch-size", "1024"]
+    server = start_server([*args, "--api-key", API_KEY, *spec])
     yield server
     server.stop()
     assert not server.unhandled_errors(), server.log_tail()

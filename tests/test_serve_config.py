@@ -12,7 +12,7 @@ import yaml
 from specdec.cli import build_parser
 from specdec.config import SpeculativeConfig
 from specdec.serve.cli import serve_config_from_args
-from specdec.serve.config import DEFAULT_DRAFT_METHOD, ServeConfig
+from specdec.serve.config import DEFAULT_DRAFT_CUTOFF, DEFAULT_DRAFT_METHOD, ServeConfig
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs" / "serve").glob("*.yaml"))
 
@@ -38,6 +38,8 @@ def test_no_arguments_serve_the_default_model_with_default_speculation(monkeypat
     assert config.engine.model == "smollm2-135m-instruct"
     assert config.engine.device == "auto"  # the GPU when there is one
     assert config.engine.speculative.method == DEFAULT_DRAFT_METHOD
+    # Large batches decode plainly and asynchronously (n-gram chains lose there).
+    assert config.engine.speculative.disable_by_batch_size == DEFAULT_DRAFT_CUTOFF
     assert config.model_names == ["smollm2-135m-instruct"]
 
 
@@ -107,7 +109,7 @@ def test_spec_config_json_or_file(tmp_path):
 
 def test_speculative_left_out_keeps_the_default_and_null_turns_it_off():
     assert ServeConfig.from_dict({"engine": {"model": "m"}}).engine.speculative == (
-        SpeculativeConfig(method=DEFAULT_DRAFT_METHOD)
+        SpeculativeConfig(method=DEFAULT_DRAFT_METHOD, disable_by_batch_size=DEFAULT_DRAFT_CUTOFF)
     )
     assert ServeConfig.from_dict({"engine": {"speculative": None}}).engine.speculative is None
     assert ServeConfig.from_dict({"served_model_name": "x"}).model_names == ["x"]

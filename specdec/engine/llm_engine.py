@@ -4,7 +4,9 @@ requests (append tokens, detokenize, check stops, free finished requests' blocks
 Under async scheduling (``EngineConfig.async_scheduling``) one step stays in flight:
 ``step()`` schedules and launches step N+1 (its decode rows read step N's sampled tokens
 on the device), then reads step N's tokens and updates requests while the device runs
-N+1, so host work and device work overlap instead of alternating."""
+N+1, so host work and device work overlap instead of alternating. Speculative steps are
+synchronous; with a proposer the engine runs plain steps asynchronously while the batch
+is above ``disable_by_batch_size`` and drains the step in flight before speculating."""
 
 from __future__ import annotations
 
@@ -107,7 +109,9 @@ class LLMEngine:
         self._capture_graphs()
         self.async_scheduling = self.config.async_scheduling
         if self.async_scheduling is None:  # auto: where the device runs ahead of the host
-            self.async_scheduling = self.proposer is None and self.runner.graphs is not None
+            self.async_scheduling = self.runner.graphs is not None and (
+                self.proposer is None or spec.disable_by_batch_size is not None
+            )
         self._in_flight: _InFlight | None = None
         self.num_dropped_tokens = 0  # async: tokens computed for requests already stopped
         self.spec_stats = SpecStats()
@@ -247,8 +251,11 @@ class LLMEngine:
         ``output_kind``). With speculation, decoding requests verify a draft tree and may
         emit several tokens; the step is otherwise the same. Under async scheduling the
         outputs are those of the step launched by the previous call."""
-        if self.async_scheduling:
+        if self.async_scheduling and not self._speculates_next():
             return self._step_async()
+        if self._in_flight is not None:  # speculation needs every sampled token on the host
+            done, self._in_flight = self._in_flight, None
+            return self._finish(done)
         sched = self.scheduler.schedule(self.lookahead)
         if sched.is_empty:
             return []
@@ -293,7 +300,7 @@ class LLMEngine:
             if self.spec_exit is not None:
                 self._apply_spec_exit(sched, inputs, trees, spec, emitted, accepted)
         if aux is not None:
-            self._observe(sched, inputs, starts, accepted, aux)
+            self._observe(sched.scheduled, inputs, starts, accepted, aux)
         now = time.monotonic()
         outputs = []
         for i, row in enumerate(inputs.sampled_rows):
@@ -307,6 +314,15 @@ class LLMEngine:
                 self.kv_manager.trim(request, request.num_computed_tokens)
             self._report(state, outputs)
         return outputs
+
+    def _speculates_next(self) -> bool:
+        """Whether the next step may verify drafts, and so must run synchronously: there is
+        a proposer, and the requests running and waiting do not exceed its batch-size
+        cutoff (above it ``_propose`` drafts nothing)."""
+        if self.proposer is None:
+            return False
+        limit = self.config.speculative.disable_by_batch_size
+        return limit is None or self.scheduler.num_running + self.scheduler.num_waiting <= limit
 
     # ---- async scheduling ---------------------------------------------------------------
     def _step_async(self) -> list[RequestOutput]:
@@ -323,9 +339,12 @@ class LLMEngine:
         """Prepare, run and sample one step without reading anything back."""
         pending = self._in_flight.pending() if self._in_flight is not None else None
         inputs = self.runner.prepare(scheduled, pending=pending)
-        logits, _ = self.runner.execute(inputs)
+        starts = [s.request.num_computed_tokens for s in scheduled]
+        logits, aux = self.runner.execute(inputs)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+        if aux is not None:  # a model proposer reads every computed token's states
+            self._observe(scheduled, inputs, starts, {}, aux)
         self.num_steps += 1
         if not inputs.sampled_rows:
             return None
@@ -438,7 +457,7 @@ class LLMEngine:
             extra[row] = root_only_tree(request.token_id(request.num_tokens - 1))
         trees.update(extra)
 
-    def _observe(self, sched, inputs, starts, accepted, aux: torch.Tensor) -> None:
+    def _observe(self, scheduled, inputs, starts, accepted, aux: torch.Tensor) -> None:
         """Hand the proposer the aux states of every token the target computed this step:
         all new tokens of plain rows, the root and accepted nodes of tree rows."""
         q_lens = inputs.meta.query_lens_cpu
@@ -456,7 +475,7 @@ class LLMEngine:
             offset += q_len
         index = to_device(np.array(picked, dtype=np.int64), aux.device)
         parts = aux.index_select(0, index).split(counts)
-        for s, start, part in zip(sched.scheduled, starts, parts, strict=True):
+        for s, start, part in zip(scheduled, starts, parts, strict=True):
             self.proposer.observe(s.request, start, part)
 
     def _verify(self, sched, inputs, trees, spec, logits, offsets, emitted) -> dict[int, list[int]]:
