@@ -81,12 +81,7 @@ def instrument(llm: LLM, tally: StepTally) -> None:
     execute, step = runner.execute, engine.step
 
     def timed_execute(inputs):
-        graphed = (
-            inputs.uniform_q is not None
-            and runner.graphs is not None
-            and runner.graphs.bucket(inputs.uniform_q, inputs.meta.num_seqs) is not None
-        )
-        kind["last"] = "graph" if graphed else "eager"
+        kind["last"] = "graph" if runner.replays_graph(inputs) else "eager"
         tally.tokens[kind["last"]] += int(inputs.input_ids.shape[0])
         tally.sampled += len(inputs.sampled_rows)
         return execute(inputs)

@@ -61,6 +61,13 @@ def _block_tables(table_rows: list[list[int]], width: int) -> np.ndarray:  # [ro
     return tables
 
 
+def _unknown_token(request_id: str, index: int, known: int) -> RuntimeError:
+    return RuntimeError(
+        f"request {request_id}: step reaches token {index} but only {known} are known and "
+        "no step in flight sampled the next one"
+    )
+
+
 def _decode_rows(
     scheduled: list[ScheduledRequest], starts: list[int], pending: PendingTokens | None
 ) -> tuple[list[int], list[list[int]], list[int], list[int], list[int]]:
@@ -84,10 +91,7 @@ def _decode_rows(
         else:
             src = pending_of.get(request.request_id) if start == known else None
             if src is None:
-                raise RuntimeError(
-                    f"request {request.request_id}: step reaches token {start} but only "
-                    f"{known} are known and no step in flight sampled the next one"
-                )
+                raise _unknown_token(request.request_id, start, known)
             pending_rows.append(row)
             pending_src.append(src)
             input_ids.append(0)  # placeholder: filled on the device
@@ -231,10 +235,7 @@ def build_step_inputs(
                 input_ids += request.token_ids(start, end)
             else:
                 if pending is None or end != known + 1 or request.request_id not in pending.rows:
-                    raise RuntimeError(
-                        f"request {request.request_id}: step reaches token {end - 1} but only "
-                        f"{known} are known and no step in flight sampled the next one"
-                    )
+                    raise _unknown_token(request.request_id, end - 1, known)
                 input_ids += request.token_ids(start, known)
                 pending_rows.append(len(input_ids))
                 pending_src.append(pending.rows[request.request_id])

@@ -339,11 +339,13 @@ class LLMEngine:
         """Prepare, run and sample one step without reading anything back."""
         pending = self._in_flight.pending() if self._in_flight is not None else None
         inputs = self.runner.prepare(scheduled, pending=pending)
-        starts = [s.request.num_computed_tokens for s in scheduled]
+        # A model proposer reads every computed token's states (plain decoding: no list).
+        observing = bool(self.runner.aux_layer_ids)
+        starts = [s.request.num_computed_tokens for s in scheduled] if observing else []
         logits, aux = self.runner.execute(inputs)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        if aux is not None:  # a model proposer reads every computed token's states
+        if aux is not None:
             self._observe(scheduled, inputs, starts, {}, aux)
         self.num_steps += 1
         if not inputs.sampled_rows:

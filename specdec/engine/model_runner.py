@@ -292,18 +292,26 @@ class ModelRunner:
                 flat[dst] = flat[src]
 
     @torch.inference_mode()
+    def replays_graph(self, inputs: StepInputs) -> bool:
+        """Whether ``execute`` runs the step as a CUDA graph replay (else eagerly)."""
+        q = inputs.uniform_q
+        return (
+            q is not None
+            and self.graphs is not None
+            and self.graphs.bucket(q, inputs.meta.num_seqs) is not None
+        )
+
     def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward. Returns float32 logits of the logits rows [num_logits, vocab], and
         the aux residual streams of every token [num_tokens, len(aux_layer_ids) * hidden]
         when ``aux_layer_ids`` is set (else None)."""
-        q = inputs.uniform_q
-        if (
-            q is not None
-            and self.graphs is not None
-            and self.graphs.bucket(q, inputs.meta.num_seqs) is not None
-        ):
+        if self.replays_graph(inputs):
             logits, aux = self.graphs.run(
-                q, inputs.input_ids, inputs.positions, inputs.meta, staged=inputs.staged
+                inputs.uniform_q,
+                inputs.input_ids,
+                inputs.positions,
+                inputs.meta,
+                staged=inputs.staged,
             )
             if logits.shape[0] != inputs.logits_indices.shape[0]:  # padding, unsampled rows
                 logits = logits.index_select(0, inputs.logits_indices)
