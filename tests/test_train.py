@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from specdec.data_gen.shards import RankInfo
 from specdec.data_gen.vocab import VocabConfig, run_vocab
 from specdec.train import checkpoint
 from specdec.train.config import TrainConfig
-from specdec.train.loop import KILL_ENV
+from specdec.train.loop import KILL_ENV, TimeLimit
 from specdec.train.trainer import train
 
 ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_memory": 64 << 20, "max_num_seqs": 8}
@@ -252,3 +253,16 @@ def test_time_limit_saves_head_and_checkpoint_and_the_rerun_continues(data, tmp_
     assert result["step"] == 4 and not result["time_limited"]
     with pytest.raises(ValueError, match=r"run\.time_limit_s=0"):
         config(data, tmp_path, run={"time_limit_s": 0})
+
+
+def test_time_limit_counts_from_the_command_start():
+    """run.time_limit_s is a job's wall-clock budget: set-up before the loop (loading the
+    target, reading the data, compiling) uses it up too, so a limit already spent by
+    set-up stops the loop at its first step."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    now = time.monotonic()
+    assert TimeLimit(60.0, accelerator, started=now - 61.0).reached()
+    assert not TimeLimit(60.0, accelerator, started=now).reached()
+    assert not TimeLimit(None, accelerator, started=now - 1e6).reached()

@@ -136,9 +136,10 @@ class RunSection:
     wandb: str = "offline"  # offline | online | disabled (used only when wandb is installed)
     wandb_project: str = "specdec"
     resume: bool = True  # continue from the newest checkpoint in output_dir if any
-    # Wall-clock budget of the training loop: at the first optimizer step past it the run
-    # saves a checkpoint and its result (head or model), then returns (rerun to continue).
-    # For leased GPUs and job time limits; the lr schedule still spans optim.max_steps.
+    # Wall-clock budget from the command's start (set-up, compilation and evaluations
+    # included): at the first optimizer step past it the run evaluates, saves a checkpoint
+    # and its result (head or model), then returns (rerun to continue); leave a margin for
+    # that. For leased GPUs and job time limits; the lr schedule still spans max_steps.
     time_limit_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -144,11 +144,16 @@ class TimeLimit:
     """``run.time_limit_s``: ``reached()`` turns True at the first optimizer step past the
     limit, on every process at once (the processes' clocks are combined, so none leaves
     the loop while another waits in a collective). The loop then ends that step as it
-    would at max_steps: evaluation, checkpoint, the final export; a rerun continues."""
+    would at max_steps: evaluation, checkpoint, the final export; a rerun continues.
 
-    def __init__(self, seconds: float | None, accelerator) -> None:
+    The clock starts at ``started`` (``time.monotonic()`` when the command began), not at
+    the loop: a job's wall-clock limit also covers loading the target, reading the data,
+    compiling the first step and the step-0 evaluation, which take minutes on a fresh
+    machine."""
+
+    def __init__(self, seconds: float | None, accelerator, started: float) -> None:
         self.seconds = seconds
-        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.deadline = None if seconds is None else started + seconds
         self.accelerator = accelerator
         self.hit = False
 

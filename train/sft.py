@@ -139,6 +139,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def train_sft(config: SFTConfig) -> dict[str, Any]:
     """Run (or resume) fine-tuning; returns the final eval figures and the model path."""
+    started = time.monotonic()  # run.time_limit_s counts from here
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -193,7 +194,7 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
     if state.step == 0 and source.units[1]:  # the base model's figures: the baseline
         log.write(0, evaluate(model, source, accelerator))
     kill_after = int(os.environ.get(KILL_ENV, "0"))
-    limit = TimeLimit(run.time_limit_s, accelerator)
+    limit = TimeLimit(run.time_limit_s, accelerator, started)
     model.train()
     while state.step < optim_cfg.max_steps and not limit.hit:
         optimizer_step(model, batches, accelerator.device, accelerator, optimizer, optim_cfg, tally)

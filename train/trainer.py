@@ -109,6 +109,7 @@ class Tally:
 
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training; returns the final eval figures and paths."""
+    started = time.monotonic()  # run.time_limit_s counts from here
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -193,7 +194,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if state.step == 0:  # the fresh head's figures: the baseline every later eval beats
         log.write(0, evaluate(model, source, accelerator, config.ttt.steps, exit_cfg.signals))
     kill_after = int(os.environ.get(KILL_ENV, "0"))
-    limit = TimeLimit(run.time_limit_s, accelerator)
+    limit = TimeLimit(run.time_limit_s, accelerator, started)
     model.train()
     while state.step < optim_cfg.max_steps and not limit.hit:
         optimizer_step(model, batches, device, accelerator, optimizer, optim_cfg, tally)
