@@ -228,7 +228,7 @@ def test_frozen_draft_trains_only_the_channels_on_top_of_a_trained_head(tmp_path
     from specdec.train.model import TargetIO, TTTModel, build_head
     from specdec.train.spec_exit_labels import ExitLabeler
     from specdec.train.spec_exit_loss import SpecExitLoss
-    from specdec.train.trainer import _load_init_head
+    from specdec.train.trainer import _load_init_head, _read_init_head
     from specdec.train.ttt import PackedBatch
     from specdec.train.ttt_attention import TTTAttention
 
@@ -245,12 +245,12 @@ def test_frozen_draft_trains_only_the_channels_on_top_of_a_trained_head(tmp_path
     trained = build_head(target, "t", d2t, t2d, (1, 2, 3), TTTAttention())
     save_eagle3(trained, tmp_path / "trained")
     head = build_head(target, "t", d2t, t2d, (1, 2, 3), TTTAttention(), exit_signals=SIGNALS)
-    _load_init_head(head, str(tmp_path / "trained"), target)
+    _load_init_head(head, _read_init_head(str(tmp_path / "trained"), target))
     assert torch.equal(head.fc.weight, trained.fc.weight)
     save_eagle3(head, tmp_path / "with_channels")
     other = build_head(target, "t", d2t, t2d, (1, 2, 3), TTTAttention(), exit_signals=("progress",))
     with pytest.raises(ValueError, match=r"set spec_exit\.signals="):
-        _load_init_head(other, str(tmp_path / "with_channels"), target)
+        _load_init_head(other, _read_init_head(str(tmp_path / "with_channels"), target))
 
     model = TTTModel(head, target, steps=2, decay=0.8, exit_loss=SpecExitLoss({}),
                      freeze_draft=True)  # fmt: skip

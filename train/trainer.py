@@ -136,11 +136,17 @@ def train(config: TrainConfig) -> dict[str, Any]:
             f"model.aux_layer_ids={list(aux_ids)} but the data holds layers "
             f"{list(source.aux_layer_ids)}; dump again with those ids or drop the override"
         )
-    d2t, t2d = load_vocab(_vocab_path(config))
+    init = _read_init_head(config.model.init_head, target) if config.model.init_head else None
+    if init is not None and not config.model.vocab:
+        d2t, t2d = init.d2t.cpu(), init.t2d.cpu()  # a head continues with its own vocabulary
+    else:
+        d2t, t2d = load_vocab(_vocab_path(config))
+        if init is not None:
+            _check_same_vocab(init, d2t, t2d, config.model)
     if config.model.draft_vocab_size not in (None, d2t.shape[0]):
         raise ValueError(
-            f"model.draft_vocab_size={config.model.draft_vocab_size} but the vocab file keeps "
-            f"{d2t.shape[0]} ids; rebuild it with that size or drop the setting"
+            f"model.draft_vocab_size={config.model.draft_vocab_size} but the draft vocabulary "
+            f"keeps {d2t.shape[0]} ids; rebuild it with that size or drop the setting"
         )
     exit_cfg = config.spec_exit
     if exit_cfg.freeze_draft and not config.model.init_head:
@@ -159,8 +165,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
             f"({head.rotary.num_positions} positions); set data.max_seq_len <= "
             f"{head.rotary.num_positions}"
         )
-    if config.model.init_head:
-        _load_init_head(head, config.model.init_head, target)
+    if init is not None:
+        _load_init_head(head, init)
     exit_loss = None
     if exit_cfg.signals:
         exit_loss = SpecExitLoss(exit_cfg.weights, exit_cfg.remaining_loss)
@@ -294,15 +300,27 @@ def _vocab_path(config: TrainConfig) -> Path:
     )
 
 
-def _load_init_head(head, directory: str, target: TargetIO) -> None:
+def _read_init_head(directory: str, target: TargetIO):
     from specdec.models.eagle3_formats import load_eagle3
 
-    init = load_eagle3(directory, target_config=target.config)
-    if init.config.draft_vocab_size != head.config.draft_vocab_size:
-        raise ValueError(
-            f"model.init_head has a {init.config.draft_vocab_size}-token draft vocab; the run's "
-            f"vocab file keeps {head.config.draft_vocab_size}"
-        )
+    return load_eagle3(directory, target_config=target.config)
+
+
+def _check_same_vocab(init, d2t: torch.Tensor, t2d: torch.Tensor, model) -> None:
+    """A head's lm_head rows are tied to its draft vocabulary (draft id -> target token):
+    continuing it under another mapping would train each row toward a different token."""
+    same = init.d2t.shape == d2t.shape and torch.equal(init.d2t.cpu(), d2t)
+    if same and torch.equal(init.t2d.cpu(), t2d):
+        return
+    moved = int((init.d2t.cpu() != d2t).sum()) if init.d2t.shape == d2t.shape else d2t.shape[0]
+    raise ValueError(
+        f"model.init_head={model.init_head} drafts another vocabulary than model.vocab="
+        f"{model.vocab} ({moved} of {d2t.shape[0]} draft ids map to other target tokens); "
+        "drop model.vocab to continue with the head's own vocabulary"
+    )
+
+
+def _load_init_head(head, init) -> None:
     have, want = init.config.exit_signals, head.config.exit_signals
     if have and have != want:
         raise ValueError(
