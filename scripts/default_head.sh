@@ -33,6 +33,8 @@ ATTENTION=${ATTENTION:-auto}          # TTT attention: auto | flex | reference
 BENCH_PROMPTS=${BENCH_PROMPTS:-80}
 BENCH_MAX_TOKENS=${BENCH_MAX_TOKENS:-256}
 EXTRA_TRAIN=${EXTRA_TRAIN:-}          # more train-draft overrides, e.g. "optim.lr=2e-4"
+INIT_HEAD=${INIT_HEAD:-}              # continue from this head (and its draft vocabulary), e.g.
+                                      # benchmarks/heads/smollm2-135m-instruct-s10
 DEVICE_ARGS=()
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the whole chain on CPU, tiny: checks the recipe runs
@@ -66,9 +68,12 @@ stage_vocab() {
 }
 
 stage_train() {
+    # A head to continue brings its own draft vocabulary (its lm_head rows are tied to it).
+    local vocab=(model.vocab="$DATA/vocab/vocab.safetensors")
+    [ -n "$INIT_HEAD" ] && vocab=(model.init_head="$INIT_HEAD")
     # shellcheck disable=SC2086  # EXTRA_TRAIN is a list of key=value overrides
     specdec train-draft --config configs/train/smollm2.yaml \
-        model.target="$MODEL" model.vocab="$DATA/vocab/vocab.safetensors" \
+        model.target="$MODEL" "${vocab[@]}" \
         data.mode=online data.path="$DATA/regen" \
         optim.max_steps="$STEPS" run.output_dir="$RUN" ttt.attention="$ATTENTION" \
         ${TIME_LIMIT:+run.time_limit_s=$TIME_LIMIT} $EXTRA_TRAIN
