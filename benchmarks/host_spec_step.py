@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import parse_str_list
+from common import parse_str_list, time_step
 from prompts import varied_conversations
 from tiny_models import make_tiny_model_dir
 
@@ -187,13 +187,7 @@ def run(llm: LLM, a: argparse.Namespace, spec: str) -> dict:
         while engine.has_unfinished_requests():
             device_s[0], prefill[0] = 0.0, False
             phase_s.clear()
-            if profiler is not None and repeat:
-                profiler.enable()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            engine.step()
-            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-            if profiler is not None:
-                profiler.disable()
+            wall, cpu = time_step(engine, profiler if repeat else None)
             if repeat and not prefill[0] and engine.scheduler.num_running == a.batch:
                 steps.append({"wall": wall, "host": cpu - device_s[0], **phase_s})
     tau = engine.spec_stats.tau

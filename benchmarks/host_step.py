@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from common import time_step
 from prompts import varied_conversations
 from tiny_models import make_tiny_model_dir
 
@@ -136,13 +137,7 @@ def run(llm: LLM, a: argparse.Namespace) -> None:
             engine.add_request(ids, params)
         while engine.has_unfinished_requests():
             device_s[0], prefill[0] = 0.0, False
-            if profiler is not None and repeat:
-                profiler.enable()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            engine.step()
-            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-            if profiler is not None:
-                profiler.disable()
+            wall, cpu = time_step(engine, profiler if repeat else None)
             # Under async scheduling a step also finishes the previous one: count steps
             # whose schedule had no prompt tokens and that had a full batch running.
             if repeat and not prefill[0] and engine.scheduler.num_running == a.batch:
