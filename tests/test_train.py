@@ -257,16 +257,21 @@ def test_time_limit_saves_head_and_checkpoint_and_the_rerun_continues(data, tmp_
 
 def test_init_head_continues_with_its_own_draft_vocabulary(trained, data, tmp_path):
     """A head's lm_head rows belong to its draft vocabulary: model.init_head alone trains
-    on under the head's own d2t/t2d (a vocab file beside the data, e.g. rebuilt from new
-    answers, is not taken); an explicit model.vocab mapping other tokens is refused."""
+    on under the head's own d2t/t2d, even where another vocab file sits beside the data
+    (e.g. rebuilt from new answers); an explicit model.vocab mapping other tokens is
+    refused."""
     head_dir = trained[0] / "head"
     init = {"init_head": str(head_dir)}
-    cfg = config(data, tmp_path / "a", model=init, optim={"max_steps": 1, "grad_accum": 1})
+    beside = tmp_path / "data"  # the same dump, with a 256-token vocab file beside it
+    beside.mkdir()
+    (beside / "dump").symlink_to(data / "dump", target_is_directory=True)
+    other = beside / "vocab.safetensors"
+    run_vocab(VocabConfig(input=str(data / "dump"), output=str(other), draft_vocab_size=256))
+    cfg = config(data, tmp_path / "a", model=init, data={"path": str(beside / "dump")},
+                 optim={"max_steps": 1, "grad_accum": 1})  # fmt: skip
     assert train(cfg)["step"] == 1
     saved, original = _head_tensors(tmp_path / "a" / "head"), _head_tensors(head_dir)
     assert torch.equal(saved["d2t"], original["d2t"]) and torch.equal(saved["t2d"], original["t2d"])
-    other = tmp_path / "other_vocab.safetensors"
-    run_vocab(VocabConfig(input=str(data / "dump"), output=str(other), draft_vocab_size=256))
     with pytest.raises(ValueError, match=r"drafts another vocabulary than model\.vocab="):
         train(config(data, tmp_path / "b", model={**init, "vocab": str(other)}))
 
