@@ -229,16 +229,19 @@ def chat_prompts(llm: LLM, opts: Options) -> list[list[int]]:
     return [encode(llm, c) for c in convs]
 
 
-def random_head(model: str, out_dir: Path) -> Path:
-    """A randomly initialised EAGLE-3 head for ``model`` (4,096-token draft vocabulary),
-    built as tests/test_engine.py's ``random_head_dir`` fixture builds it."""
+def random_head(
+    model: str, out_dir: Path, draft_vocab: int = 4096, aux_layer_ids: list[int] | None = None
+) -> Path:
+    """A randomly initialised EAGLE-3 head for ``model`` (a 4,096-token draft vocabulary
+    and EAGLE-3's aux layers unless given), built as tests/test_engine.py's
+    ``random_head_dir`` fixture builds it."""
     from specdec.attention import get_attention_backend
     from specdec.models import load_config
     from specdec.models.eagle3_formats import save_eagle3
     from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
 
     torch.manual_seed(0)
-    config = Eagle3Config.for_target(load_config(model), 4096)
+    config = Eagle3Config.for_target(load_config(model), draft_vocab, aux_layer_ids=aux_layer_ids)
     head = Eagle3Head(config, get_attention_backend("torch"))
     with torch.no_grad():  # keep fc(aux) O(1) against a ~1e4 residual stream
         head.fc.weight.mul_(1e-3)

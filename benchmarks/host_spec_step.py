@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from bench_spec import random_head
 from common import parse_str_list, time_step
 from prompts import varied_conversations
 from tiny_models import make_tiny_model_dir
@@ -75,9 +76,11 @@ def main() -> None:
     torch.set_num_threads(1)  # the step's CPU time is then this thread's
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_model_dir(Path(tmp), Path(a.smollm2), seed=0)
-        _narrow_vocab(model, a.vocab)
-        head = _random_head(model, Path(tmp) / "head", min(4096, a.vocab // 2))
+        # Logits of --vocab columns: their argmax is then as cheap on the CPU as a launch
+        # is on a GPU (over SmolLM2's 49,152 it would be real work counted as host time).
+        model = make_tiny_model_dir(Path(tmp), Path(a.smollm2), seed=0, vocab_size=a.vocab)
+        # The tiny target has 2 layers: EAGLE-3's default (2, N//2, N-3) does not exist.
+        head = random_head(str(model), Path(tmp), min(4096, a.vocab // 2), [0, 1, 1])
         if a.accept == "all":
             _zero_norm(model, "model.norm.weight")
             _zero_norm(head, "norm.weight")
@@ -89,30 +92,6 @@ def main() -> None:
             report[spec] = run(llm, a, spec)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": report}, indent=1))
-
-
-def _narrow_vocab(model: Path, vocab: int) -> None:
-    """Logits of ``vocab`` columns: their argmax is then as cheap on the CPU as a launch is
-    on a GPU (over SmolLM2's 49,152 it would be real work counted as host time)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = json.loads((model / "config.json").read_text())
-    config["vocab_size"] = vocab
-    (model / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).save_pretrained(model)
-
-
-def _random_head(target: Path, out: Path, draft_vocab: int) -> Path:
-    from specdec.attention import get_attention_backend
-    from specdec.models import load_config
-    from specdec.models.eagle3_formats import save_eagle3
-    from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
-
-    torch.manual_seed(0)
-    # The tiny target has 2 layers: EAGLE-3's default (2, N//2, N-3) does not exist.
-    config = Eagle3Config.for_target(load_config(str(target)), draft_vocab, aux_layer_ids=[0, 1, 1])
-    return save_eagle3(Eagle3Head(config, get_attention_backend("torch")), out)
 
 
 def _zero_norm(directory: Path, key: str) -> None:

@@ -9,9 +9,16 @@ from pathlib import Path
 import torch
 
 
-def make_tiny_model_dir(out: Path, smollm2_dir: Path, seed: int, logit_scale: float = 1.0) -> Path:
+def make_tiny_model_dir(
+    out: Path,
+    smollm2_dir: Path,
+    seed: int,
+    logit_scale: float = 1.0,
+    vocab_size: int | None = None,
+) -> Path:
     """A 2-layer, 64-wide Llama in HF format with SmolLM2's config otherwise and its
-    tokenizer files; ``logit_scale`` sharpens the (tied) embedding so logits are uneven."""
+    tokenizer files; ``logit_scale`` sharpens the (tied) embedding so logits are uneven;
+    ``vocab_size`` narrows the logits (token ids then have to be taken modulo it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = json.loads((smollm2_dir / "config.json").read_text())
@@ -23,6 +30,8 @@ def make_tiny_model_dir(out: Path, smollm2_dir: Path, seed: int, logit_scale: fl
         num_key_value_heads=2,
         head_dim=16,
     )
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
     (out / "config.json").write_text(json.dumps(config))
     for f in smollm2_dir.iterdir():  # the tokenizer, so the engine can serve this dir
         if f.name.startswith("tokenizer") or f.suffix == ".jinja":

@@ -309,10 +309,11 @@ def _read_init_head(directory: str, target: TargetIO):
 def _check_same_vocab(init, d2t: torch.Tensor, t2d: torch.Tensor, model) -> None:
     """A head's lm_head rows are tied to its draft vocabulary (draft id -> target token):
     continuing it under another mapping would train each row toward a different token."""
-    same = init.d2t.shape == d2t.shape and torch.equal(init.d2t.cpu(), d2t)
-    if same and torch.equal(init.t2d.cpu(), t2d):
+    have_d2t, have_t2d = init.d2t.cpu(), init.t2d.cpu()
+    comparable = have_d2t.shape == d2t.shape
+    if comparable and torch.equal(have_d2t, d2t) and torch.equal(have_t2d, t2d):
         return
-    moved = int((init.d2t.cpu() != d2t).sum()) if init.d2t.shape == d2t.shape else d2t.shape[0]
+    moved = int((have_d2t != d2t).sum()) if comparable else d2t.shape[0]
     raise ValueError(
         f"model.init_head={model.init_head} drafts another vocabulary than model.vocab="
         f"{model.vocab} ({moved} of {d2t.shape[0]} draft ids map to other target tokens); "
