@@ -15,7 +15,13 @@ argmax is token 0 and every draft is accepted (τ = depth + 1): the accepted-pat
 (K/V moves, catch-up of several tokens, several tokens appended) runs every step.
 ``--accept none`` keeps the random weights (τ ≈ 1). Decode steps only (no prompt tokens).
 
-    OMP_NUM_THREADS=1 python benchmarks/host_spec_step.py --smollm2 DIR --spec chain,tree
+``chain-pipelined`` / ``tree-pipelined`` run the pipelined step (engine/spec_pipeline.py):
+its host work per step is the launch (everything enqueued for the next step; on a GPU the
+device runs the previous step meanwhile) and the read of the step before (``finish``,
+which includes appending tokens and reporting).
+
+    OMP_NUM_THREADS=1 python benchmarks/host_spec_step.py --smollm2 DIR \
+        --spec chain,tree,chain-pipelined,tree-pipelined
 """
 
 from __future__ import annotations
@@ -58,6 +64,10 @@ PHASES = {
     "observe": ("engine", "_observe"),
     "outputs": ("engine", "_append_token"),
     "report": ("engine", "_report"),
+    # The pipelined step's phases (finish includes outputs and report).
+    "eligible": ("engine", "_can_pipeline"),
+    "launch": ("pipeline", "launch"),
+    "finish": ("engine", "_finish_spec"),
 }
 
 
@@ -85,9 +95,11 @@ def main() -> None:
             _zero_norm(model, "model.norm.weight")
             _zero_norm(head, "norm.weight")
         for spec in a.spec:
-            if spec not in SHAPES:
-                raise SystemExit(f"--spec {spec!r}: choose from {sorted(SHAPES)}")
-            config = {"method": "eagle3", "model": str(head), **SHAPES[spec]}
+            shape, _, mode = spec.partition("-")
+            if shape not in SHAPES or mode not in ("", "pipelined"):
+                raise SystemExit(f"--spec {spec!r}: choose from {sorted(SHAPES)}, +-pipelined")
+            config = {"method": "eagle3", "model": str(head), **SHAPES[shape]}
+            config["pipelined"] = mode == "pipelined"
             llm = LLM(str(model), device="cpu", max_num_seqs=a.batch, speculative=config)
             report[spec] = run(llm, a, spec)
     if a.json:
@@ -131,13 +143,19 @@ def run(llm: LLM, a: argparse.Namespace, spec: str) -> dict:
 
         return wrapper
 
-    owners = {"engine": engine, "runner": engine.runner, "scheduler": engine.scheduler}
+    owners = {
+        "engine": engine,
+        "runner": engine.runner,
+        "scheduler": engine.scheduler,
+        "pipeline": engine.pipeline,
+    }
     engine.runner.execute = device_work(engine.runner.execute)
     grower = engine.proposer.grower
     grower._grow = device_work(grower._grow)
     for name, (owner, attr) in PHASES.items():
         obj = owners[owner]
-        setattr(obj, attr, phase(name, getattr(obj, attr)))
+        if obj is not None:
+            setattr(obj, attr, phase(name, getattr(obj, attr)))
     schedule = engine.scheduler.schedule
 
     def watch_schedule(*args, **kwargs):
@@ -170,7 +188,7 @@ def run(llm: LLM, a: argparse.Namespace, spec: str) -> dict:
             if repeat and not prefill[0] and engine.scheduler.num_running == a.batch:
                 steps.append({"wall": wall, "host": cpu - device_s[0], **phase_s})
     tau = engine.spec_stats.tau
-    keys = ["host", *PHASES]
+    keys = ["host", *(k for k in PHASES if any(k in s for s in steps))]
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) * 1e3 for k in keys}
     print(f"{spec} batch={a.batch} accept={a.accept} τ={tau:.2f} decode steps={len(steps)}")
     print("  host ms/step (device work excluded): " + ", ".join(

@@ -108,6 +108,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="decode plainly while more than N requests run (default: the head's, else never)",
     )
     g.add_argument(
+        "--spec-pipelined",
+        type=_on_off,
+        default=None,
+        metavar="on|off",
+        help="launch each speculative step before reading the last one (greedy EAGLE-3; "
+        "default: on with CUDA graphs)",
+    )
+    g.add_argument(
         "--spec-choices",
         type=json.loads,
         default=None,
@@ -123,7 +131,14 @@ TREE_FLAGS = {
     "spec_total_tokens": "total_tokens",
     "spec_choices": "choices",
     "spec_disable_by_batch_size": "disable_by_batch_size",
+    "spec_pipelined": "pipelined",
 }
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{value!r}: use on or off")
+    return value == "on"
 
 
 def _speculative(args: argparse.Namespace, fallback: str | None = None):

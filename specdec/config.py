@@ -97,6 +97,10 @@ class SpeculativeConfig:
     ngram_max: int = 4
     # Above this many running requests, speculation stops paying; None = always on.
     disable_by_batch_size: int | None = None
+    # Pipelined speculative steps (engine/spec_pipeline.py: the next step launches before
+    # the host reads this one) for greedy requests of proposers that support it (eagle3).
+    # None: on where the device runs ahead of the host (the GPU path with CUDA graphs).
+    pipelined: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:

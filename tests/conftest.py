@@ -61,3 +61,14 @@ def random_head_dir(tmp_path_factory, smollm2_dir):
     out = tmp_path_factory.mktemp("random_head")
     save_eagle3(head, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def chats(smollm2_tokenizer) -> list[list[int]]:
+    """16 varied chats (tests/prompts.py) as SmolLM2 prompt token ids, ~40-580 tokens."""
+    from prompts import varied_conversations
+
+    return [
+        list(smollm2_tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"])
+        for c in varied_conversations(16)
+    ]

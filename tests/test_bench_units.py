@@ -94,6 +94,18 @@ def test_sweep_expands_chains_and_the_tree_grid():
     ]
 
 
+def test_sweep_pairs_each_shape_with_the_synchronous_and_pipelined_step():
+    base = SpeculativeConfig(method="eagle3", model="head")
+    configs, _ = sweep(base, chain=[3], top_k=[8], depth=[5], pipelined=[False, True])
+    assert [label(c) for c in configs] == [
+        "eagle3-k3-sync",
+        "eagle3-k3-pipelined",
+        "eagle3-tree-t8-d5-n48-sync",
+        "eagle3-tree-t8-d5-n48-pipelined",
+    ]
+    assert [c.pipelined for c in configs] == [False, True, False, True]
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="unknown bench set"):
         BenchConfig(sets=("nope",))

@@ -9,7 +9,6 @@ import itertools
 
 import pytest
 import torch
-from prompts import varied_conversations
 from tiny_models import make_tiny_model_dir
 
 from specdec import LLM, SamplingParams
@@ -22,15 +21,6 @@ NEW_TOKENS = 64
 # Chunked prefill and a pool so small that requests are preempted mid-speculation.
 PREEMPTING = {"max_num_batched_tokens": 64, "kv_cache_memory": 120 * 2 * 30 * 16 * 3 * 64 * 4}
 DYNAMIC = {"tree": "dynamic", "num_speculative_tokens": 4, "top_k": 4, "total_tokens": 12}
-
-
-@pytest.fixture(scope="module")
-def chats(smollm2_tokenizer):
-    convs = varied_conversations(16)
-    return [
-        list(smollm2_tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"])
-        for c in convs
-    ]
 
 
 def make_llm(smollm2_dir, **kwargs) -> LLM:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specdec.cli import _add_engine_args, _engine_kwargs, command
+from specdec.cli import _add_engine_args, _engine_kwargs, _on_off, command
 
 
 def _int_list(text: str) -> list[int]:
@@ -82,6 +82,12 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         "model's shipped head, else ngram)"
     )
     g.add_argument("--sweep-chain", type=_int_list, metavar="K,K,...", help="chain lengths")
+    g.add_argument(
+        "--sweep-pipelined",
+        type=lambda v: [_on_off(x) for x in v.split(",")],
+        metavar="off,on",
+        help="each shape with the synchronous and/or the pipelined speculative step",
+    )
     g.add_argument("--sweep-top-k", type=_int_list, metavar="T,...", help="dynamic-tree grid")
     g.add_argument("--sweep-depth", type=_int_list, metavar="D,...", help="dynamic-tree grid")
     g.add_argument(
@@ -123,6 +129,7 @@ def config_from_args(args: argparse.Namespace):
         top_k=args.sweep_top_k,
         depth=args.sweep_depth,
         total_tokens=args.sweep_total_tokens,
+        pipelined=args.sweep_pipelined,
     )
     if not specs:
         raise ValueError(f"every sweep point is invalid: {skipped}")

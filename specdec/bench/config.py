@@ -82,14 +82,15 @@ class BenchConfig:
 
 
 def label(spec: SpeculativeConfig) -> str:
-    """A short unique name: ``ngram-k3``, ``eagle3-tree-t8-d5-n64``, ``eagle3-static-n12``."""
+    """A short unique name: ``ngram-k3``, ``eagle3-tree-t8-d5-n64``, ``eagle3-static-n12``;
+    ``-sync`` / ``-pipelined`` when ``pipelined`` is forced off / on."""
+    suffix = {None: "", False: "-sync", True: "-pipelined"}[spec.pipelined]
     if spec.tree == "chain":
-        return f"{spec.method}-k{spec.num_speculative_tokens}"
+        return f"{spec.method}-k{spec.num_speculative_tokens}{suffix}"
     if spec.tree == "dynamic":
-        return (
-            f"{spec.method}-tree-t{spec.top_k}-d{spec.num_speculative_tokens}-n{spec.total_tokens}"
-        )
-    return f"{spec.method}-static-n{spec.max_draft_tokens}"
+        t, d, n = spec.top_k, spec.num_speculative_tokens, spec.total_tokens
+        return f"{spec.method}-tree-t{t}-d{d}-n{n}{suffix}"
+    return f"{spec.method}-static-n{spec.max_draft_tokens}{suffix}"
 
 
 def shape_fields(spec: SpeculativeConfig) -> dict[str, Any]:
@@ -109,10 +110,12 @@ def sweep(
     top_k: list[int] | None = None,
     depth: list[int] | None = None,
     total_tokens: list[int] | None = None,
+    pipelined: list[bool] | None = None,
 ) -> tuple[list[SpeculativeConfig], list[str]]:
     """The configs a sweep names, with ``base``'s method and model: chains of each K in
     ``chain``, then the dynamic-tree grid top_k × depth × total_tokens (a dimension not
-    given takes ``base``'s value). No sweep at all gives ``[base]``. Grid points the
+    given takes ``base``'s value). No sweep at all gives ``[base]``. ``pipelined``: each
+    config once per value (off: the synchronous step; on: spec_pipeline.py). Grid points the
     shape rejects (top_k > total_tokens, ...) are returned as reasons, not raised."""
     configs: list[SpeculativeConfig] = []
     skipped: list[str] = []
@@ -133,4 +136,6 @@ def sweep(
                 skipped.append(f"top_k={t} depth={d} total_tokens={n}: {e}")
     if not configs and not skipped:
         configs = [base]
+    if pipelined:  # each shape with the speculative step synchronous and/or pipelined
+        configs = [replace(c, pipelined=p) for c in configs for p in pipelined]
     return list({label(c): c for c in configs}.values()), skipped

@@ -173,6 +173,8 @@ def measure_row(
 ) -> tuple[BenchRow, list[Run]]:
     """Plain and speculative runs of one set at one batch size, interleaved."""
     run = RunParams(config.max_tokens, config.ignore_eos, concurrency=row.batch_size)
+    pipeline = spec_llm.engine.pipeline
+    launches = pipeline.num_launches if pipeline is not None else 0
     runs = measure_engines(
         {"plain": plain, "spec": spec_llm}, prompts, run, config.repeats, config.warmup
     )
@@ -181,6 +183,8 @@ def measure_row(
     t2d = passes.draft_vocab(spec_llm)
     row.vocab_coverage = passes.vocab_coverage(t2d, runs["spec"][0].token_ids)
     row.draft_vocab_size = int(t2d.sum()) if t2d is not None else None
+    if pipeline is not None:  # this row's runs (warm-up included)
+        row.pipelined_launches = pipeline.num_launches - launches
     return row, runs["plain"]
 
 

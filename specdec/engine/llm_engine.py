@@ -4,9 +4,11 @@ requests (append tokens, detokenize, check stops, free finished requests' blocks
 Under async scheduling (``EngineConfig.async_scheduling``) one step stays in flight:
 ``step()`` schedules and launches step N+1 (its decode rows read step N's sampled tokens
 on the device), then reads step N's tokens and updates requests while the device runs
-N+1, so host work and device work overlap instead of alternating. Speculative steps are
-synchronous; with a proposer the engine runs plain steps asynchronously while the batch
-is above ``disable_by_batch_size`` and drains the step in flight before speculating."""
+N+1, so host work and device work overlap instead of alternating. With a proposer the
+engine runs plain steps asynchronously while the batch is above
+``disable_by_batch_size``; speculative steps are pipelined the same way where they can be
+(``spec_pipeline.py``: greedy rows of an EAGLE-3 head), else synchronous, after the step
+in flight is read."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from specdec.engine.request import Request, RequestStatus
 from specdec.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.seeded_stream import SeededStream
+from specdec.engine.spec_pipeline import SpecLaunch, SpecPipeline
 from specdec.engine.staging import to_device, to_host
 from specdec.models import load_tokenizer, resolve_model
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
@@ -113,6 +116,15 @@ class LLMEngine:
                 self.proposer is None or spec.disable_by_batch_size is not None
             )
         self._in_flight: _InFlight | None = None
+        # Pipelined speculative steps (spec_pipeline.py) and the one in flight.
+        self.pipeline: SpecPipeline | None = None
+        if self.proposer is not None and self.proposer.pipelines:
+            pipelined = spec.pipelined
+            if pipelined is None:
+                pipelined = self.runner.graphs is not None
+            if pipelined:
+                self.pipeline = SpecPipeline(self.runner, self.proposer)
+        self._spec_in_flight: SpecLaunch | None = None
         self.num_dropped_tokens = 0  # async: tokens computed for requests already stopped
         self.spec_stats = SpecStats()
         # Give decoding rows without a draft a root-only tree when some row has one, so
@@ -238,7 +250,11 @@ class LLMEngine:
             self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished()
+            or self._in_flight is not None
+            or self._spec_in_flight is not None
+        )
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -251,6 +267,12 @@ class LLMEngine:
         ``output_kind``). With speculation, decoding requests verify a draft tree and may
         emit several tokens; the step is otherwise the same. Under async scheduling the
         outputs are those of the step launched by the previous call."""
+        if self.pipeline is not None:
+            if self._can_pipeline():
+                return self._step_pipelined()
+            if self._spec_in_flight is not None:  # the next step needs every token read
+                done, self._spec_in_flight = self._spec_in_flight, None
+                return self._finish_spec(done)
         if self.async_scheduling and not self._speculates_next():
             return self._step_async()
         if self._in_flight is not None:  # speculation needs every sampled token on the host
@@ -323,6 +345,81 @@ class LLMEngine:
             return False
         limit = self.config.speculative.disable_by_batch_size
         return limit is None or self.scheduler.num_running + self.scheduler.num_waiting <= limit
+
+    # ---- pipelined speculative steps ---------------------------------------------------
+    def _can_pipeline(self) -> bool:
+        """Whether the next step can be pipelined (spec_pipeline.py): nothing waits, every
+        running request decodes greedily with drafts (no prefill chunk, no pending plain
+        token, no SpecExit), continues the step in flight (or, with none, can start from
+        the host state), and the worst-case slots of two steps fit its context and the
+        free blocks, so scheduling preempts nobody."""
+        scheduler = self.scheduler
+        running = scheduler.running
+        if scheduler.num_waiting or not running:
+            return False
+        limit = self.config.speculative.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return False
+        if len(running) > scheduler.config.max_num_batched_tokens:
+            return False
+        prev = self._spec_in_flight
+        in_flight = {r.request_id for r in prev.requests} if prev is not None else None
+        reserve = 1 + self.lookahead + self.pipeline.extra_lookahead
+        bs, needed = self.block_size, 0
+        for request in running:
+            if (
+                request.num_pending_tokens
+                or request.num_computed_tokens + 1 != request.num_tokens
+                or not request.sampling_params.is_greedy
+                or _decodes_plainly(request)
+                or self._states[request.request_id].spec_exit is not None
+                or request.num_computed_tokens + reserve > self.max_model_len
+            ):
+                return False
+            if in_flight is not None:
+                if request.request_id not in in_flight:
+                    return False
+            elif not self.proposer.pipeline_ready(request):
+                return False
+            blocks = cdiv(request.num_computed_tokens + reserve, bs)
+            needed += max(0, blocks - len(request.block_ids))
+        return needed <= self.kv_manager.pool.num_free_blocks
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Launch speculative step N+1 from step N's device outcome, then read N and update
+        its requests while the device runs N+1."""
+        sched = self.scheduler.schedule(self.lookahead + self.pipeline.extra_lookahead)
+        requests = [s.request for s in sched.scheduled]
+        if sched.preempted or len(requests) != self.scheduler.num_running:
+            raise RuntimeError("a pipelined step must schedule every running request")
+        launched = self.pipeline.launch(requests, self._spec_in_flight)
+        self.num_steps += 1
+        done, self._spec_in_flight = self._spec_in_flight, launched
+        return self._finish_spec(done) if done is not None else []
+
+    def _finish_spec(self, done: SpecLaunch) -> list[RequestOutput]:
+        """Append a pipelined step's tokens (its host sync); each request's computed tokens
+        move past the step's root and accepted nodes, and the proposer resumes from them."""
+        emitted = done.read()
+        now = time.monotonic()
+        outputs = []
+        for row, (request, tokens) in enumerate(zip(done.requests, emitted, strict=True)):
+            state = self._states.get(request.request_id)
+            if state is None or request.status.is_finished:
+                self.num_dropped_tokens += len(tokens)  # stopped after this step launched
+                continue
+            num_accepted = len(tokens) - 1
+            root = request.num_computed_tokens  # one step behind: this step's root
+            request.num_computed_tokens = root + 1 + num_accepted
+            self.proposer.resume(request, root, done.catch_up_aux[row, : num_accepted + 1])
+            self.spec_stats.record(done.num_draft_tokens, num_accepted)
+            state.spec_stats.record(done.num_draft_tokens, num_accepted)
+            for token_id in tokens:
+                self._append_token(state, token_id, None, now)
+                if request.is_finished:
+                    break
+            self._report(state, outputs)
+        return outputs
 
     # ---- async scheduling ---------------------------------------------------------------
     def _step_async(self) -> list[RequestOutput]:

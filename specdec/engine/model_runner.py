@@ -292,6 +292,33 @@ class ModelRunner:
                 flat[dst] = flat[src]
 
     @torch.inference_mode()
+    def move_accepted_kv(
+        self,
+        root_index: torch.Tensor,  # [batch] int64: each tree root's cache index
+        acceptance,  # spec.acceptance.UniformAcceptance of those trees
+        block_tables: torch.Tensor,  # [batch, width] int32
+    ) -> None:
+        """``move_kv`` for trees verified at ``root_index`` with device-side acceptance:
+        the accepted node at depth ``d`` moves to cache index ``root + d``. Device ops
+        only; depths past a row's accepted count copy a slot onto itself (no host-side
+        filtering), which no real move reads or writes (their targets are ``root + d``
+        for smaller ``d``)."""
+        bs = self.block_size
+        path, num_accepted = acceptance.path, acceptance.num_accepted  # [batch, depth + 1]
+        depth = torch.arange(1, path.shape[1], device=path.device)  # [depth]
+        dst = root_index[:, None] + depth  # [batch, depth]
+        src = torch.where(depth <= num_accepted[:, None], root_index[:, None] + path[:, 1:], dst)
+
+        def slots(index: torch.Tensor) -> torch.Tensor:
+            return (block_tables.gather(1, index // bs).long() * bs + index % bs).flatten()
+
+        src, dst = slots(src), slots(dst)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    @torch.inference_mode()
     def replays_graph(self, inputs: StepInputs) -> bool:
         """Whether ``execute`` runs the step as a CUDA graph replay (else eagerly)."""
         q = inputs.uniform_q

@@ -196,6 +196,66 @@ def greedy_accept_batch(
     return results
 
 
+@dataclass
+class UniformAcceptance:
+    """Greedy acceptance of a batch of equally sized trees, left on the device (nothing
+    read back): what the pipelined speculative step needs to launch the next step before
+    the host sees this one.
+
+    Row ``b``'s accepted path is ``path[b, 1 : num_accepted[b] + 1]`` (tree node indices
+    by depth; ``path[b, 0] == 0`` is the root) and the step emits ``token_ids[b, :
+    num_accepted[b] + 1]`` (the accepted tokens, then the bonus). Entries past those are
+    padding (node 0, arbitrary tokens): consumers mask them with ``num_accepted``.
+    """
+
+    num_accepted: torch.Tensor  # [batch] int64
+    path: torch.Tensor  # [batch, depth + 1] int64: accepted node at each depth
+    token_ids: torch.Tensor  # [batch, depth + 1] int64: emitted tokens
+
+    @property
+    def bonus_token_ids(self) -> torch.Tensor:  # [batch] int64
+        return self.token_ids.gather(1, self.num_accepted[:, None]).squeeze(1)
+
+
+def greedy_accept_uniform(
+    token_ids: torch.Tensor,  # [batch, q] int64: each tree's nodes, root first
+    parents: torch.Tensor,  # [batch, q] int64: tree-local parent indices
+    depths: torch.Tensor,  # [batch, q] int64
+    target_logits: torch.Tensor,  # [batch * q, vocab]: row b * q + i is node i of tree b
+    max_depth: int,  # the shape's depth: no node is deeper
+) -> UniformAcceptance:
+    """``greedy_accept_batch`` for trees of one size, as device ops only (no sync, no
+    host-to-device copy; capturable): a node passes when its token is its parent's
+    argmax, and is accepted when it and all its ancestors pass (pointer jumping). At most
+    one child per node passes, so the accepted nodes have distinct depths 1 .. a: scattering
+    each to its depth gives the path."""
+    batch, q = token_ids.shape
+    if target_logits.shape[0] != batch * q:
+        raise ValueError(
+            f"target_logits has {target_logits.shape[0]} rows; expected {batch * q} "
+            f"({batch} trees of {q} nodes, back to back)"
+        )
+    best = target_logits.argmax(dim=-1).view(batch, q)  # [batch, q]
+    on_path = token_ids == best.gather(1, parents)
+    on_path[:, 0] = True  # the root passes (its own parent), so chains of passes reach it
+    jump = parents
+    for _ in range(max(q - 1, 0).bit_length()):
+        on_path = on_path & on_path.gather(1, jump)
+        jump = jump.gather(1, jump)
+    on_path[:, 0] = False
+    num_accepted = on_path.sum(dim=1)  # [batch]
+    # Accepted node i goes to column depths[i]; the rest to a spare column, dropped.
+    column = torch.where(on_path, depths, max_depth + 1)
+    nodes = torch.arange(q, device=token_ids.device).expand(batch, q)
+    path = torch.zeros(batch, max_depth + 2, dtype=torch.int64, device=token_ids.device)
+    path = path.scatter(1, column, nodes)[:, : max_depth + 1]  # [batch, depth + 1]
+    last = path.gather(1, num_accepted[:, None])  # [batch, 1]: the deepest accepted node
+    emitted = torch.cat([token_ids.gather(1, path[:, 1:]), best.gather(1, last)], dim=1)
+    # Move the bonus from the last column to column num_accepted (accepted tokens before it).
+    emitted = emitted.scatter(1, num_accepted[:, None], best.gather(1, last))
+    return UniformAcceptance(num_accepted=num_accepted, path=path, token_ids=emitted)
+
+
 def _result(layout: _Layout, b: int, path: list[int], token_ids: list[int]) -> AcceptResult:
     """Tree-local node indices for tree b's accepted ``path`` (global ids)."""
     return AcceptResult(

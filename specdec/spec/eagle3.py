@@ -125,13 +125,7 @@ class Eagle3Proposer(Proposer):
         (``_grow``: catch-ups right-padded to that length). Longer catch-ups (the first
         draft after a prefill) run a varlen forward first."""
         bs = self.block_size
-        states = [self._states[r.request_id] for r in group]
-        spans = [
-            (st.head_computed, r.num_computed_tokens) for st, r in zip(states, group, strict=True)
-        ]
-        aux = [torch.cat(st.pending) for st in states]  # exactly end - start rows (observe)
-        for st, (_, end) in zip(states, spans, strict=True):
-            st.head_computed, st.pending = end, []
+        spans, aux = self._take_catch_ups(group)
         width = self.catch_up_width
         if all(
             end - start <= width and len(r.block_ids) * bs >= start + width
@@ -150,6 +144,47 @@ class Eagle3Proposer(Proposer):
                 [self.head.exit_signals(a[-width:]).mean(0) for a in aux]
             )
         return grown
+
+    def _take_catch_ups(
+        self, group: list[Request]
+    ) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+        """Each request's catch-up span [head_computed, num_computed_tokens) and its aux
+        rows; the head then counts them as computed (the caller runs them)."""
+        states = [self._states[r.request_id] for r in group]
+        spans = [
+            (st.head_computed, r.num_computed_tokens) for st, r in zip(states, group, strict=True)
+        ]
+        aux = [torch.cat(st.pending) for st in states]  # exactly end - start rows (observe)
+        for st, (_, end) in zip(states, spans, strict=True):
+            st.head_computed, st.pending = end, []
+        return spans, aux
+
+    # ---- the pipelined step (engine/spec_pipeline.py) ----------------------------------
+    pipelines = True
+
+    def pipeline_ready(self, request: Request) -> bool:
+        """Whether ``request`` can start a pipelined step from the host: it has been
+        observed and catches up on 1 .. ``catch_up_width`` positions (a verify step or a
+        plain decode came last, not a prefill)."""
+        return 0 < self._catch_up_len(request) <= self.catch_up_width
+
+    def pipeline_inputs(self, requests: Sequence[Request]) -> GrowInputs:
+        """``grow_pipelined``'s inputs from the host state (``pipeline_ready`` requests;
+        the engine reserved their slots)."""
+        group = list(requests)
+        spans, aux = self._take_catch_ups(group)
+        return self._padded_inputs(group, spans, aux)
+
+    def grow_pipelined(self, inputs: GrowInputs, max_seq_len: int) -> TreeBatch:
+        """Catch-up and growth of the configured shape from device inputs (``_grow``'s root
+        state); replays the captured growth when the batch fits."""
+        return self.grower.grow(self.shape, inputs, max_seq_len)
+
+    def resume(self, request: Request, start: int, aux: torch.Tensor) -> None:
+        """After the engine read a pipelined step: the head's next catch-up starts at cache
+        index ``start`` with these aux rows (the step's root and accepted nodes), exactly
+        what ``observe`` would have collected."""
+        self._states[request.request_id] = _HeadState(request.num_preemptions, start, [aux])
 
     def _padded_inputs(
         self, group: list[Request], spans: list[tuple[int, int]], aux: list[torch.Tensor]

@@ -55,6 +55,11 @@ class Proposer(ABC):
     # exit channels; specdec.spec.spec_exit); empty: none, and requests cannot opt in.
     exit_signals: tuple[str, ...] = ()
 
+    # Whether this proposer runs pipelined speculative steps (engine/spec_pipeline.py):
+    # it then has ``pipeline_ready``, ``pipeline_inputs``, ``grow_pipelined`` and
+    # ``resume`` (Eagle3Proposer).
+    pipelines: ClassVar[bool] = False
+
     def group_by_shape(
         self, rows: Sequence[int], max_draft_tokens: Sequence[int], rooms: Sequence[int]
     ) -> dict[TreeShape, list[int]]:

@@ -327,8 +327,12 @@ class TreeGrower:
             self._grow, shape, max_batch_size, state_like, block_table_width, max_seq_len
         )
 
-    def grow(self, shape: TreeShape, inputs: GrowInputs) -> TreeBatch:
+    def grow(
+        self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None = None
+    ) -> TreeBatch:
+        """``max_seq_len``: a bound on context lengths for an eager growth whose inputs
+        have no host copy of ``start`` (None: derived from ``inputs.start_cpu``)."""
         graphs = self.graphs
         if graphs is not None and shape == graphs.shape and graphs.bucket(inputs.batch):
             return graphs.run(inputs)
-        return self._grow(shape, inputs, None)
+        return self._grow(shape, inputs, max_seq_len if inputs.start_cpu is None else None)

@@ -1,0 +1,194 @@
+"""The pipelined speculative step (engine/spec_pipeline.py) keeps plain greedy decoding's
+tokens: device-side acceptance equals the host reference on random trees, and on the real
+SmolLM2 (fp32, CPU) with a trained EAGLE-3 head (drafts really accepted, so K/V moves,
+catch-ups and dropped work all happen) every output equals plain decoding: chains and
+trees, stops mid-step, requests joining and leaving while steps are in flight, and graph
+replays (CPU stand-ins)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import (
+    DYNAMIC,
+    EagerGrowGraphs,
+    EagerStepGraphs,
+    greedy,
+    make_llm,
+    token_ids,
+)
+
+from specdec import SamplingParams
+from specdec.config import SpeculativeConfig
+from specdec.spec.acceptance import greedy_accept_batch, greedy_accept_uniform
+from specdec.spec.tree import DraftTree
+
+ROOT = Path(__file__).resolve().parents[1]
+PICKED = [0, 3, 5, 7, 9, 12]  # six prompts of varied length
+
+
+@pytest.fixture(scope="module")
+def trained_head_dir() -> Path:
+    """A trained SmolLM2 head from the repository (shipped, else the newest kept one):
+    its drafts are often right, which a random head's never are."""
+    shipped = ROOT / "specdec" / "heads" / "smollm2-135m-instruct"
+    if (shipped / "config.json").exists():
+        return shipped
+    kept = sorted((ROOT / "benchmarks" / "heads").glob("smollm2-135m-instruct-*/config.json"))
+    assert kept, "no trained SmolLM2 head in specdec/heads or benchmarks/heads"
+    return kept[-1].parent
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir, chats) -> dict[int, list[int]]:
+    """Plain greedy decoding of the picked prompts."""
+    outs = make_llm(smollm2_dir).generate([chats[i] for i in PICKED], greedy(), use_tqdm=False)
+    return dict(zip(PICKED, token_ids(outs), strict=True))
+
+
+def _random_trees(batch: int, q: int, vocab: int, gen: torch.Generator) -> list[DraftTree]:
+    trees = []
+    for _ in range(batch):
+        parents, depths, tokens = [0], [0], [int(torch.randint(vocab, (1,), generator=gen))]
+        used: dict[int, set[int]] = {0: set()}
+        for i in range(1, q):
+            p = int(torch.randint(i, (1,), generator=gen))
+            token = int(torch.randint(vocab, (1,), generator=gen))
+            while token in used[p]:  # siblings carry distinct tokens
+                token = (token + 1) % vocab
+            used[p].add(token)
+            used[i] = set()
+            parents.append(p)
+            depths.append(depths[p] + 1)
+            tokens.append(token)
+        trees.append(
+            DraftTree(
+                token_ids=torch.tensor(tokens),
+                parents=torch.tensor(parents),
+                depths=torch.tensor(depths),
+            )
+        )
+    return trees
+
+
+@pytest.mark.parametrize("q", [1, 2, 5, 12])
+def test_uniform_greedy_acceptance_equals_the_host_walk(q: int) -> None:
+    """Random trees whose target mostly agrees with some child: the device path, emitted
+    tokens and accepted counts equal ``greedy_accept_batch``'s."""
+    gen = torch.Generator().manual_seed(q)
+    vocab, batch = 16, 64
+    trees = _random_trees(batch, q, vocab, gen)
+    logits = torch.randn(batch * q, vocab, generator=gen)
+    for b, tree in enumerate(trees):  # argmax at a node = one of its children's tokens, often
+        for i in range(q):
+            kids = [c for c in range(1, q) if int(tree.parents[c]) == i]
+            if kids and torch.rand((), generator=gen) < 0.8:
+                pick = kids[int(torch.randint(len(kids), (1,), generator=gen))]
+                logits[b * q + i, tree.token_ids[pick]] += 100.0
+    expected = greedy_accept_batch(trees, logits)
+    depth = max(int(t.depths.max()) for t in trees)
+    got = greedy_accept_uniform(
+        torch.stack([t.token_ids for t in trees]),
+        torch.stack([t.parents for t in trees]),
+        torch.stack([t.depths for t in trees]),
+        logits,
+        depth,
+    )
+    assert sum(r.num_accepted for r in expected) > batch // 2 or q == 1  # paths exist
+    for b, r in enumerate(expected):
+        a = int(got.num_accepted[b])
+        assert a == r.num_accepted
+        assert got.path[b, 1 : a + 1].tolist() == r.accepted_nodes
+        assert got.token_ids[b, : a + 1].tolist() == r.token_ids
+        assert int(got.bonus_token_ids[b]) == r.bonus_token_id
+
+
+def _pipelined(smollm2_dir, head_dir, tree: dict, **kwargs):
+    spec = SpeculativeConfig(method="eagle3", model=str(head_dir), pipelined=True, **tree)
+    return make_llm(smollm2_dir, speculative=spec, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "tree", [{"num_speculative_tokens": 3}, DYNAMIC], ids=["chain3", "dynamic"]
+)
+def test_pipelined_steps_keep_greedy_outputs(
+    smollm2_dir, trained_head_dir, chats, reference, tree
+) -> None:
+    llm = _pipelined(smollm2_dir, trained_head_dir, tree)
+    engine = llm.engine
+    outs = llm.generate([chats[i] for i in PICKED], greedy(), use_tqdm=False)
+    assert token_ids(outs) == [reference[i] for i in PICKED]
+    stats = engine.spec_stats
+    assert engine.pipeline.num_launches > 0.8 * stats.steps / len(PICKED)  # mostly pipelined
+    assert stats.accepted_tokens / stats.steps > 0.25  # drafts accepted: moves, catch-ups
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
+    assert not engine.proposer._states and engine._spec_in_flight is None
+
+
+def test_pipelined_stops_and_arrivals_keep_outputs(
+    smollm2_dir, trained_head_dir, smollm2_tokenizer, chats
+) -> None:
+    """Requests stop mid-step (EOS, stop strings, max_tokens: the step in flight's work
+    for them is dropped) and new requests arrive while others decode (the pipeline drains,
+    prefills, and resumes): each output equals plain decoding's with the same params."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, stop=stop)
+        for n, stop in [(40, None), (7, None), (64, ["\n"]), (33, None), (64, [". "]), (21, None)]
+    ]
+    prompts = [chats[i] for i in PICKED]
+    plain = make_llm(smollm2_dir)
+    expected = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    llm = _pipelined(smollm2_dir, trained_head_dir, DYNAMIC)
+    engine = llm.engine
+    got: dict[str, list[int]] = {}
+    pending = list(zip(prompts, params, strict=True))
+    ids = []
+    for prompt, p in pending[:3]:
+        ids.append(engine.add_request(prompt, p))
+    step = 0
+    while engine.has_unfinished_requests() or pending[len(ids) :]:
+        step += 1
+        if step in (4, 9, 15) and len(ids) < len(pending):  # arrivals mid-decode
+            prompt, p = pending[len(ids)]
+            ids.append(engine.add_request(prompt, p))
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+    assert [got[i] for i in ids] == expected
+    assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
+
+
+def test_pipelined_graph_replays_keep_outputs(
+    smollm2_dir, trained_head_dir, chats, reference, monkeypatch
+) -> None:
+    """The GPU path's replays (verify graphs fed device-built inputs, captured growth fed
+    the step in flight's outcome) with CPU stand-ins: plain greedy tokens."""
+    from specdec.engine import model_runner
+    from specdec.spec import tree_draft
+
+    llm = _pipelined(
+        smollm2_dir, trained_head_dir, DYNAMIC, max_num_seqs=8, cuda_graph_max_batch_size=8
+    )
+    engine = llm.engine
+    monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
+    monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
+    engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
+    engine._capture_graphs()
+    picked = PICKED[:5]  # the 8-bucket pads three sequences
+    outs = llm.generate([chats[i] for i in picked], greedy(48), use_tqdm=False)
+    assert token_ids(outs) == [reference[i][:48] for i in picked]
+    q = engine.proposer.shape.max_draft_tokens + 1
+    assert engine.pipeline.num_launches > 0
+    assert engine.runner.graphs.num_replays.get(q, 0) >= engine.pipeline.num_launches
+    assert engine.proposer.grower.graphs.num_replays >= engine.pipeline.num_launches
+
+
+def test_pipelining_is_off_by_default_on_cpu(smollm2_dir, trained_head_dir) -> None:
+    spec = SpeculativeConfig(method="eagle3", model=str(trained_head_dir))
+    assert make_llm(smollm2_dir, speculative=spec).engine.pipeline is None
+    ngram = SpeculativeConfig(num_speculative_tokens=3, pipelined=True)  # host-side drafts
+    assert make_llm(smollm2_dir, speculative=ngram).engine.pipeline is None
