@@ -101,6 +101,9 @@ class SpeculativeConfig:
     # the host reads this one) for greedy requests of proposers that support it (eagle3).
     # None: on where the device runs ahead of the host (the GPU path with CUDA graphs).
     pipelined: bool | None = None
+    # torch.compile the EAGLE-3 head's layer and logits inside its captured growth (the
+    # GPU path; EngineConfig.compile must be on). Off until measured on the H200.
+    compile_head: bool = False
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:

@@ -162,21 +162,43 @@ def test_pipelined_stops_and_arrivals_keep_outputs(
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
 
 
+@pytest.mark.parametrize("compile_head", [False, True], ids=["eager-head", "compiled-head"])
 def test_pipelined_graph_replays_keep_outputs(
-    smollm2_dir, trained_head_dir, chats, reference, monkeypatch
+    smollm2_dir, trained_head_dir, chats, reference, monkeypatch, compile_head
 ) -> None:
     """The GPU path's replays (verify graphs fed device-built inputs, captured growth fed
-    the step in flight's outcome) with CPU stand-ins: plain greedy tokens."""
+    the step in flight's outcome, optionally the head's compiled regions) with CPU
+    stand-ins: plain greedy tokens."""
     from specdec.engine import model_runner
     from specdec.spec import tree_draft
 
-    llm = _pipelined(
-        smollm2_dir, trained_head_dir, DYNAMIC, max_num_seqs=8, cuda_graph_max_batch_size=8
+    spec = SpeculativeConfig(
+        method="eagle3",
+        model=str(trained_head_dir),
+        pipelined=True,
+        compile_head=compile_head,
+        **DYNAMIC,
     )
+    llm = make_llm(smollm2_dir, speculative=spec, max_num_seqs=8, cuda_graph_max_batch_size=8)
     engine = llm.engine
     monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
     monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
     engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
+    compiled_calls = [0]
+    if compile_head:  # the compiled regions, traced by dynamo without code generation
+        real_compile = torch.compile
+
+        def counting_compile(fn, **kwargs):
+            compiled = real_compile(fn, backend="eager")
+
+            def run(*args, **kw):
+                compiled_calls[0] += 1
+                return compiled(*args, **kw)
+
+            return run
+
+        monkeypatch.setattr(torch, "compile", counting_compile)
+        engine.proposer.compile = True  # as on the GPU path with EngineConfig.compile
     engine._capture_graphs()
     picked = PICKED[:5]  # the 8-bucket pads three sequences
     outs = llm.generate([chats[i] for i in picked], greedy(48), use_tqdm=False)
@@ -185,6 +207,7 @@ def test_pipelined_graph_replays_keep_outputs(
     assert engine.pipeline.num_launches > 0
     assert engine.runner.graphs.num_replays.get(q, 0) >= engine.pipeline.num_launches
     assert engine.proposer.grower.graphs.num_replays >= engine.pipeline.num_launches
+    assert (compiled_calls[0] > 0) == compile_head
 
 
 def test_pipelining_is_off_by_default_on_cpu(smollm2_dir, trained_head_dir) -> None:

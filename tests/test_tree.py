@@ -320,7 +320,8 @@ class BatchedPathModels:
         )
 
 
-@pytest.mark.parametrize(
+# One shape of each kind, for the batched-growth tests.
+GROWTH_SHAPES = pytest.mark.parametrize(
     "shape",
     [
         ChainShape(3),
@@ -329,6 +330,9 @@ class BatchedPathModels:
     ],
     ids=["chain", "static", "dynamic"],
 )
+
+
+@GROWTH_SHAPES
 @pytest.mark.parametrize("peaked", [False, True], ids=["random", "ties"])
 def test_batched_growth_equals_one_tree_at_a_time(shape, peaked: bool) -> None:
     """Trees grown together never interact: each equals the tree grown alone."""
@@ -340,6 +344,37 @@ def test_batched_growth_equals_one_tree_at_a_time(shape, peaked: bool) -> None:
         tree.check()
         for name in ("token_ids", "parents", "depths"):
             assert getattr(tree, name).tolist() == getattr(alone, name).tolist(), name
+
+
+@GROWTH_SHAPES
+def test_sub_vocabulary_growth_equals_scattered_scores(shape) -> None:
+    """Ranking in a sub-vocabulary (``token_map``, EAGLE-3's draft vocabulary) grows the
+    trees that scoring the whole vocabulary with -inf outside it grows."""
+    vocab = 16
+    token_map = torch.tensor([1, 3, 4, 6, 7, 9, 10, 12, 13, 15])  # target ids, ascending
+    roots = torch.tensor([3, 7, 3, 12])
+
+    def models() -> BatchedPathModels:
+        return BatchedPathModels([PathModel(vocab, seed=s) for s in range(4)])
+
+    full_model, sub_model = models(), models()
+
+    def full(tokens, parent_rows, depth):  # [batch, n, vocab], -inf outside the map
+        scores = full_model(tokens, parent_rows, depth)
+        masked = torch.full_like(scores, float("-inf"))
+        masked[..., token_map] = scores[..., token_map]
+        return masked
+
+    def sub(tokens, parent_rows, depth):  # [batch, n, len(token_map)]
+        return sub_model(tokens, parent_rows, depth)[..., token_map]
+
+    expected = grow_trees(shape, roots, full)
+    got = grow_trees(shape, roots, sub, token_map=token_map)
+    for name in ("token_ids", "parents", "depths"):
+        assert getattr(got, name).tolist() == getattr(expected, name).tolist(), name
+    assert set(got.token_ids[:, 1:].flatten().tolist()) <= set(token_map.tolist())
+    with pytest.raises(ValueError, match="token_map needs sample=False"):
+        grow_trees(ChainShape(2), roots, sub, token_map=token_map, sample=True)
 
 
 def test_shape_sizes() -> None:

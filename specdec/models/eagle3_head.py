@@ -309,6 +309,20 @@ class Eagle3Head(nn.Module):
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.bind_embedding(embed)
+        # (layer, logits) compiled by ``compile_regions``; a plain attribute, not
+        # submodules, so the state dict and ``.to()`` never see the wrappers.
+        self.__dict__["_compiled"] = None
+
+    def compile_regions(self, **compile_kwargs) -> None:
+        """``torch.compile`` the decoder layer and the logits (norm + lm_head) for
+        ``forward(..., compiled=True)``: inside a proposer's CUDA graphs each draft level
+        then replays fused kernels instead of dozens of small ones (norms, RoPE,
+        projections, activation). Eager callers keep the plain modules, whose varying
+        shapes would recompile."""
+        self.__dict__["_compiled"] = (
+            torch.compile(self.midlayer, **compile_kwargs),
+            torch.compile(self.compute_logits, **compile_kwargs),
+        )
 
     def bind_embedding(self, embed: Embedding | None) -> None:
         """Use the target's embedding (``CausalLM.embed`` or its ``nn.Embedding``).
@@ -350,9 +364,17 @@ class Eagle3Head(nn.Module):
         kv_cache: KVCache,  # the head's own (k_cache, v_cache)
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,  # [m] int64: rows to project; None = all
+        *,
+        compiled: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``out_prenorm`` [n, hidden] (the next step's ``hidden``) and draft
-        logits [m, draft_vocab] float32 (m = n without ``logits_indices``)."""
+        logits [m, draft_vocab] float32 (m = n without ``logits_indices``). ``compiled``:
+        run the regions ``compile_regions`` built (same results)."""
+        layer, logits_fn = self.midlayer, self.compute_logits
+        if compiled:
+            if self.__dict__["_compiled"] is None:
+                raise RuntimeError("forward(compiled=True) needs compile_regions() first")
+            layer, logits_fn = self.__dict__["_compiled"]
         embed: Embedding | None = self.__dict__["_embed"]
         if embed is None:
             raise RuntimeError(
@@ -361,9 +383,9 @@ class Eagle3Head(nn.Module):
             )
         embeds = embed(input_ids).to(hidden.dtype)  # [n, hidden]
         cos, sin = self.rotary(positions, hidden.dtype)
-        out = self.midlayer(embeds, hidden, cos, sin, kv_cache, meta)  # [n, hidden]
+        out = layer(embeds, hidden, cos, sin, kv_cache, meta)  # [n, hidden]
         rows = out if logits_indices is None else out.index_select(0, logits_indices)
-        return out, self.compute_logits(rows)
+        return out, logits_fn(rows)
 
     def compute_logits(
         self,
@@ -374,15 +396,6 @@ class Eagle3Head(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [...]
         """Target token ids of draft-vocabulary ids (int64, same shape)."""
         return draft_ids + self.d2t[draft_ids]
-
-    def scatter_to_target(
-        self,
-        draft_logits: torch.Tensor,  # [m, draft_vocab]
-    ) -> torch.Tensor:  # [m, target_vocab]: -inf outside the draft vocabulary
-        """Draft-vocabulary scores placed at their target ids (what tree growth ranks)."""
-        out = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), -torch.inf)
-        ids = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=out.device))
-        return out.index_copy_(1, ids, draft_logits)
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Validate (``validate_vocab_map``) and install a draft vocabulary."""

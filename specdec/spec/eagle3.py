@@ -25,6 +25,7 @@ last ``catch_up_width`` rows) — computed in the same capturable function as th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -88,6 +89,12 @@ class Eagle3Proposer(Proposer):
         self._states: dict[str, _HeadState] = {}
         self.grower = TreeGrower(self._grow)
         self.max_positions = runner.max_model_len
+        # The head compiles only where the target does (CUDA graphs with EngineConfig.compile).
+        self.compile = runner.use_compile
+        # Target id of each draft-vocabulary column: growth ranks in the draft vocabulary.
+        self.draft_ids = self.head.draft_to_target(
+            torch.arange(self.head.config.draft_vocab_size, device=self.device)
+        )
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -211,21 +218,40 @@ class Eagle3Proposer(Proposer):
         tokens, last, start = pack_catch_ups([(0, 1)], [[0]], width, self.device)
         aux = torch.zeros(1, width, 3 * self.head.config.hidden_size, dtype=self.kv_cache[0].dtype)
         state_like = (tokens, aux.to(self.device), last, start)
-        self.grower.capture(self.shape, max_batch_size, state_like, block_table_width, max_seq_len)
+        grow = None
+        if self.config.compile_head and self.compile:  # the graphs replay compiled regions
+            self.head.compile_regions()
+            grow = functools.partial(self._grow, compiled=True)
+        self.grower.capture(
+            self.shape, max_batch_size, state_like, block_table_width, max_seq_len, grow=grow
+        )
 
-    def _grow(self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None) -> TreeBatch:
+    def _grow(
+        self,
+        shape: TreeShape,
+        inputs: GrowInputs,
+        max_seq_len: int | None,
+        compiled: bool = False,
+    ) -> TreeBatch:
         """Catch-up and growth in one go, device ops only (``_padded_inputs`` made the
-        root state; ``catch_up_inputs`` says why the padding is harmless)."""
+        root state; ``catch_up_inputs`` says why the padding is harmless). ``compiled``:
+        the head's compiled regions (captured graphs only)."""
         tokens, aux, last, start = inputs.root_state
         x = catch_up_inputs(
             inputs, tokens, last, start, self.block_size, max_seq_len, self.max_positions
         )
         hidden = self.head.fuse(aux.flatten(0, 1))  # [batch * width, hidden]
         out, logits = self.head(
-            x.input_ids, hidden, x.positions, self.kv_cache, x.meta, logits_indices=x.last_rows
+            x.input_ids,
+            hidden,
+            x.positions,
+            self.kv_cache,
+            x.meta,
+            logits_indices=x.last_rows,
+            compiled=compiled,
         )
         root_out = out.index_select(0, x.last_rows)  # [batch, hidden]
-        grown = self._grow_tree(shape, inputs, root_out, logits, max_seq_len)
+        grown = self._grow_tree(shape, inputs, root_out, logits, max_seq_len, compiled)
         if self.exit_signals:
             grown.exit_signals = self._mean_exit_signals(aux, last)
         return grown
@@ -248,6 +274,7 @@ class Eagle3Proposer(Proposer):
         root_out: torch.Tensor,  # [batch, hidden]: the catch-up's last pre-norm rows
         root_logits: torch.Tensor,  # [batch, draft_vocab]: their depth-1 predictions
         max_seq_len: int | None,
+        compiled: bool = False,
     ) -> TreeBatch:
         """Draft steps: level ``d`` feeds its nodes at position ``root + d - 1``, each with
         its parent's pre-norm output, laid out from the root's cache index (the target's
@@ -259,17 +286,22 @@ class Eagle3Proposer(Proposer):
             nonlocal prev_out
             batch, n = tokens.shape
             if depth == 0:
-                return self.head.scatter_to_target(root_logits)[:, None]  # [batch, 1, V]
+                return root_logits[:, None]  # [batch, 1, draft_vocab]
             width = prev_out.shape[2]
             hidden = prev_out.gather(1, parent_rows[:, :, None].expand(batch, n, width))
             x = layout.level(tokens, parent_rows, depth)
             out, logits = self.head(
-                x.input_ids, hidden.flatten(0, 1), x.positions, self.kv_cache, x.meta
+                x.input_ids,
+                hidden.flatten(0, 1),
+                x.positions,
+                self.kv_cache,
+                x.meta,
+                compiled=compiled,
             )
             prev_out = out.view(batch, n, width)
-            return self.head.scatter_to_target(logits).view(batch, n, -1)
+            return logits.view(batch, n, -1)  # [batch, n, draft_vocab]
 
-        return grow_trees(shape, inputs.roots, step)
+        return grow_trees(shape, inputs.roots, step, token_map=self.draft_ids)
 
     def _catch_up_len(self, request: Request) -> int:
         state = self._states.get(request.request_id)

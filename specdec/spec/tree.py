@@ -45,8 +45,10 @@ depth is ``depth``. ``parent_rows[j]`` is the row of node j's parent in the *pre
 call (so a proposer gathers the state it kept per row, e.g. EAGLE hidden states, with
 ``state[parent_rows]``); in the depth-0 call the only node is the root and
 ``parent_rows == [0]``. Only nodes that will get children are queried: leaves never are.
-The vocabulary is the target's: a proposer with a reduced draft vocabulary (EAGLE-3's
-``d2t``) scatters its log-probabilities into target ids, -inf elsewhere.
+The vocabulary is the target's, or a sub-vocabulary named by ``grow_trees``'
+``token_map`` (EAGLE-3's draft vocabulary: column ``i`` is target id ``token_map[i]``),
+which saves scattering every level's scores into the target's vocabulary and ranking
+over its width; the nodes always carry target ids.
 """
 
 BatchStepLogprobsFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -404,6 +406,7 @@ def grow_trees(
     *,
     sample: bool = False,
     generator: torch.Generator | None = None,
+    token_map: torch.Tensor | None = None,
 ) -> TreeBatch:
     """Grow ``shape`` below each of ``roots`` by querying ``step_logprobs_fn`` level by
     level, every tree of the batch in the same call (they share the shape, so a level is a
@@ -415,12 +418,23 @@ def grow_trees(
     only chain and static shapes allow it, and a static shape's sibling ranks must then be
     contiguous (a gap would mean a drawn token acceptance never saw).
 
+    ``token_map`` [sub_vocab] int64: ``step_logprobs_fn`` scores a sub-vocabulary whose
+    column ``i`` is target token ``token_map[i]`` (the rest of the target's vocabulary
+    has probability 0); the same tree as scoring the whole vocabulary with -inf outside
+    it, up to how exact ties are broken. Deterministic candidates only (sampled trees
+    keep their draft distribution over the target's vocabulary).
+
     Growth runs device ops only, on tensors whose sizes the shape fixes: no host sync, no
     host-to-device copy (index tensors come from a per-shape cache), so a proposer can
     capture it in a CUDA graph once the cache is warm.
     """
     if roots.dim() != 1 or roots.shape[0] < 1:
         raise ValueError(f"roots has shape {tuple(roots.shape)}; expected [batch >= 1]")
+    if token_map is not None and sample:
+        raise ValueError(
+            "token_map needs sample=False: a sampled tree's draft_probs cover the target's "
+            "vocabulary; score the whole vocabulary to sample"
+        )
     roots = roots.to(torch.int64)
     if isinstance(shape, DynamicTreeShape):
         if sample:
@@ -429,14 +443,14 @@ def grow_trees(
                 "sampled child depending on its value; use deterministic candidates "
                 "(sample=False) or a chain/static shape"
             )
-        return _with_mask(_build_dynamic(shape, roots, step_logprobs_fn))
+        return _with_mask(_build_dynamic(shape, roots, step_logprobs_fn, token_map))
     static = shape.as_static() if isinstance(shape, ChainShape) else shape
     if sample and not static.ranks_contiguous():
         raise ValueError(
             f"sample=True needs contiguous sibling ranks, but {static.choices} skips one; "
             "add the missing ranks or use sample=False"
         )
-    batch = _build_static(static, roots, step_logprobs_fn, sample, generator)
+    batch = _build_static(static, roots, step_logprobs_fn, sample, generator, token_map)
     if isinstance(shape, ChainShape):
         batch.is_chain = True  # causal: verification needs no mask
         return batch
@@ -530,6 +544,7 @@ def _build_static(
     fn: BatchStepLogprobsFn,
     sample: bool,
     generator: torch.Generator | None,
+    token_map: torch.Tensor | None,
 ) -> TreeBatch:
     device = roots.device
     batch = roots.shape[0]
@@ -553,7 +568,8 @@ def _build_static(
             draft_probs[:, level.children] = probs[:, level.child_rows]
         else:
             ranked = logprobs.topk(level.width, dim=-1).indices  # [batch, n, width]
-        token_ids[:, level.children] = ranked[:, level.child_rows, level.ranks]
+        chosen = ranked[:, level.child_rows, level.ranks]  # [batch, m] columns
+        token_ids[:, level.children] = token_map[chosen] if token_map is not None else chosen
     return TreeBatch(
         token_ids=token_ids,
         parents=plan.parents.expand(batch, num_nodes),
@@ -563,8 +579,16 @@ def _build_static(
     )
 
 
+def _tokens(columns: torch.Tensor, token_map: torch.Tensor | None) -> torch.Tensor:
+    """Target ids of ranked columns (a sub-vocabulary's through ``token_map``)."""
+    return token_map[columns] if token_map is not None else columns
+
+
 def _build_dynamic(
-    shape: DynamicTreeShape, roots: torch.Tensor, fn: BatchStepLogprobsFn
+    shape: DynamicTreeShape,
+    roots: torch.Tensor,
+    fn: BatchStepLogprobsFn,
+    token_map: torch.Tensor | None,
 ) -> TreeBatch:
     """EAGLE-2. A node's score is its cumulative draft log-probability (sum over its path).
 
@@ -592,7 +616,7 @@ def _build_dynamic(
     zeros = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [batch, 1]
     logprobs = _level_logprobs(fn, roots[:, None], zeros, 0)  # [batch, 1, vocab]
     top = logprobs[:, 0].topk(k, dim=-1)  # [batch, k]
-    frontier_scores, frontier_tokens = top.values, top.indices  # [batch, k]
+    frontier_scores, frontier_tokens = top.values, _tokens(top.indices, token_map)  # [batch, k]
     frontier_ids = torch.arange(1, k + 1, device=device).expand(batch, k)  # [batch, k]
     scores.append(frontier_scores)
     tokens.append(frontier_tokens)
@@ -605,7 +629,7 @@ def _build_dynamic(
         logprobs = _level_logprobs(fn, frontier_tokens, frontier_rows, depth)  # [batch, k, V]
         top = logprobs.topk(k, dim=-1)  # [batch, k, k]
         cand_scores = (frontier_scores[:, :, None] + top.values).flatten(1)  # [batch, k*k]
-        cand_tokens = top.indices.flatten(1)  # [batch, k*k]
+        cand_tokens = _tokens(top.indices, token_map).flatten(1)  # [batch, k*k]
         scores.append(cand_scores)
         tokens.append(cand_tokens)
         parent_ids.append(frontier_ids[:, cand_parent_row])

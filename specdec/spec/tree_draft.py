@@ -322,9 +322,12 @@ class TreeGrower:
         state_like: tuple[torch.Tensor, ...],
         block_table_width: int,
         max_seq_len: int,
+        grow: GrowFn | None = None,
     ) -> None:
+        """``grow``: the function the graphs capture, when it differs from the eager one
+        (e.g. compiled regions, which only fixed graph shapes should run)."""
         self.graphs = GrowGraphs(
-            self._grow, shape, max_batch_size, state_like, block_table_width, max_seq_len
+            grow or self._grow, shape, max_batch_size, state_like, block_table_width, max_seq_len
         )
 
     def grow(
