@@ -116,6 +116,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "default: on with CUDA graphs)",
     )
     g.add_argument(
+        "--spec-compile-head",
+        type=_on_off,
+        default=None,
+        metavar="on|off",
+        help="torch.compile the EAGLE-3 head inside its CUDA graphs (default: off)",
+    )
+    g.add_argument(
         "--spec-choices",
         type=json.loads,
         default=None,
@@ -132,6 +139,7 @@ TREE_FLAGS = {
     "spec_choices": "choices",
     "spec_disable_by_batch_size": "disable_by_batch_size",
     "spec_pipelined": "pipelined",
+    "spec_compile_head": "compile_head",
 }
 
 
