@@ -72,3 +72,16 @@ def chats(smollm2_tokenizer) -> list[list[int]]:
         list(smollm2_tokenizer.apply_chat_template(c, add_generation_prompt=True)["input_ids"])
         for c in varied_conversations(16)
     ]
+
+
+@pytest.fixture(scope="session")
+def trained_head_dir() -> Path:
+    """A trained SmolLM2 head from the repository (shipped, else the newest kept one):
+    its drafts are often right, which a random head's never are."""
+    root = Path(__file__).resolve().parents[1]
+    shipped = root / "specdec" / "heads" / "smollm2-135m-instruct"
+    if (shipped / "config.json").exists():
+        return shipped
+    kept = sorted((root / "benchmarks" / "heads").glob("smollm2-135m-instruct-*/config.json"))
+    assert kept, "no trained SmolLM2 head in specdec/heads or benchmarks/heads"
+    return kept[-1].parent

@@ -8,7 +8,6 @@ replays (CPU stand-ins)."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,22 +23,9 @@ from test_engine import (
 from specdec import SamplingParams
 from specdec.config import SpeculativeConfig
 from specdec.spec.acceptance import greedy_accept_batch, greedy_accept_uniform
-from specdec.spec.tree import DraftTree
+from specdec.spec.tree import ChainShape, DraftTree, StaticTreeShape
 
-ROOT = Path(__file__).resolve().parents[1]
 PICKED = [0, 3, 5, 7, 9, 12]  # six prompts of varied length
-
-
-@pytest.fixture(scope="module")
-def trained_head_dir() -> Path:
-    """A trained SmolLM2 head from the repository (shipped, else the newest kept one):
-    its drafts are often right, which a random head's never are."""
-    shipped = ROOT / "specdec" / "heads" / "smollm2-135m-instruct"
-    if (shipped / "config.json").exists():
-        return shipped
-    kept = sorted((ROOT / "benchmarks" / "heads").glob("smollm2-135m-instruct-*/config.json"))
-    assert kept, "no trained SmolLM2 head in specdec/heads or benchmarks/heads"
-    return kept[-1].parent
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +201,43 @@ def test_pipelining_is_off_by_default_on_cpu(smollm2_dir, trained_head_dir) -> N
     assert make_llm(smollm2_dir, speculative=spec).engine.pipeline is None
     ngram = SpeculativeConfig(num_speculative_tokens=3, pipelined=True)  # host-side drafts
     assert make_llm(smollm2_dir, speculative=ngram).engine.pipeline is None
+
+
+def test_chain_drafts_equal_a_masked_tree_path(
+    smollm2_dir, trained_head_dir, chats, monkeypatch
+) -> None:
+    """A chain's draft levels attend causally (no tree mask): each level's head output
+    equals, to fp32 rounding, that of the same node in a static tree grown from the same
+    state through the masked path (two nodes fed at level 1, then one)."""
+    spec = SpeculativeConfig(method="eagle3", model=str(trained_head_dir))
+    engine = make_llm(smollm2_dir, speculative=spec).engine
+    engine.add_request(chats[2], greedy())
+    for _ in range(4):  # the prefill, then verify steps: the head has a short catch-up
+        engine.step()
+    request = engine.scheduler.running[0]
+    assert engine.kv_manager.allocate_slots(request, 1, num_lookahead_tokens=16)
+    proposer = engine.proposer
+    spans, aux = proposer._take_catch_ups([request])
+    inputs = proposer._padded_inputs([request], spans, aux)
+    outs: list[torch.Tensor] = []
+    forward = proposer.head.forward
+
+    def recording(*args, **kwargs):
+        out, logits = forward(*args, **kwargs)
+        outs.append(out)
+        return out, logits
+
+    monkeypatch.setattr(proposer.head, "forward", recording)
+    with torch.inference_mode():
+        chain = proposer._grow(ChainShape(3), inputs, None)
+        chain_outs, outs[:] = outs[1:], []  # the levels (the catch-up comes first)
+        tree = proposer._grow(
+            StaticTreeShape([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]), inputs, None
+        )
+    assert chain.is_chain and tree.ancestor_mask is not None
+    # Level 1 fed (0,) and (1,); level 2 fed (0, 0) alone, after a two-node level.
+    assert [o.shape[0] for o in outs[1:]] == [2, 1]
+    for level, (c, t) in enumerate(zip(chain_outs, outs[1:], strict=True)):
+        torch.testing.assert_close(c[0], t[0], rtol=0, atol=1e-4, msg=f"level {level + 1}")
+    # Static node order is the choices' order after the root: (0,) 1, (0, 0) 3, (0, 0, 0) 5.
+    assert chain.token_ids[0, 1:].tolist() == tree.token_ids[0, [1, 3, 5]].tolist()

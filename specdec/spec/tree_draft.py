@@ -89,7 +89,7 @@ class TreeDraftLayout:
         self.device = inputs.roots.device
         self.num_fed = 0  # nodes fed so far per tree (levels are equally wide across trees)
         self.num_levels = 0
-        self.mask: torch.Tensor | None = None  # [batch, num_fed, num_fed] bool
+        self.mask: torch.Tensor | None = None  # [batch, num_fed, num_fed] bool; None: a chain
         self._level_offset = 0  # first fed index of the last level
 
     def level(
@@ -106,15 +106,24 @@ class TreeDraftLayout:
             )
         device = self.device
         prev, total = self.num_fed, self.num_fed + n
-        # Mask rows: a level-1 node sees itself; a deeper node its parent's row plus itself.
-        mask = torch.zeros(batch, total, total, dtype=torch.bool, device=device)
-        if prev:
-            assert self.mask is not None
-            mask[:, :prev, :prev] = self.mask
-            if depth > 1:
-                rows = self._level_offset + parent_rows  # [batch, n]
-                mask[:, prev:, :prev] = self.mask.gather(1, rows[:, :, None].expand(batch, n, prev))
-        mask[:, prev:, prev:] |= torch.eye(n, dtype=torch.bool, device=device)
+        # One node per level so far: the fed nodes form a chain, which causal attention
+        # over their consecutive slots already restricts to ancestors (no mask to build,
+        # and the attention takes its decode path).
+        chain = n == 1 and prev == self.num_levels
+        mask = None
+        if not chain:
+            # Mask rows: a level-1 node sees itself; a deeper node its parent's row plus
+            # itself.
+            mask = torch.zeros(batch, total, total, dtype=torch.bool, device=device)
+            if prev:
+                earlier = self._ancestors(batch, prev)  # [batch, prev, prev]
+                mask[:, :prev, :prev] = earlier
+                if depth > 1:
+                    rows = self._level_offset + parent_rows  # [batch, n]
+                    mask[:, prev:, :prev] = earlier.gather(
+                        1, rows[:, :, None].expand(batch, n, prev)
+                    )
+            mask[:, prev:, prev:] |= torch.eye(n, dtype=torch.bool, device=device)
 
         bs = self.block_size
         start = self.inputs.start
@@ -124,6 +133,14 @@ class TreeDraftLayout:
         positions = (start + depth - 1)[:, None].expand(batch, n).flatten()
         host = self.inputs.start_cpu
         seq_lens_cpu = [s + total for s in host] if host is not None else None
+        tree = {}
+        if mask is not None:
+            tree = {
+                "tree_lens": torch.full((batch,), total, dtype=torch.int32, device=device),
+                "tree_mask_offsets": torch.arange(batch, device=device) * (total * total),
+                "tree_mask": mask.flatten(),
+                "max_tree_len": total,
+            }
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device),
@@ -133,10 +150,7 @@ class TreeDraftLayout:
             max_seq_len=self.max_seq_len if seq_lens_cpu is None else max(seq_lens_cpu),
             query_lens_cpu=[n] * batch if host is not None else None,
             seq_lens_cpu=seq_lens_cpu,
-            tree_lens=torch.full((batch,), total, dtype=torch.int32, device=device),
-            tree_mask_offsets=torch.arange(batch, device=device) * (total * total),
-            tree_mask=mask.flatten(),
-            max_tree_len=total,
+            **tree,
         )
         self.mask, self._level_offset, self.num_fed = mask, prev, total
         self.num_levels += 1
@@ -146,6 +160,13 @@ class TreeDraftLayout:
             meta=meta,
             last_rows=torch.arange(batch * n, device=device),
         )
+
+    def _ancestors(self, batch: int, num: int) -> torch.Tensor:  # [batch, num, num] bool
+        """The ancestor mask of the nodes fed so far (a chain's: lower-triangular)."""
+        if self.mask is not None:
+            return self.mask
+        tril = torch.ones(num, num, dtype=torch.bool, device=self.device).tril()
+        return tril.expand(batch, num, num)
 
 
 def catch_up_inputs(

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The speculative step's speed on the H200, in one device call (~4-5 min): plain decoding
+# against EAGLE-3 with the pipelined step (chains K=2 and 3, the t8-d5-n32 tree) at batch
+# 1 and 16, once with the head eager inside its graphs and once compiled
+# (--spec-compile-head). On the GPU machine, from the repository root:
+#
+#   source benchmarks/h200_setup.sh > /tmp/setup.log 2>&1     # SmolLM2's GGUF joined
+#   HEAD=benchmarks/heads/smollm2-135m-instruct-s11 PROMPTS=.gpu/bench_sets \
+#       bash benchmarks/h200_spec_speed.sh
+#
+# PROMPTS holds humaneval.jsonl and gsm_symbolic.jsonl (made where the data packages are:
+# `specdec bench --export-prompts DIR`). Reports go to $OUT (spec_speed_{eager,compiled}.*).
+set -uo pipefail
+: "${HEAD:?HEAD=<EAGLE-3 head dir>}" "${PROMPTS:?PROMPTS=<dir with the bench set JSONLs>}"
+OUT=${OUT:-/tmp/spec_speed}
+mkdir -p "$OUT"
+for mode in eager compiled; do
+    compile=off
+    [ "$mode" = compiled ] && compile=on
+    timeout "${BENCH_S:-270}" specdec bench --model smollm2-135m-instruct --draft eagle3 \
+        --draft-model "$HEAD" --prompts "$PROMPTS/humaneval.jsonl" \
+        --prompts "$PROMPTS/gsm_symbolic.jsonl" --num-prompts "${NP:-16}" --max-tokens 256 \
+        --batch-sizes 1,16 --dtype bfloat16 --sweep-chain 2,3 --sweep-top-k 8 \
+        --sweep-depth 5 --sweep-total-tokens 32 --spec-pipelined on \
+        --spec-compile-head "$compile" --repeats 1 --no-progress \
+        --json "$OUT/spec_speed_$mode.json" > "$OUT/spec_speed_$mode.txt" 2>&1
+    echo "$mode: rc=$?"
+    grep "^|" "$OUT/spec_speed_$mode.txt" | head -20
+done
