@@ -49,6 +49,22 @@ class TreeMask:
         )
 
 
+def uniform_tree_mask(
+    mask: torch.Tensor,  # [num_seqs, t, t] bool: every sequence's tree's ancestor mask
+) -> TreeMask:
+    """The tree fields of a batch whose sequences all end in a ``t``-node tree (a verify
+    step of one shape, a draft level), from their stacked ancestor masks; device ops only
+    (capturable)."""
+    num_seqs, t, _ = mask.shape
+    device = mask.device
+    return TreeMask(
+        tree_lens=torch.full((num_seqs,), t, dtype=torch.int32, device=device),
+        tree_mask_offsets=torch.arange(num_seqs, device=device) * (t * t),
+        tree_mask=mask.flatten(),
+        max_tree_len=t,
+    )
+
+
 def ancestor_closure(
     parents: torch.Tensor,  # [num_trees, max_nodes] int: parent of each node, padded
 ) -> torch.Tensor:  # [num_trees, max_nodes, max_nodes] bool

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specdec.attention.metadata import AttentionMetadata
-from specdec.attention.tree_mask import ancestor_closure
+from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
 from specdec.engine.input_batch import StepInputs, _block_tables
 from specdec.engine.request import Request
 from specdec.engine.staging import HostCopy, to_device, to_host
@@ -78,17 +78,6 @@ def verify_inputs(
     device = tree.token_ids.device
     index = root_index[:, None] + torch.arange(q, device=device)  # [batch, q]
     blocks = block_tables.gather(1, index // block_size).long()
-    tree_fields = {}
-    if not tree.is_chain:  # a chain is plain causal attention
-        mask = tree.ancestor_mask
-        if mask is None:
-            mask = ancestor_closure(tree.parents)  # [batch, q, q]
-        tree_fields = {
-            "tree_lens": torch.full((batch,), q, dtype=torch.int32, device=device),
-            "tree_mask_offsets": torch.arange(batch, device=device) * (q * q),
-            "tree_mask": mask.flatten(),
-            "max_tree_len": q,
-        }
     meta = AttentionMetadata(
         slot_mapping=(blocks * block_size + index % block_size).flatten(),
         query_start_loc=torch.arange(0, (batch + 1) * q, q, dtype=torch.int32, device=device),
@@ -98,8 +87,12 @@ def verify_inputs(
         max_seq_len=max(root_index_cpu) + q if root_index_cpu is not None else max_seq_len,
         query_lens_cpu=[q] * batch if root_index_cpu is not None else None,
         seq_lens_cpu=[r + q for r in root_index_cpu] if root_index_cpu is not None else None,
-        **tree_fields,
     )
+    if not tree.is_chain:  # a chain is plain causal attention
+        mask = tree.ancestor_mask
+        if mask is None:
+            mask = ancestor_closure(tree.parents)  # [batch, q, q]
+        meta = uniform_tree_mask(mask).attach(meta)
     return StepInputs(
         input_ids=tree.token_ids.flatten(),
         positions=(root_index[:, None] + tree.depths).flatten(),

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.tree_mask import uniform_tree_mask
 from specdec.engine.cuda_graph import tree_graph_batch_sizes
 from specdec.engine.request import Request
 from specdec.engine.staging import to_device
@@ -133,14 +134,6 @@ class TreeDraftLayout:
         positions = (start + depth - 1)[:, None].expand(batch, n).flatten()
         host = self.inputs.start_cpu
         seq_lens_cpu = [s + total for s in host] if host is not None else None
-        tree = {}
-        if mask is not None:
-            tree = {
-                "tree_lens": torch.full((batch,), total, dtype=torch.int32, device=device),
-                "tree_mask_offsets": torch.arange(batch, device=device) * (total * total),
-                "tree_mask": mask.flatten(),
-                "max_tree_len": total,
-            }
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device),
@@ -150,8 +143,9 @@ class TreeDraftLayout:
             max_seq_len=self.max_seq_len if seq_lens_cpu is None else max(seq_lens_cpu),
             query_lens_cpu=[n] * batch if host is not None else None,
             seq_lens_cpu=seq_lens_cpu,
-            **tree,
         )
+        if mask is not None:
+            meta = uniform_tree_mask(mask).attach(meta)
         self.mask, self._level_offset, self.num_fed = mask, prev, total
         self.num_levels += 1
         return ChunkInputs(
