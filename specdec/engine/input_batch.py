@@ -47,7 +47,7 @@ def _tree_mask(
     )
 
 
-def _block_tables(table_rows: list[list[int]], width: int) -> np.ndarray:  # [rows, width]
+def block_table_array(table_rows: list[list[int]], width: int) -> np.ndarray:  # [rows, width]
     """The rows' block ids, zero-padded to ``width``: one flat copy and one scatter for
     the batch (a numpy assignment per row costs more than the row's few ids)."""
     lens = np.fromiter(map(len, table_rows), dtype=np.int64, count=len(table_rows))
@@ -251,7 +251,7 @@ def build_step_inputs(
                 logits_indices.append(len(positions) - 1)
                 sampled_rows.append(row)
                 logits_counts.append(1)
-    block_tables = _block_tables(table_rows, width)
+    block_tables = block_table_array(table_rows, width)
     if decode_only:  # every row's one slot, from the table just built
         pos = np.asarray(starts, dtype=np.int64)
         blocks = block_tables[np.arange(len(starts)), pos // block_size].astype(np.int64)

@@ -1,6 +1,6 @@
 """The pipelined speculative step: step N+1 is launched from step N's acceptance while it
 is still on the device, and the host reads N while the device runs N+1 (docs/DESIGN.md,
-"device-resident speculative step").
+"The pipelined speculative step").
 
 A synchronous speculative step makes the device wait for the host twice: the host reads
 the acceptance, then prepares the next draft and verification. Here everything that
@@ -35,7 +35,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
-from specdec.engine.input_batch import StepInputs, _block_tables
+from specdec.engine.input_batch import StepInputs, block_table_array
 from specdec.engine.request import Request
 from specdec.engine.staging import HostCopy, to_device, to_host
 from specdec.spec.acceptance import UniformAcceptance, greedy_accept_uniform
@@ -52,7 +52,6 @@ class SpecLaunch:
     requests: list[Request]
     num_draft_tokens: int  # per tree (all trees have one shape)
     acceptance: UniformAcceptance
-    root_index: torch.Tensor  # [batch] int64: each tree root's cache index
     catch_up_aux: torch.Tensor  # [batch, depth + 1, aux width]: root, then accepted nodes
     _host: HostCopy  # [batch, depth + 2]: num_accepted, then the emitted tokens
 
@@ -113,7 +112,6 @@ class SpecPipeline:
         self.proposer = proposer
         self.shape = proposer.shape
         self.depth = self.shape.depth
-        self.num_nodes = self.shape.max_draft_tokens + 1  # per tree, root included
         # Beyond a synchronous step's reservation: the step in flight may emit up to
         # depth + 1 tokens before this one's tree starts.
         self.extra_lookahead = proposer.catch_up_width
@@ -127,7 +125,7 @@ class SpecPipeline:
         state (``Proposer.pipeline_inputs``)."""
         runner, device = self.runner, self.runner.device
         tables = to_device(
-            _block_tables([r.block_ids for r in requests], runner.block_table_width), device
+            block_table_array([r.block_ids for r in requests], runner.block_table_width), device
         )
         on_cpu = device.type == "cpu"
         if prev is None:
@@ -163,7 +161,6 @@ class SpecPipeline:
             requests=list(requests),
             num_draft_tokens=q - 1,
             acceptance=acceptance,
-            root_index=root_index,
             catch_up_aux=catch_up_aux,
             _host=to_host(packed),
         )

@@ -250,9 +250,11 @@ def greedy_accept_uniform(
     path = torch.zeros(batch, max_depth + 2, dtype=torch.int64, device=token_ids.device)
     path = path.scatter(1, column, nodes)[:, : max_depth + 1]  # [batch, depth + 1]
     last = path.gather(1, num_accepted[:, None])  # [batch, 1]: the deepest accepted node
-    emitted = torch.cat([token_ids.gather(1, path[:, 1:]), best.gather(1, last)], dim=1)
-    # Move the bonus from the last column to column num_accepted (accepted tokens before it).
-    emitted = emitted.scatter(1, num_accepted[:, None], best.gather(1, last))
+    bonus = best.gather(1, last)  # [batch, 1]: the target's argmax there
+    # Accepted tokens by depth (columns 0 .. depth - 1), padded to depth + 1 columns; the
+    # bonus then goes to column num_accepted, right after the accepted ones.
+    emitted = torch.cat([token_ids.gather(1, path[:, 1:]), bonus], dim=1)
+    emitted = emitted.scatter(1, num_accepted[:, None], bonus)
     return UniformAcceptance(num_accepted=num_accepted, path=path, token_ids=emitted)
 
 
