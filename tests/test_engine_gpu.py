@@ -73,6 +73,23 @@ SPEC_CASES = {
         "top_k": 8,
         "total_tokens": 48,
     },
+    # The trained head: drafts really accepted, so the pipelined step's K/V moves and
+    # catch-ups run (pipelined is the default on graphs; sync for comparison).
+    "trained-chain-pipelined": {"method": "eagle3", "num_speculative_tokens": 3, "head": "trained"},
+    "trained-chain-sync": {
+        "method": "eagle3",
+        "num_speculative_tokens": 3,
+        "head": "trained",
+        "pipelined": False,
+    },
+    "trained-dynamic-pipelined": {
+        "method": "eagle3",
+        "tree": "dynamic",
+        "num_speculative_tokens": 5,
+        "top_k": 8,
+        "total_tokens": 32,
+        "head": "trained",
+    },
     "draft-static": {
         "method": "draft_model",
         "tree": "static",
@@ -96,13 +113,15 @@ def eager_reference(smollm2_dir, chat_prompts):
 
 @pytest.mark.parametrize("case", list(SPEC_CASES))
 def test_speculation_on_graphs_equals_plain(
-    smollm2_dir, random_head_dir, chat_prompts, eager_reference, case
+    smollm2_dir, random_head_dir, trained_head_dir, chat_prompts, eager_reference, case
 ):
     """Verify steps and draft steps replayed from CUDA graphs (Triton, compiled, fp32)
-    emit the plain reference tokens, and the graphs really ran."""
+    emit the plain reference tokens, and the graphs really ran (EAGLE-3 greedy steps
+    pipelined unless the case turns it off)."""
     kwargs = dict(SPEC_CASES[case])
+    head = kwargs.pop("head", "random")
     if kwargs["method"] == "eagle3":
-        kwargs["model"] = str(random_head_dir)
+        kwargs["model"] = str(trained_head_dir if head == "trained" else random_head_dir)
     elif kwargs["method"] == "draft_model":
         kwargs["model"] = str(smollm2_dir)  # the oracle: its best path is always accepted
     captured: dict = {}
@@ -124,3 +143,7 @@ def test_speculation_on_graphs_equals_plain(
         assert grower.graphs is not None and grower.graphs.num_replays > 0
     if case == "draft-static":
         assert engine.spec_stats.tau > 3.5  # depth 3 + bonus on (nearly) every step
+    pipelined = kwargs["method"] == "eagle3" and kwargs.get("pipelined") is not False
+    assert (engine.pipeline is not None and engine.pipeline.num_launches > 0) == pipelined
+    if head == "trained":
+        assert engine.spec_stats.tau > 1.5
