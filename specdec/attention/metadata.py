@@ -39,6 +39,16 @@ from dataclasses import dataclass
 import torch
 
 
+def cache_slots(
+    block_tables: torch.Tensor,  # [num_seqs, width] int32
+    index: torch.Tensor,  # [num_seqs, n] int64: cache indices within each sequence
+    block_size: int,
+) -> torch.Tensor:  # [num_seqs * n] int64
+    """The slots of cache indices, through each sequence's block table (device ops)."""
+    blocks = block_tables.gather(1, index // block_size).long()
+    return (blocks * block_size + index % block_size).flatten()
+
+
 @dataclass
 class AttentionMetadata:
     """Per-forward attention inputs. Tensors live on the model's device.

@@ -13,7 +13,7 @@ import torch
 
 from specdec.attention import get_attention_backend
 from specdec.attention.custom_op import OpaqueAttention
-from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.config import EngineConfig
 from specdec.engine.cuda_graph import StepGraphs, graph_batch_sizes, tree_graph_batch_sizes
 from specdec.engine.input_batch import PendingTokens, StepInputs, build_step_inputs
@@ -286,10 +286,15 @@ class ModelRunner:
         if not src_slots:
             return
         src, dst = to_device(np.array([src_slots, dst_slots], dtype=np.int64), self.device)
+        self._copy_slots(src, dst)
+
+    def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """K/V of slots ``src`` into slots ``dst`` ([n] int64 each), every layer; all
+        sources are read before any destination is written."""
         for k_cache, v_cache in self.kv_caches:
             for cache in (k_cache, v_cache):
                 flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
-                flat[dst] = flat[src]
+                flat.index_copy_(0, dst, flat.index_select(0, src))
 
     @torch.inference_mode()
     def move_accepted_kv(
@@ -303,20 +308,12 @@ class ModelRunner:
         only; depths past a row's accepted count copy a slot onto itself (no host-side
         filtering), which no real move reads or writes (their targets are ``root + d``
         for smaller ``d``)."""
-        bs = self.block_size
         path, num_accepted = acceptance.path, acceptance.num_accepted  # [batch, depth + 1]
         depth = torch.arange(1, path.shape[1], device=path.device)  # [depth]
         dst = root_index[:, None] + depth  # [batch, depth]
         src = torch.where(depth <= num_accepted[:, None], root_index[:, None] + path[:, 1:], dst)
-
-        def slots(index: torch.Tensor) -> torch.Tensor:
-            return (block_tables.gather(1, index // bs).long() * bs + index % bs).flatten()
-
-        src, dst = slots(src), slots(dst)
-        for k_cache, v_cache in self.kv_caches:
-            for cache in (k_cache, v_cache):
-                flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
-                flat.index_copy_(0, dst, flat.index_select(0, src))
+        bs = self.block_size
+        self._copy_slots(cache_slots(block_tables, src, bs), cache_slots(block_tables, dst, bs))
 
     @torch.inference_mode()
     def replays_graph(self, inputs: StepInputs) -> bool:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
 from specdec.engine.input_batch import StepInputs, block_table_array
 from specdec.engine.request import Request
@@ -76,9 +76,8 @@ def verify_inputs(
     batch, q = tree.token_ids.shape
     device = tree.token_ids.device
     index = root_index[:, None] + torch.arange(q, device=device)  # [batch, q]
-    blocks = block_tables.gather(1, index // block_size).long()
     meta = AttentionMetadata(
-        slot_mapping=(blocks * block_size + index % block_size).flatten(),
+        slot_mapping=cache_slots(block_tables, index, block_size),
         query_start_loc=torch.arange(0, (batch + 1) * q, q, dtype=torch.int32, device=device),
         seq_lens=(root_index + q).to(torch.int32),
         block_tables=block_tables,
@@ -131,12 +130,11 @@ class SpecPipeline:
         if prev is None:
             inputs = self.proposer.pipeline_inputs(requests)
             inputs.block_tables = tables
-            root_index = inputs.start
         else:
             inputs = self._continue(requests, prev, tables)
-            root_index = inputs.start
             if on_cpu:  # the reference backend loops over host lengths (free off CUDA)
-                inputs.start_cpu = root_index.tolist()
+                inputs.start_cpu = inputs.start.tolist()
+        root_index = inputs.start  # [batch]: each tree root's cache index
         tree = self.proposer.grow_pipelined(inputs, runner.max_model_len)
         step = verify_inputs(
             tree,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.attention.tree_mask import uniform_tree_mask
 from specdec.engine.cuda_graph import tree_graph_batch_sizes
 from specdec.engine.request import Request
@@ -129,8 +129,7 @@ class TreeDraftLayout:
         bs = self.block_size
         start = self.inputs.start
         index = start[:, None] + prev + torch.arange(n, device=device)  # [batch, n]
-        blocks = self.inputs.block_tables.gather(1, index // bs).long()  # [batch, n]
-        slots = (blocks * bs + index % bs).flatten()  # [batch * n]
+        slots = cache_slots(self.inputs.block_tables, index, bs)  # [batch * n]
         positions = (start + depth - 1)[:, None].expand(batch, n).flatten()
         host = self.inputs.start_cpu
         seq_lens_cpu = [s + total for s in host] if host is not None else None
@@ -179,12 +178,11 @@ def catch_up_inputs(
     batch, width = tokens.shape
     device = tokens.device
     index = start[:, None] + torch.arange(width, device=device)  # [batch, width]
-    blocks = inputs.block_tables.gather(1, index // block_size).long()
     if max_seq_len is None:
         assert inputs.start_cpu is not None
         max_seq_len = max(inputs.start_cpu) + width  # a catch-up starts by the root
     meta = AttentionMetadata(
-        slot_mapping=(blocks * block_size + index % block_size).flatten(),
+        slot_mapping=cache_slots(inputs.block_tables, index, block_size),
         query_start_loc=torch.arange(
             0, (batch + 1) * width, width, dtype=torch.int32, device=device
         ),
