@@ -14,6 +14,7 @@ from tiny_models import make_tiny_model_dir
 from specdec import LLM, SamplingParams
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.cuda_graph import StepGraphs
+from specdec.engine.spec_pipeline import SpecStepGraphs
 from specdec.sampling_params import RequestOutputKind
 from specdec.spec.tree_draft import GrowGraphs
 
@@ -601,6 +602,17 @@ class EagerGrowGraphs(GrowGraphs):
             dst = getattr(captured, name)
             if dst is not None and dst.stride(0) != 0:  # stride 0: a per-shape constant
                 dst.copy_(getattr(out, name))
+
+
+class EagerSpecStepGraphs(SpecStepGraphs):
+    """The same stand-in for the pipelined speculative step's graphs."""
+
+    def _capture(self, bs):
+        self.inputs[:bs].fill_(-1)
+        return self._run(bs)
+
+    def _replay(self, bs) -> None:
+        self.outputs[bs].copy_(self._run(bs))
 
 
 @pytest.mark.parametrize("proposer", ["none-async", "ngram", "eagle3-dynamic", "draft-chain"])

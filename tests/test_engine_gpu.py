@@ -145,5 +145,7 @@ def test_speculation_on_graphs_equals_plain(
         assert engine.spec_stats.tau > 3.5  # depth 3 + bonus on (nearly) every step
     pipelined = kwargs["method"] == "eagle3" and kwargs.get("pipelined") is not False
     assert (engine.pipeline is not None and engine.pipeline.num_launches > 0) == pipelined
+    if pipelined:  # every launch replayed the whole step's graph (12 rows fit a bucket)
+        assert engine.pipeline.graphs.num_replays == engine.pipeline.num_launches
     if head == "trained":
         assert engine.spec_stats.tau > 1.5

@@ -109,6 +109,16 @@ class LLMEngine:
         signals = self.proposer.exit_signals if self.proposer is not None else ()
         self.spec_exit = SpecExitRuntime(self.tokenizer, signals) if signals else None
         self.runner.warm_up_kernels(trees=self.proposer is not None)
+        # Pipelined speculative steps (spec_pipeline.py), on by default where steps replay
+        # CUDA graphs; the one in flight.
+        self.pipeline: SpecPipeline | None = None
+        if self.proposer is not None and self.proposer.pipelines:
+            pipelined = spec.pipelined
+            if pipelined is None:
+                pipelined = self.runner.runtime.use_cuda_graphs
+            if pipelined:
+                self.pipeline = SpecPipeline(self.runner, self.proposer)
+        self._spec_in_flight: SpecLaunch | None = None
         self._capture_graphs()
         self.async_scheduling = self.config.async_scheduling
         if self.async_scheduling is None:  # auto: where the device runs ahead of the host
@@ -116,15 +126,6 @@ class LLMEngine:
                 self.proposer is None or spec.disable_by_batch_size is not None
             )
         self._in_flight: _InFlight | None = None
-        # Pipelined speculative steps (spec_pipeline.py) and the one in flight.
-        self.pipeline: SpecPipeline | None = None
-        if self.proposer is not None and self.proposer.pipelines:
-            pipelined = spec.pipelined
-            if pipelined is None:
-                pipelined = self.runner.graphs is not None
-            if pipelined:
-                self.pipeline = SpecPipeline(self.runner, self.proposer)
-        self._spec_in_flight: SpecLaunch | None = None
         self.num_dropped_tokens = 0  # async: tokens computed for requests already stopped
         self.spec_stats = SpecStats()
         # Give decoding rows without a draft a root-only tree when some row has one, so
@@ -135,8 +136,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        """Target graphs for decode and verify steps, then the proposer's draft steps for
-        batches a verify step can hold (GPU path only)."""
+        """Target graphs for decode and verify steps, then the proposer's draft steps and
+        the pipelined step for batches a verify step can hold (GPU path only)."""
         runner = self.runner
         if not runner.runtime.use_cuda_graphs:
             return
@@ -158,6 +159,8 @@ class LLMEngine:
             return
         runner.capture_graphs(tree_size=q, max_tree_batch=max_batch)
         self.proposer.capture_graphs(max_batch, runner.block_table_width, self.max_model_len)
+        if self.pipeline is not None:
+            self.pipeline.capture_graphs(max_batch)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
@@ -411,7 +414,7 @@ class LLMEngine:
             num_accepted = len(tokens) - 1
             root = request.num_computed_tokens  # one step behind: this step's root
             request.num_computed_tokens = root + 1 + num_accepted
-            self.proposer.resume(request, root, done.catch_up_aux[row, : num_accepted + 1])
+            self.proposer.resume(request, root, done.catch_up_aux(row, num_accepted + 1))
             self.spec_stats.record(done.num_draft_tokens, num_accepted)
             state.spec_stats.record(done.num_draft_tokens, num_accepted)
             for token_id in tokens:

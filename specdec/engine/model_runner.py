@@ -193,7 +193,11 @@ class ModelRunner:
         return [(make(), make()) for _ in range(c.num_layers)]
 
     # ---- forward -----------------------------------------------------------------------
-    def _forward_graphed(self, input_ids, positions, meta):
+    def graph_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [n, vocab] float32, aux
+        """The forward CUDA graphs capture: every row's logits, compiled regions where the
+        runner compiles. For graphs of larger steps that contain a forward."""
         hidden, aux = self.model(
             input_ids,
             positions,
@@ -233,7 +237,7 @@ class ModelRunner:
             # every later bucket, batch 1 gets its own (0/1 specialisation).
             self.model.compile_regions()
         self.graphs = StepGraphs(
-            self._forward_graphed, self.block_table_width, self.max_model_len, self.device
+            self.graph_forward, self.block_table_width, self.max_model_len, self.device
         )
         sizes = graph_batch_sizes(max_bs)
         logger.info("capturing CUDA graphs for decode batch sizes %s", sizes)

@@ -6,13 +6,17 @@ A synchronous speculative step makes the device wait for the host twice: the hos
 the acceptance, then prepares the next draft and verification. Here everything that
 links one step to the next stays on the device:
 
-- the next root's cache index: ``r + num_accepted + 1`` (the host knows ``r``, the root
-  of the step it last read);
-- the head's catch-up: the emitted tokens, the aux states of the root and the accepted
-  nodes, and ``last = num_accepted`` (``GrowInputs``' padded device tensors);
+- the head's catch-up over the step's root and accepted nodes (``CatchUpState``: the
+  emitted tokens, the target's aux states there, the accepted count and the root's cache
+  index), from which the next step takes its root (the bonus token, at ``r +
+  num_accepted + 1``);
 - the accepted path's K/V, moved next to the root by device index copies (trees);
 - the verification's positions and slots: ``root + depth`` and the block table's slots
   from the root on.
+
+On the GPU path the whole step (catch-up and growth, verify, acceptance, K/V move, the
+next catch-up state) replays one CUDA graph (``SpecStepGraphs``): per step the host
+stages one input copy (source rows and block tables), replays, and queues one read-back.
 
 The host keeps every request one step behind: when it launches step N+1 it knows
 ``num_computed_tokens = r_N`` (the root of the step in flight), so it reserves slots for
@@ -35,30 +39,89 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
+from specdec.engine.cuda_graph import tree_graph_batch_sizes
 from specdec.engine.input_batch import StepInputs, block_table_array
 from specdec.engine.request import Request
-from specdec.engine.staging import HostCopy, to_device, to_host
-from specdec.spec.acceptance import UniformAcceptance, greedy_accept_uniform
+from specdec.engine.staging import HostCopy, aligned, to_device, to_host
+from specdec.spec.acceptance import greedy_accept_uniform
 from specdec.spec.tree import TreeBatch
 from specdec.spec.tree_draft import GrowInputs
 
 
 @dataclass
+class CatchUpState:
+    """What links a pipelined step to the next, per row: the proposer's catch-up over the
+    step's root and accepted nodes (``Proposer.grow_pipelined``'s root state). Row ``b``
+    after step N with root at cache index ``r`` and ``a`` accepted drafts:
+
+    - ``tokens[b, : a + 1]``: the tokens N emitted (accepted, then the bonus), so the
+      next root is ``tokens[b, a]`` at cache index ``r + a + 1``;
+    - ``aux[b, : a + 1]``: the target's aux states at the root and the accepted nodes;
+    - ``last[b] = a``; ``start[b] = r`` (the catch-up's first cache index).
+
+    Entries past ``a`` are padding. A launch from the host state fills the same layout
+    (``Proposer.pipeline_inputs``: catch-ups right-padded to ``catch_up_width``).
+    """
+
+    tokens: torch.Tensor  # [rows, width] int64
+    aux: torch.Tensor  # [rows, width, aux width]
+    last: torch.Tensor  # [rows] int64
+    start: torch.Tensor  # [rows] int64
+
+    @classmethod
+    def zeros(
+        cls, rows: int, width: int, aux_width: int, dtype: torch.dtype, device: torch.device
+    ) -> CatchUpState:
+        def ints(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+        aux = torch.zeros(rows, width, aux_width, dtype=dtype, device=device)
+        return cls(ints(rows, width), aux, ints(rows), ints(rows))
+
+    def take(self, src: torch.Tensor) -> CatchUpState:
+        """Copies of rows ``src`` ([batch] int64); a negative source is a padding row: no
+        tokens, catch-up from cache index 0 (its block table is null)."""
+        pad = src < 0
+        index = src.clamp(min=0)
+        zero = torch.zeros((), dtype=torch.int64, device=src.device)
+        return CatchUpState(
+            tokens=torch.where(pad[:, None], zero, self.tokens.index_select(0, index)),
+            aux=self.aux.index_select(0, index),
+            last=torch.where(pad, zero, self.last.index_select(0, index)),
+            start=torch.where(pad, zero, self.start.index_select(0, index)),
+        )
+
+    def put(self, other: CatchUpState) -> None:
+        """Write ``other``'s rows over rows ``0 .. len(other)``."""
+        b = other.last.shape[0]
+        for dst, src in zip(self.fields(), other.fields(), strict=True):
+            dst[:b].copy_(src)
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.tokens, self.aux, self.last, self.start
+
+
+@dataclass
 class SpecLaunch:
     """A launched speculative step whose outcome the host has not read. Row ``b`` is
-    ``requests[b]``; the device tensors feed the next launch, the host copy feeds
-    ``read``."""
+    ``requests[b]``; the pipeline's ``CatchUpState`` rows hold its device outcome until
+    the next launch, the host copy feeds ``read``."""
 
     requests: list[Request]
     num_draft_tokens: int  # per tree (all trees have one shape)
-    acceptance: UniformAcceptance
-    catch_up_aux: torch.Tensor  # [batch, depth + 1, aux width]: root, then accepted nodes
+    state: CatchUpState
     _host: HostCopy  # [batch, depth + 2]: num_accepted, then the emitted tokens
 
     def read(self) -> list[list[int]]:
         """Per row: the tokens the step emitted (accepted, then the bonus). Waits for this
         step only (its copy was queued behind it)."""
         return [row[1 : row[0] + 2] for row in self._host.tolist()]
+
+    def catch_up_aux(self, row: int, num_rows: int) -> torch.Tensor:  # [num_rows, aux width]
+        """Row ``row``'s aux states at its root and accepted nodes (``num_rows`` = accepted
+        + 1). A view, valid until the next launch: the engine reads the step in flight
+        (and so resumes the proposer from the newest launch) before any synchronous step."""
+        return self.state.aux[row, :num_rows]
 
 
 def verify_inputs(
@@ -104,7 +167,16 @@ def verify_inputs(
 
 
 class SpecPipeline:
-    """Launches pipelined speculative steps for one engine (its runner and proposer)."""
+    """Launches pipelined speculative steps for one engine (its runner and proposer).
+
+    A launch is ``_step``: the catch-up state's rows gathered by source row, the head's
+    catch-up and growth, the verify forward, acceptance, the accepted K/V's move (trees),
+    and the next catch-up state written back, device ops only. On the GPU path it replays
+    a CUDA graph of the whole step per bucketed batch size (``SpecStepGraphs``), so the
+    host enqueues one input copy, one replay and one read-back per step instead of some
+    hundred eager kernels; other batches run it eagerly (the draft and verify forwards
+    still replay their own graphs where they fit).
+    """
 
     def __init__(self, runner, proposer) -> None:
         self.runner = runner
@@ -114,7 +186,18 @@ class SpecPipeline:
         # Beyond a synchronous step's reservation: the step in flight may emit up to
         # depth + 1 tokens before this one's tree starts.
         self.extra_lookahead = proposer.catch_up_width
+        self.rows = runner.config.scheduler.max_num_seqs
+        aux_width = len(proposer.aux_layer_ids) * runner.model_config.hidden_size
+        self.state = CatchUpState.zeros(
+            self.rows, proposer.catch_up_width, aux_width, runner.dtype, runner.device
+        )
+        self.graphs: SpecStepGraphs | None = None
         self.num_launches = 0
+
+    def capture_graphs(self, max_batch_size: int) -> None:
+        """Graphs of the whole step for batches up to ``max_batch_size`` (GPU path, after
+        the runner's and the proposer's own graphs)."""
+        self.graphs = SpecStepGraphs(self, max_batch_size)
 
     @torch.inference_mode()
     def launch(self, requests: list[Request], prev: SpecLaunch | None) -> SpecLaunch:
@@ -122,29 +205,65 @@ class SpecPipeline:
         reading anything back. ``prev``: the step in flight; every request is then one of
         its rows and continues from its device outcome, else all start from the host
         state (``Proposer.pipeline_inputs``)."""
-        runner, device = self.runner, self.runner.device
-        tables = to_device(
-            block_table_array([r.block_ids for r in requests], runner.block_table_width), device
-        )
-        on_cpu = device.type == "cpu"
+        runner = self.runner
+        b = len(requests)
         if prev is None:
-            inputs = self.proposer.pipeline_inputs(requests)
-            inputs.block_tables = tables
+            self.state.put(CatchUpState(*self.proposer.pipeline_inputs(requests).root_state))
+            src = list(range(b))
         else:
-            inputs = self._continue(requests, prev, tables)
-            if on_cpu:  # the reference backend loops over host lengths (free off CUDA)
-                inputs.start_cpu = inputs.start.tolist()
-        root_index = inputs.start  # [batch]: each tree root's cache index
-        tree = self.proposer.grow_pipelined(inputs, runner.max_model_len)
+            rows = {r.request_id: i for i, r in enumerate(prev.requests)}
+            src = [rows[r.request_id] for r in requests]
+        tables = block_table_array([r.block_ids for r in requests], runner.block_table_width)
+        graphs = self.graphs
+        bucket = graphs.bucket(b) if graphs is not None else None
+        if bucket is not None:
+            packed = graphs.run(src, tables, bucket)
+        else:
+            device = runner.device
+            packed = self._step(
+                to_device(np.array(src, dtype=np.int64), device), to_device(tables, device)
+            )
+        self.num_launches += 1
+        return SpecLaunch(
+            requests=list(requests),
+            num_draft_tokens=self.shape.max_draft_tokens,
+            state=self.state,
+            _host=to_host(packed),
+        )
+
+    def _step(
+        self,
+        src: torch.Tensor,  # [batch] int64: each row's catch-up state row (< 0: padding)
+        tables: torch.Tensor,  # [batch, width] int32: block tables
+        captured: bool = False,  # inside a graph: the head's and the target's graph paths
+    ) -> torch.Tensor:  # [batch, depth + 2] int64: num_accepted, then the emitted tokens
+        """One pipelined step, device ops only (capturable); rows ``0 .. batch`` of the
+        catch-up state then hold its outcome."""
+        runner = self.runner
+        state = self.state.take(src)  # copies: the writes below overwrite the rows read
+        root_index = state.start + state.last + 1  # [batch]: each tree root's cache index
+        inputs = GrowInputs(
+            roots=state.tokens.gather(1, state.last[:, None]).squeeze(1),
+            start=root_index,
+            block_tables=tables,
+            root_state=state.fields(),
+        )
+        on_cpu = runner.device.type == "cpu"
+        if on_cpu:  # the reference backend loops over host lengths (free off CUDA)
+            inputs.start_cpu = root_index.tolist()
+        tree = self.proposer.grow_pipelined(inputs, runner.max_model_len, captured=captured)
         step = verify_inputs(
             tree,
             root_index,
             tables,
             runner.block_size,
             runner.max_model_len,
-            inputs.start_cpu if on_cpu else None,
+            inputs.start_cpu,
         )
-        logits, aux = runner.execute(step)  # [batch * q, vocab], [batch * q, A]
+        if captured:
+            logits, aux = runner.graph_forward(step.input_ids, step.positions, step.meta)
+        else:
+            logits, aux = runner.execute(step)  # [batch * q, vocab], [batch * q, A]
         acceptance = greedy_accept_uniform(
             tree.token_ids, tree.parents, tree.depths, logits, self.depth
         )
@@ -152,40 +271,84 @@ class SpecPipeline:
             runner.move_accepted_kv(root_index, acceptance, tables)
         batch, q = tree.token_ids.shape
         path = acceptance.path[:, :, None].expand(-1, -1, aux.shape[1])
-        catch_up_aux = aux.view(batch, q, -1).gather(1, path)  # [batch, depth + 1, A]
-        packed = torch.cat([acceptance.num_accepted[:, None], acceptance.token_ids], dim=1)
-        self.num_launches += 1
-        return SpecLaunch(
-            requests=list(requests),
-            num_draft_tokens=q - 1,
-            acceptance=acceptance,
-            catch_up_aux=catch_up_aux,
-            _host=to_host(packed),
+        self.state.put(
+            CatchUpState(
+                tokens=acceptance.token_ids,
+                aux=aux.view(batch, q, -1).gather(1, path),  # [batch, depth + 1, A]
+                last=acceptance.num_accepted,
+                start=root_index,
+            )
         )
+        return torch.cat([acceptance.num_accepted[:, None], acceptance.token_ids], dim=1)
 
-    def _continue(
-        self, requests: list[Request], prev: SpecLaunch, tables: torch.Tensor
-    ) -> GrowInputs:
-        """The head's inputs from the step in flight: its catch-up covers the previous
-        root and accepted nodes (from the previous root's index, which the host knows),
-        its new root is the bonus token one past them."""
-        device = tables.device
-        rows = {r.request_id: i for i, r in enumerate(prev.requests)}
-        src = [rows[r.request_id] for r in requests]
-        acc, aux = prev.acceptance, prev.catch_up_aux
-        num_accepted, emitted = acc.num_accepted, acc.token_ids
-        if src != list(range(len(prev.requests))):  # some rows finished: keep the others
-            index = to_device(np.array(src, dtype=np.int64), device)
-            num_accepted = num_accepted.index_select(0, index)
-            emitted = emitted.index_select(0, index)
-            aux = aux.index_select(0, index)
-        # The previous root: the host's num_computed_tokens lags one step behind.
-        prev_root = to_device(
-            np.array([r.num_computed_tokens for r in requests], dtype=np.int64), device
+
+class SpecStepGraphs:
+    """CUDA graphs of ``SpecPipeline._step``, one per bucketed batch size (the verify
+    graphs' buckets). Each launch stages its inputs in one host-to-device copy into the
+    graphs' int32 buffer: the source rows (padding rows -1) at offset 0, the block tables
+    (padding rows null) from a fixed offset. Padding rows catch up and draft from cache
+    index 0 through null block tables: they write the null block only, and their
+    outcome rows are never read."""
+
+    def __init__(self, pipeline: SpecPipeline, max_batch_size: int) -> None:
+        self.pipeline = pipeline
+        runner = pipeline.runner
+        self.batch_sizes = tree_graph_batch_sizes(min(max_batch_size, pipeline.rows))
+        m = self.batch_sizes[-1]
+        self.width = runner.block_table_width
+        self.tables_at = aligned(m, 4)  # the block tables' offset in ``inputs``
+        self.inputs = torch.zeros(
+            self.tables_at + m * self.width, dtype=torch.int32, device=runner.device
         )
-        return GrowInputs(
-            roots=emitted.gather(1, num_accepted[:, None]).squeeze(1),
-            start=prev_root + num_accepted + 1,
-            block_tables=tables,
-            root_state=(emitted, aux, num_accepted, prev_root),
-        )
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.num_replays = 0
+        for bs in reversed(self.batch_sizes):  # largest first: the others reuse its pool
+            self.outputs[bs] = self._capture(bs)
+        # The warm-up and captured runs stepped the padding state: start clean.
+        for t in pipeline.state.fields():
+            t.zero_()
+
+    def _args(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        src = self.inputs[:bs]
+        tables = self.inputs[self.tables_at : self.tables_at + bs * self.width]
+        return src, tables.view(bs, self.width)
+
+    def _run(self, bs: int) -> torch.Tensor:
+        src, tables = self._args(bs)
+        return self.pipeline._step(src.long(), tables, captured=True)
+
+    def _capture(self, bs: int) -> torch.Tensor:
+        """Warm up, capture the step of ``bs`` rows as graph ``bs``; returns its output."""
+        self.inputs[:bs].fill_(-1)  # padding rows: the null block only
+        for _ in range(2):  # warm up: lazy allocations, autotuning
+            self._run(bs)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._run(bs)
+        self.pool = graph.pool()
+        self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        return out
+
+    def _replay(self, bs: int) -> None:
+        self.graphs[bs].replay()
+
+    def bucket(self, batch: int) -> int | None:
+        return next((bs for bs in self.batch_sizes if bs >= batch), None)
+
+    def run(self, src: list[int], tables: np.ndarray, bs: int) -> torch.Tensor:
+        """Stage ``src`` and ``tables`` ([batch, width] int32) for graph ``bs`` and replay
+        it; returns the outcome rows ``0 .. batch`` (the graph's buffer: valid until its
+        next replay)."""
+        b = len(src)
+        staged = np.zeros(self.tables_at + bs * self.width, dtype=np.int32)
+        staged[:bs] = -1
+        staged[:b] = src
+        staged[self.tables_at : self.tables_at + b * self.width] = tables.reshape(-1)
+        to_device(staged, self.inputs.device, out=self.inputs)
+        self._replay(bs)
+        self.num_replays += 1
+        return self.outputs[bs][:b]

@@ -151,9 +151,9 @@ def to_device_packed(
 
 def to_host(tensor: torch.Tensor) -> HostCopy:
     """Queue ``tensor``'s copy into pinned host memory without waiting for it; off CUDA
-    the tensor is already there."""
+    a plain copy (``tensor`` may be a buffer the next step overwrites)."""
     if not tensor.is_cuda:
-        return HostCopy(tensor, None)
+        return HostCopy(tensor.clone(), None)
     return _ring(_host_rings, tensor.dtype).copy_to_host(tensor)
 
 

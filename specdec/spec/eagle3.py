@@ -88,6 +88,7 @@ class Eagle3Proposer(Proposer):
         )
         self._states: dict[str, _HeadState] = {}
         self.grower = TreeGrower(self._grow)
+        self._graph_grow = self._grow  # what CUDA graphs capture (capture_graphs)
         self.max_positions = runner.max_model_len
         # The head compiles only where the target does (CUDA graphs with EngineConfig.compile).
         self.compile = runner.use_compile
@@ -182,9 +183,16 @@ class Eagle3Proposer(Proposer):
         spans, aux = self._take_catch_ups(group)
         return self._padded_inputs(group, spans, aux)
 
-    def grow_pipelined(self, inputs: GrowInputs, max_seq_len: int) -> TreeBatch:
+    def grow_pipelined(
+        self, inputs: GrowInputs, max_seq_len: int, captured: bool = False
+    ) -> TreeBatch:
         """Catch-up and growth of the configured shape from device inputs (``_grow``'s root
-        state); replays the captured growth when the batch fits."""
+        state); replays the captured growth when the batch fits. ``captured``: the caller
+        is being captured into a CUDA graph: run what the growth graphs capture (the
+        head's compiled regions when configured) instead of replaying them."""
+        if captured:
+            bound = max_seq_len if inputs.start_cpu is None else None  # as TreeGrower's
+            return self._graph_grow(self.shape, inputs, bound)
         return self.grower.grow(self.shape, inputs, max_seq_len)
 
     def resume(self, request: Request, start: int, aux: torch.Tensor) -> None:
@@ -218,12 +226,16 @@ class Eagle3Proposer(Proposer):
         tokens, last, start = pack_catch_ups([(0, 1)], [[0]], width, self.device)
         aux = torch.zeros(1, width, 3 * self.head.config.hidden_size, dtype=self.kv_cache[0].dtype)
         state_like = (tokens, aux.to(self.device), last, start)
-        grow = None
         if self.config.compile_head and self.compile:  # the graphs replay compiled regions
             self.head.compile_regions()
-            grow = functools.partial(self._grow, compiled=True)
+            self._graph_grow = functools.partial(self._grow, compiled=True)
         self.grower.capture(
-            self.shape, max_batch_size, state_like, block_table_width, max_seq_len, grow=grow
+            self.shape,
+            max_batch_size,
+            state_like,
+            block_table_width,
+            max_seq_len,
+            grow=self._graph_grow,
         )
 
     def _grow(
