@@ -120,7 +120,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         type=_on_off,
         default=None,
         metavar="on|off",
-        help="torch.compile the EAGLE-3 head inside its CUDA graphs (default: off)",
+        help="torch.compile the EAGLE-3 head inside its CUDA graphs (default: on)",
     )
     g.add_argument(
         "--spec-choices",

@@ -34,6 +34,7 @@ from torch import nn
 
 from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
+from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig, validate_decoder_shape
 from specdec.models.exit_signals import activate, canonical_signals
 from specdec.models.llama import MLP, Attention, KVCache, RMSNorm
@@ -320,8 +321,8 @@ class Eagle3Head(nn.Module):
         projections, activation). Eager callers keep the plain modules, whose varying
         shapes would recompile."""
         self.__dict__["_compiled"] = (
-            torch.compile(self.midlayer, **compile_kwargs),
-            torch.compile(self.compute_logits, **compile_kwargs),
+            compile_region(self.midlayer, **compile_kwargs),
+            compile_region(self.compute_logits, **compile_kwargs),
         )
 
     def bind_embedding(self, embed: Embedding | None) -> None:

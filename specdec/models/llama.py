@@ -22,6 +22,7 @@ from torch import nn
 
 from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
+from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig
 from specdec.models.rope import RotaryEmbedding, apply_rotary
 
@@ -275,9 +276,9 @@ class CausalLM(nn.Module):
         ``forward(..., compiled=True)`` runs the compiled regions; eager callers (prefill,
         mixed steps) keep the plain modules, whose varying shapes would recompile."""
         self._compiled = _Stages(
-            enter=torch.compile(self._enter, **compile_kwargs),
-            layers=tuple(torch.compile(layer, **compile_kwargs) for layer in self.layers),
-            leave=torch.compile(self._leave, **compile_kwargs),
+            enter=compile_region(self._enter, **compile_kwargs),
+            layers=tuple(compile_region(layer, **compile_kwargs) for layer in self.layers),
+            leave=compile_region(self._leave, **compile_kwargs),
         )
 
     def compute_logits(

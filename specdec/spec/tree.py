@@ -462,18 +462,24 @@ def _with_mask(batch: TreeBatch) -> TreeBatch:
     return batch
 
 
-def _level_logprobs(
+def _level_scores(
     fn: BatchStepLogprobsFn, tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int
-) -> torch.Tensor:  # [batch, n, vocab] float32, normalised
-    logprobs = fn(tokens, parent_rows, depth)
-    if logprobs.dim() != 3 or logprobs.shape[:2] != tokens.shape:
+) -> torch.Tensor:  # [batch, n, vocab]: what ``fn`` returned, shape checked
+    scores = fn(tokens, parent_rows, depth)
+    if scores.dim() != 3 or scores.shape[:2] != tokens.shape:
         raise ValueError(
-            f"step_logprobs_fn returned shape {tuple(logprobs.shape)} at depth {depth}; "
+            f"step_logprobs_fn returned shape {tuple(scores.shape)} at depth {depth}; "
             f"expected [{tokens.shape[0]}, {tokens.shape[1]}, vocab] (one row per queried "
             "node)"
         )
+    return scores
+
+
+def _level_logprobs(
+    fn: BatchStepLogprobsFn, tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int
+) -> torch.Tensor:  # [batch, n, vocab] float32, normalised
     # Idempotent on log-probabilities; makes raw logits safe too.
-    return logprobs.float().log_softmax(dim=-1)
+    return _level_scores(fn, tokens, parent_rows, depth).float().log_softmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -555,11 +561,9 @@ def _build_static(
     draft_probs: torch.Tensor | None = None
     for depth, level in enumerate(plan.levels):
         n = level.expanded.shape[0]
-        logprobs = _level_logprobs(
-            fn, token_ids[:, level.expanded], level.parent_rows.expand(batch, n), depth
-        )  # [batch, n, vocab]
+        args = (fn, token_ids[:, level.expanded], level.parent_rows.expand(batch, n), depth)
         if sample:
-            probs = logprobs.exp()  # [batch, n, vocab]
+            probs = _level_logprobs(*args).exp()  # [batch, n, vocab]
             # Exponential race: sorting p / Exp(1) gives successive draws without replacement.
             race = torch.empty_like(probs).exponential_(generator=generator)
             ranked = (probs / race).topk(level.width, dim=-1).indices  # [batch, n, width]
@@ -567,7 +571,13 @@ def _build_static(
                 draft_probs = torch.zeros(batch, num_nodes, probs.shape[2], device=device)
             draft_probs[:, level.children] = probs[:, level.child_rows]
         else:
-            ranked = logprobs.topk(level.width, dim=-1).indices  # [batch, n, width]
+            # Ranks within a row need no normalisation; one rank per node (chains) is an
+            # argmax, a fraction of a top-k's cost over a whole vocabulary on the GPU.
+            scores = _level_scores(*args)  # [batch, n, vocab]
+            if level.width == 1:
+                ranked = scores.argmax(dim=-1, keepdim=True)  # [batch, n, 1]
+            else:
+                ranked = scores.topk(level.width, dim=-1).indices  # [batch, n, width]
         chosen = ranked[:, level.child_rows, level.ranks]  # [batch, m] columns
         token_ids[:, level.children] = token_map[chosen] if token_map is not None else chosen
     return TreeBatch(
