@@ -5,7 +5,7 @@
 # (--spec-compile-head). On the GPU machine, from the repository root:
 #
 #   source benchmarks/h200_setup.sh > /tmp/setup.log 2>&1     # SmolLM2's GGUF joined
-#   HEAD=benchmarks/heads/smollm2-135m-instruct-s11 PROMPTS=.gpu/bench_sets \
+#   HEAD=specdec/heads/smollm2-135m-instruct PROMPTS=.gpu/bench_sets \
 #       bash benchmarks/h200_spec_speed.sh
 #
 # PROMPTS holds humaneval.jsonl and gsm_symbolic.jsonl (made where the data packages are:

@@ -34,7 +34,7 @@ BENCH_PROMPTS=${BENCH_PROMPTS:-80}
 BENCH_MAX_TOKENS=${BENCH_MAX_TOKENS:-256}
 EXTRA_TRAIN=${EXTRA_TRAIN:-}          # more train-draft overrides, e.g. "optim.lr=2e-4"
 INIT_HEAD=${INIT_HEAD:-}              # continue from this head (and its draft vocabulary), e.g.
-                                      # benchmarks/heads/smollm2-135m-instruct-s11
+                                      # specdec/heads/smollm2-135m-instruct (the shipped head)
 DEVICE_ARGS=()
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the whole chain on CPU, tiny: checks the recipe runs
