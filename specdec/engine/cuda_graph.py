@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +30,24 @@ ForwardFn = Callable[
     [torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor | None]
 ]
 """``forward(input_ids, positions, meta) -> (logits [n, vocab], aux [n, A] or None)``."""
+T = TypeVar("T")
+
+
+def capture_graph(
+    fn: Callable[[], T], pool=None, warmups: int = 2
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run ``fn`` ``warmups`` times (lazy allocations, compilation, autotuning), then
+    capture one call as a CUDA graph in memory pool ``pool`` (None: a new one; pass the
+    largest graph's ``graph.pool()`` so smaller ones reuse it). Returns the graph and the
+    captured call's outputs: static tensors that every replay rewrites."""
+    for _ in range(warmups):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    torch.cuda.synchronize()
+    return graph, outputs
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
@@ -160,16 +179,9 @@ class StepGraphs:
         self, key: tuple[int, int], args: tuple
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Warm up, capture ``forward(*args)`` as graph ``key``; returns its outputs."""
-        for _ in range(2):  # warm up: compilation, autotuning, lazy allocations
-            self._forward(*args)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._forward(*args)
-        if self.pool is None:
-            self.pool = graph.pool()
+        graph, outputs = capture_graph(lambda: self._forward(*args), self.pool)
+        self.pool = graph.pool()
         self.graphs[key] = graph
-        torch.cuda.synchronize()
         return outputs
 
     def _replay(self, key: tuple[int, int]) -> None:

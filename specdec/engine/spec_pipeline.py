@@ -39,7 +39,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
-from specdec.engine.cuda_graph import tree_graph_batch_sizes
+from specdec.engine.cuda_graph import capture_graph, tree_graph_batch_sizes
 from specdec.engine.input_batch import StepInputs, block_table_array
 from specdec.engine.request import Request
 from specdec.engine.staging import HostCopy, aligned, to_device, to_host
@@ -322,15 +322,9 @@ class SpecStepGraphs:
     def _capture(self, bs: int) -> torch.Tensor:
         """Warm up, capture the step of ``bs`` rows as graph ``bs``; returns its output."""
         self.inputs[:bs].fill_(-1)  # padding rows: the null block only
-        for _ in range(2):  # warm up: lazy allocations, autotuning
-            self._run(bs)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._run(bs)
+        graph, out = capture_graph(lambda: self._run(bs), self.pool)
         self.pool = graph.pool()
         self.graphs[bs] = graph
-        torch.cuda.synchronize()
         return out
 
     def _replay(self, bs: int) -> None:

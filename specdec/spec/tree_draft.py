@@ -27,7 +27,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.attention.tree_mask import uniform_tree_mask
-from specdec.engine.cuda_graph import tree_graph_batch_sizes
+from specdec.engine.cuda_graph import capture_graph, tree_graph_batch_sizes
 from specdec.engine.request import Request
 from specdec.engine.staging import to_device
 from specdec.spec.chunk_inputs import ChunkInputs
@@ -264,16 +264,13 @@ class GrowGraphs:
             self.outputs[bs] = self._capture(bs, self._prefix(bs))
 
     def _capture(self, bs: int, inputs: GrowInputs) -> TreeBatch:
-        """Warm up, capture the growth of ``inputs`` as graph ``bs``; returns its outputs."""
-        for _ in range(2):  # warm up: lazy allocations, autotuning, the shape's indices
-            self._grow(self.shape, inputs, self.max_seq_len)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._grow(self.shape, inputs, self.max_seq_len)
+        """Warm up (lazy allocations, autotuning, the shape's indices), capture the growth
+        of ``inputs`` as graph ``bs``; returns its outputs."""
+        graph, outputs = capture_graph(
+            lambda: self._grow(self.shape, inputs, self.max_seq_len), self.pool
+        )
         self.pool = graph.pool()
         self.graphs[bs] = graph
-        torch.cuda.synchronize()
         return outputs
 
     def _replay(self, bs: int) -> None:
