@@ -45,6 +45,9 @@ def bench_json(tmp_path_factory, smollm2_dir) -> Path:
     result = specdec_bench(
         [
             *CPU,
+            # The model-free proposer every model gets (the shipped head's default is
+            # tested in test_packaged_heads; its speed and τ are bench rows on the H200).
+            "--draft", "ngram",
             "--num-prompts", "2",
             "--max-prompt-tokens", "200",
             "--max-tokens", "12",

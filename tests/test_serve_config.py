@@ -11,6 +11,7 @@ import yaml
 
 from specdec.cli import build_parser
 from specdec.config import SpeculativeConfig
+from specdec.models.packaged_heads import packaged_head
 from specdec.serve.cli import serve_config_from_args
 from specdec.serve.config import DEFAULT_DRAFT_CUTOFF, DEFAULT_DRAFT_METHOD, ServeConfig
 
@@ -37,10 +38,22 @@ def test_no_arguments_serve_the_default_model_with_default_speculation(monkeypat
     assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
     assert config.engine.model == "smollm2-135m-instruct"
     assert config.engine.device == "auto"  # the GPU when there is one
-    assert config.engine.speculative.method == DEFAULT_DRAFT_METHOD
-    # Large batches decode plainly and asynchronously (n-gram chains lose there).
-    assert config.engine.speculative.disable_by_batch_size == DEFAULT_DRAFT_CUTOFF
+    # The default model ships a head: the server drafts with it in its recorded shape.
+    spec = config.engine.speculative
+    assert (spec.method, spec.model) == ("eagle3", str(packaged_head("smollm2-135m-instruct")))
+    assert (spec.tree, spec.num_speculative_tokens) == ("chain", 3)
+    # Large batches decode plainly and asynchronously (the head's chain loses there).
+    assert spec.disable_by_batch_size == 16
     assert config.model_names == ["smollm2-135m-instruct"]
+
+
+def test_a_model_without_a_shipped_head_serves_with_ngram_lookup(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    spec = _config("--model", str(tmp_path)).engine.speculative
+    assert (spec.method, spec.model) == (DEFAULT_DRAFT_METHOD, None)
+    assert spec.disable_by_batch_size == DEFAULT_DRAFT_CUTOFF
+    yaml_spec = ServeConfig.from_dict({"engine": {"model": str(tmp_path)}}).engine.speculative
+    assert yaml_spec == spec
 
 
 def test_flags_map_onto_the_config(monkeypatch):
