@@ -15,6 +15,7 @@ Prefix caching is off so repeats measure real work. Every figure is a median of 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -33,9 +34,33 @@ VARIANTS = {
     # name: engine keyword overrides
     "graphs+compile": {},  # async scheduling on (auto on the CUDA-graph path)
     "graphs+compile+sync": {"async_scheduling": False},
+    # The layout before RoPE moved into the cache write: the compiled code rotates q and
+    # k (one Inductor kernel per layer) and the backend stores (an A/B of that change).
+    "graphs+compile+rope-unfused": {},
     "graphs": {"compile": False},
     "eager": {"enforce_eager": True},
 }
+
+
+@contextlib.contextmanager
+def rope_unfused():
+    """The Triton backend without its fused RoPE: ``forward_rope`` rotates first (the
+    base class's) and compiled code fuses the rotation itself."""
+    from specdec.attention.base import AttentionBackend
+    from specdec.attention.triton_backend import TritonAttentionBackend
+
+    saved = TritonAttentionBackend.fuses_rope, TritonAttentionBackend.forward_rope
+    TritonAttentionBackend.fuses_rope = False
+    TritonAttentionBackend.forward_rope = AttentionBackend.forward_rope
+    torch._dynamo.reset()  # compiled regions traced the other branch
+    try:
+        yield
+    finally:
+        TritonAttentionBackend.fuses_rope, TritonAttentionBackend.forward_rope = saved
+        torch._dynamo.reset()
+
+
+PATCHES = {"graphs+compile+rope-unfused": rope_unfused}
 
 
 @dataclass
@@ -104,7 +129,8 @@ def run(opts: Options) -> list[common.ResultRow]:
     rows: list[common.ResultRow] = []
     for variant in opts.variants:
         try:
-            rows += run_variant(opts, variant)
+            with PATCHES.get(variant, contextlib.nullcontext)():
+                rows += run_variant(opts, variant)
         except Exception as e:  # report and go on: one broken variant must not hide the rest
             print(f"variant {variant} FAILED: {type(e).__name__}: {e}"[:2000], flush=True)
             rows.append(

@@ -46,9 +46,12 @@ from specdec.kernels import (  # noqa: E402
     paged_decode,
     paged_decode_ref,
     plan_splits,
+    rope_store_kvcache,
+    rope_store_kvcache_ref,
     store_kvcache,
     store_kvcache_ref,
 )
+from specdec.models.rope import RopeParams, RotaryEmbedding  # noqa: E402
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 POISON = 60.0  # cache value where no context lives: large enough to dominate any softmax
@@ -172,6 +175,50 @@ def test_store_kvcache_matches_reference_from_strided_views(num_kv_heads, head_d
 
     assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
     assert not torch.equal(k_out, cache)  # the write happened
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 64), (16, 2, 128), (3, 3, 32)]
+)
+def test_rope_store_kvcache_matches_reference_from_strided_views(num_heads, num_kv_heads, head_dim):
+    """RoPE inside the cache write: the rotated q, and the cache after the write, equal
+    rotating with apply_rotary and storing (fp32); slots outside the batch keep their
+    values; q, k, v are strided views of one projection, cos/sin a real table's rows."""
+    gen = torch.Generator().manual_seed(num_heads * 7 + head_dim)
+    num_tokens, num_blocks, block_size = 29, 7, 16
+    sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = torch.randn(num_tokens, sum(sizes), generator=gen).to(DEVICE)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(sizes, dim=-1))
+    rotary = RotaryEmbedding(RopeParams(head_dim, 1e5, 8192), 4096).to(DEVICE)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = rotary(positions, torch.float32)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
+    cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    k_ref, v_ref, k_out, v_out = cache.clone(), -cache, cache.clone(), -cache
+
+    q_ref = rope_store_kvcache_ref(q, k, v, cos, sin, k_ref, v_ref, slots)
+    q_out = rope_store_kvcache(q, k, v, cos, sin, k_out, v_out, slots)
+
+    assert q_out.is_contiguous() and q_out.shape == q.shape
+    torch.testing.assert_close(q_out, q_ref, **TOL)
+    torch.testing.assert_close(k_out, k_ref, **TOL)
+    assert torch.equal(v_out, v_ref)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(k_out.view(-1, num_kv_heads, head_dim)[untouched],
+                       cache.view(-1, num_kv_heads, head_dim)[untouched])  # fmt: skip
+    # the rotation happened: position 0 aside, rotated k differs from the input
+    moved = positions != 0
+    assert not torch.allclose(k_out.view(-1, num_kv_heads, head_dim)[slots][moved], k[moved])
+
+
+def test_rope_store_kvcache_rejects_mismatched_tables():
+    q, k = torch.zeros(4, 3, 64, device=DEVICE), torch.zeros(4, 1, 64, device=DEVICE)
+    cache = torch.zeros(2, 16, 1, 64, device=DEVICE)
+    cos = torch.zeros(4, 1, 16, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"cos \(4, 1, 16\) must be \[4, 1, 32\]"):
+        rope_store_kvcache(q, k, k.clone(), cos, cos, cache, cache.clone(), slots)
 
 
 # --- varlen prefill / extend -------------------------------------------------------------
@@ -446,6 +493,30 @@ def test_backend_forward_and_cache_match_torch_backend(q_lens, seq_lens):
     ref = TorchAttentionBackend().forward(q, k, v, k_ref, v_ref, case.meta, case.scale)
     torch.testing.assert_close(out, ref, **TOL)
     assert torch.equal(case.k_cache, k_ref) and torch.equal(case.v_cache, v_ref)
+
+
+def test_backend_forward_rope_matches_torch_backend():
+    """The fused RoPE path (rotation inside the cache write) equals the reference
+    backend's rotate-then-store on a mixed batch, output and cache."""
+    case = make_case([1, 12, 40, 1], [90, 12, 100, 33], group=3, num_kv_heads=3, num_padded=2)
+    k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+    q, k, v = fused_qkv_views(case)
+    head_dim = q.shape[2]
+    rotary = RotaryEmbedding(RopeParams(head_dim, 1e4, 4096), 512).to(DEVICE)
+    positions = case.meta.seq_lens.new_tensor(range(q.shape[0])).long() * 3
+    cos, sin = rotary(positions, q.dtype)
+
+    backend = get_attention_backend("triton")
+    assert backend.fuses_rope
+    args = (case.meta, case.scale)
+    out = backend.forward_rope(q, k, v, cos, sin, case.k_cache, case.v_cache, *args)
+
+    reference = TorchAttentionBackend()
+    assert not reference.fuses_rope
+    ref = reference.forward_rope(q, k, v, cos, sin, k_ref, v_ref, *args)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(case.k_cache, k_ref, **TOL)
+    assert torch.equal(case.v_cache, v_ref)
 
 
 def test_mismatched_heads_are_rejected():

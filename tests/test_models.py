@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -297,18 +298,31 @@ def test_decode_step_compiles_as_one_graph(tmp_path: Path) -> None:
             torch.testing.assert_close(got_aux, want_aux, atol=1e-6, rtol=0)
 
 
-def test_compiled_regions_equal_eager_and_share_one_layer_compilation(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("case", "inner"),
+    [("qwen3", "torch"), ("llama-tied", "triton")],
+    ids=["qk-norm-rotates-in-compiled-code", "rope-fused-into-the-op"],
+)
+def test_compiled_regions_equal_eager_and_share_one_layer_compilation(
+    tmp_path: Path, case: str, inner: str
+) -> None:
     """What CUDA-graph capture runs (``compile_regions``, attention behind the custom op):
     the same outputs as eager across batch sizes, and every decoder layer served by the
     same compiled entries — a per-layer compilation would multiply cold start by the depth.
+    Llama's q and k reach the op before RoPE when the backend fuses the rotation (Triton,
+    here under the interpreter); Qwen3's are normed and rotated in the compiled code.
     """
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from specdec.attention.custom_op import OpaqueAttention
     from specdec.models.llama import DecoderLayer
 
-    save_tiny("qwen3", tmp_path)
-    model = load_model(str(tmp_path), attention=OpaqueAttention("torch"))
+    if inner == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1")
+    save_tiny(case, tmp_path)
+    model = load_model(str(tmp_path), attention=OpaqueAttention(inner))
     eager, compiled = PagedDriver(load_model(str(tmp_path))), PagedDriver(model)
     prefill = [(0, [1, 2, 3, 4, 5]), (1, [6, 7]), (2, [8, 9, 10])]
     eager.step(prefill)
@@ -321,8 +335,10 @@ def test_compiled_regions_equal_eager_and_share_one_layer_compilation(tmp_path: 
         for (want, want_aux), (got, got_aux) in zip(
             eager.step(chunks, (1, 2)), compiled.step(chunks, (1, 2)), strict=True
         ):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-            torch.testing.assert_close(got_aux, want_aux, atol=1e-5, rtol=0)
+            # The eager model runs the torch backend: Triton kernels sum in another order.
+            atol = 1e-5 if inner == "torch" else 1e-4
+            torch.testing.assert_close(got, want, atol=atol, rtol=0)
+            torch.testing.assert_close(got_aux, want_aux, atol=atol, rtol=0)
     # A first static shape, the dynamic one, batch 1, a changed context bound: <= 4
     # entries for all 4 layers (separate compilations would hold 4 per layer).
     entries = _debug_get_cache_entry_list(DecoderLayer.forward.__code__)

@@ -34,6 +34,7 @@ from specdec.attention.tree_mask import (
 )
 from specdec.attention.triton_backend import TritonAttentionBackend
 from specdec.kernels import PrefillConfig, paged_attention, paged_attention_ref
+from specdec.models.rope import RopeParams, RotaryEmbedding, apply_rotary
 
 
 def random_parents(rng: random.Random, t: int) -> list[int]:
@@ -374,6 +375,38 @@ def test_backends_and_custom_op_route_tree_batches():
     roots = make_tree_case([(1, 20, [0]), (1, 9, [])], group=3, seed=2).case.meta
     assert isinstance(roots, AttentionMetadata) and roots.max_query_len == 1
     assert not roots.is_decode_only
+
+
+def test_rope_routes_through_backends_and_custom_op():
+    """q and k before RoPE (``forward_rope``): every backend, and the custom op with the
+    rotation passed in (what compiled code runs for a backend that fuses it), equal
+    rotating first and calling ``forward``, output and cache."""
+    rng = random.Random(4)
+    case = make_tree_case(mixed_batch(rng, 12), group=3, num_padded=1, seed=4).case
+    rotary = RotaryEmbedding(RopeParams(case.q.shape[2], 1e5, 4096), 2048).to(DEVICE)
+    positions = torch.arange(case.q.shape[0], device=DEVICE) * 37 % 2048
+    cos, sin = rotary(positions, case.q.dtype)
+    rope_args = (case.q, case.k_new, case.v_new, cos, sin)
+
+    k_ref, v_ref = case.k_cache.clone(), case.v_cache.clone()
+    q_rot, k_rot = apply_rotary(case.q, cos, sin), apply_rotary(case.k_new, cos, sin)
+    ref = TorchAttentionBackend().forward(q_rot, k_rot, case.v_new, k_ref, v_ref, case.meta,
+                                          case.scale)  # fmt: skip
+    calls = [b.forward_rope for b in (TorchAttentionBackend(), TritonAttentionBackend())]
+    for inner in ("torch", "triton"):
+        opaque = OpaqueAttention(inner)
+        calls.append(opaque.forward_rope)
+        calls.append(
+            lambda q, k, v, c, s, kc, vc, m, sc, o=opaque: o.through_op(
+                q, k, v, kc, vc, m, sc, rope=(c, s)
+            )
+        )
+    for call in calls:
+        k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+        out = call(*rope_args, k_cache, v_cache, case.meta, case.scale)
+        torch.testing.assert_close(out, ref, **TOL)
+        torch.testing.assert_close(k_cache, k_ref, **TOL)
+        assert torch.equal(v_cache, v_ref)
 
 
 # --- GPU only ----------------------------------------------------------------------------

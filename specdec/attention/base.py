@@ -39,6 +39,30 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
+    # Whether ``forward_rope`` rotates q and k inside the backend's own kernels (and so
+    # compiled code should leave RoPE to the backend instead of fusing it itself).
+    fuses_rope: ClassVar[bool] = False
+
+    def forward_rope(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], before RoPE
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before RoPE
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """``forward`` on q and k before RoPE (HF's "half" layout): rotate, store, attend.
+        The default rotates with ``apply_rotary``; a backend may fold the rotation into
+        its cache write (``fuses_rope``)."""
+        from specdec.models.rope import apply_rotary  # specdec.models imports this module
+
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+
 
 def get_attention_backend(name: str) -> AttentionBackend:
     """Instantiate a registered backend by name ("torch", "triton")."""

@@ -41,6 +41,8 @@ def paged_attention(
     tree_mask_offsets: torch.Tensor | None = None,  # [num_seqs] int64
     tree_mask: torch.Tensor | None = None,  # [sum_s tree_lens[s]**2] bool
     max_tree_len: int = 0,
+    cos: torch.Tensor | None = None,  # [num_tokens, 1, head_dim // 2]: q, k before RoPE
+    sin: torch.Tensor | None = None,  # [num_tokens, 1, head_dim // 2]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -54,6 +56,9 @@ def paged_attention(
         tree_mask=tree_mask,
         max_tree_len=max_tree_len,
     )
+    if cos is not None:
+        assert sin is not None
+        return _backend(backend).forward_rope(q, k, v, cos, sin, k_cache, v_cache, meta, scale)
     return _backend(backend).forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
@@ -76,8 +81,10 @@ def _(
     tree_mask_offsets=None,
     tree_mask=None,
     max_tree_len=0,
+    cos=None,
+    sin=None,
 ):
-    return torch.empty_like(q)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 class OpaqueAttention(AttentionBackend):
@@ -93,13 +100,36 @@ class OpaqueAttention(AttentionBackend):
         self.inner = inner
         self._inner = _backend(inner)  # fails early on an unknown name
 
+    @property
+    def fuses_rope(self) -> bool:  # type: ignore[override]
+        return self._inner.fuses_rope
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if not torch.compiler.is_compiling():
             return self._inner.forward(q, k, v, k_cache, v_cache, meta, scale)
         return self.through_op(q, k, v, k_cache, v_cache, meta, scale)
 
-    def through_op(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        """The custom op's call, what compiled code runs."""
+    def forward_rope(self, q, k, v, cos, sin, k_cache, v_cache, meta, scale):
+        if not torch.compiler.is_compiling():
+            return self._inner.forward_rope(q, k, v, cos, sin, k_cache, v_cache, meta, scale)
+        if not self.fuses_rope:  # rotate in the compiled code, fused with what is around
+            return super().forward_rope(q, k, v, cos, sin, k_cache, v_cache, meta, scale)
+        return self.through_op(q, k, v, k_cache, v_cache, meta, scale, rope=(cos, sin))
+
+    def through_op(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        """The custom op's call, what compiled code runs; ``rope`` = (cos, sin) when q
+        and k come before RoPE (a backend that ``fuses_rope`` rotates them)."""
+        cos, sin = rope if rope is not None else (None, None)
         return paged_attention(
             q,
             k,
@@ -118,4 +148,6 @@ class OpaqueAttention(AttentionBackend):
             meta.tree_mask_offsets,
             meta.tree_mask,
             meta.max_tree_len,
+            cos,
+            sin,
         )

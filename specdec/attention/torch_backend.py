@@ -32,6 +32,23 @@ def store_kvcache_ref(
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def rope_store_kvcache_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], before RoPE
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before RoPE
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]: q after RoPE
+    """Rotate q and k, store the rotated k and v in the cache; returns the rotated q."""
+    from specdec.models.rope import apply_rotary  # specdec.models imports this package
+
+    store_kvcache_ref(apply_rotary(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    return apply_rotary(q, cos, sin)
+
+
 def gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_blocks_per_seq] int32

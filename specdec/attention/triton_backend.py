@@ -11,7 +11,7 @@ import torch
 
 from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
-from specdec.kernels import paged_attention, paged_decode, store_kvcache
+from specdec.kernels import paged_attention, paged_decode, rope_store_kvcache, store_kvcache
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -28,6 +28,17 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    fuses_rope = True
+
+    def forward_rope(self, q, k, v, cos, sin, k_cache, v_cache, meta, scale):
+        """RoPE inside the cache write (one kernel for rotation and store)."""
+        q = rope_store_kvcache(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # Decode-only batches take the split-K kernel: one query per sequence leaves the
         # varlen kernel's query tiles mostly empty and a long context on few programs.
         # Tree batches are never decode-only: the varlen kernel applies the tree mask.

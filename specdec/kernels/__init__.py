@@ -18,7 +18,12 @@ from specdec.kernels.prefill import (
     paged_attention,
     paged_attention_ref,
 )
-from specdec.kernels.store_kv import store_kvcache, store_kvcache_ref
+from specdec.kernels.store_kv import (
+    rope_store_kvcache,
+    rope_store_kvcache_ref,
+    store_kvcache,
+    store_kvcache_ref,
+)
 
 __all__ = [
     "DecodeConfig",
@@ -32,6 +37,8 @@ __all__ = [
     "paged_decode",
     "paged_decode_ref",
     "plan_splits",
+    "rope_store_kvcache",
+    "rope_store_kvcache_ref",
     "store_kvcache",
     "store_kvcache_ref",
 ]

@@ -3,7 +3,7 @@
 Families differ only in ``ModelConfig`` flags: q/k/v and o_proj biases, per-head q/k
 RMSNorm, tied embeddings, RoPE variant. The forward runs on a flattened varlen batch over
 the paged KV cache, is free of host syncs and of Python branches on tensor values, and
-routes all attention through ``Attention.attend`` (one seam to wrap as a custom op).
+routes all attention through the ``AttentionBackend`` (one seam to wrap as a custom op).
 
 Weights are stored fused: ``qkv_proj`` = cat(q, k, v) and ``gate_up_proj`` = cat(gate, up)
 along the output dimension, one matmul each. ``checkpoint_layout`` maps every parameter
@@ -100,29 +100,22 @@ class Attention(nn.Module):
         n, h, d = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
+        k_cache, v_cache = kv_cache
         if isinstance(self.q_norm, nn.Identity):
-            # q and k rotated as one tensor: one fused kernel per layer instead of two (a
-            # decode step is launch-bound); q and k are strided views, which the kernels take.
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, d), cos, sin)
-            q, k = qk[:, :h], qk[:, h:]
-        else:  # Qwen3: per-head norms first
+            # q and k go to the backend before RoPE, as strided views of the projection:
+            # the Triton backend rotates them inside its cache write (a decode step is
+            # launch-bound: one kernel per layer fewer).
+            q = qkv[:, : self.q_size].view(n, h, d)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, d)
+            out = self.backend.forward_rope(
+                q, k, v, cos, sin, k_cache, v_cache, meta, self.scale
+            )  # [num_tokens, heads, head_dim]
+        else:  # Qwen3: per-head norms before RoPE
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             q = apply_rotary(self.q_norm(q.view(n, h, d)), cos, sin)
             k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, d)), cos, sin)
-        out = self.attend(q, k, v, kv_cache, meta)  # [num_tokens, heads, head_dim]
+            out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
-
-    def attend(
-        self,
-        q: torch.Tensor,  # [num_tokens, heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-        """Store k/v in the paged cache and attend: the only call into the backend."""
-        k_cache, v_cache = kv_cache
-        return self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
 
 
 class MLP(nn.Module):
