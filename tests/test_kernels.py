@@ -51,6 +51,11 @@ from specdec.kernels import (  # noqa: E402
     store_kvcache,
     store_kvcache_ref,
 )
+from specdec.kernels.move_kv import (  # noqa: E402
+    cache_pointer_table,
+    move_kv_slots,
+    move_kv_slots_ref,
+)
 from specdec.models.rope import RopeParams, RotaryEmbedding  # noqa: E402
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -219,6 +224,44 @@ def test_rope_store_kvcache_rejects_mismatched_tables():
     slots = torch.arange(4, device=DEVICE)
     with pytest.raises(ValueError, match=r"cos \(4, 1, 16\) must be \[4, 1, 32\]"):
         rope_store_kvcache(q, k, k.clone(), cos, cos, cache, cache.clone(), slots)
+
+
+# --- move_kv_slots -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_kv_slots_matches_reference_in_every_cache(dtype):
+    """One launch moves every layer's K and V like the per-cache reference: accepted paths
+    shifting left onto slots their own row reads (sources read before destinations are
+    written), self-copies, and padding rows that all write the null block."""
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kvh, d = 6, 16, 3, 64
+    caches = [
+        torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(DEVICE, dtype)
+        for _ in range(2 * 4)  # 4 layers, K and V
+    ]
+    ref = [c.clone() for c in caches]
+    # Row 0: root at slot 20, accepted nodes 3, 4, 7 move to 21, 22, 23: slot 23 is read
+    # (for 21) and written (from 27) by the same row. Row 1: nothing accepted (self-copies).
+    # Row 2: a padding row, the null block only.
+    src = torch.tensor([[23, 24, 27], [40, 41, 42], [0, 0, 0]], device=DEVICE)
+    dst = torch.tensor([[21, 22, 23], [40, 41, 42], [1, 2, 3]], device=DEVICE)
+    before = caches[0].view(-1, kvh, d).clone()
+
+    move_kv_slots_ref(ref, src, dst)
+    move_kv_slots(cache_pointer_table(caches), caches[0], src, dst)
+
+    for got, want in zip(caches, ref, strict=True):
+        assert torch.equal(got, want)
+    after = caches[0].view(-1, kvh, d)
+    for s_, d_ in [(23, 21), (24, 22), (27, 23)]:
+        assert torch.equal(after[d_], before[s_])
+
+
+def test_cache_pointer_table_rejects_mixed_caches():
+    a = torch.zeros(2, 16, 1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="every cache must be contiguous"):
+        cache_pointer_table([a, torch.zeros(2, 16, 2, 64, device=DEVICE)])
 
 
 # --- varlen prefill / extend -------------------------------------------------------------

@@ -23,7 +23,7 @@ from test_engine import (
 
 from specdec import SamplingParams
 from specdec.config import SpeculativeConfig
-from specdec.spec.acceptance import greedy_accept_batch, greedy_accept_uniform
+from specdec.spec.acceptance import UniformAcceptance, greedy_accept_batch, greedy_accept_uniform
 from specdec.spec.tree import ChainShape, DraftTree, StaticTreeShape
 
 PICKED = [0, 3, 5, 7, 9, 12]  # six prompts of varied length
@@ -245,3 +245,42 @@ def test_chain_drafts_equal_a_masked_tree_path(
         torch.testing.assert_close(c[0], t[0], rtol=0, atol=1e-4, msg=f"level {level + 1}")
     # Static node order is the choices' order after the root: (0,) 1, (0, 0) 3, (0, 0, 0) 5.
     assert chain.token_ids[0, 1:].tolist() == tree.token_ids[0, [1, 3, 5]].tolist()
+
+
+def test_accepted_kv_moves_in_one_launch_as_per_layer_copies(smollm2_dir, tmp_path) -> None:
+    """The Triton path moves every layer's accepted K/V in one launch (the interpreter
+    here): caches end equal to the per-layer copies of the torch path, for paths that
+    shift nodes onto slots their own row reads, rows with nothing accepted and a padding
+    row on a null block table."""
+    pytest.importorskip("triton")
+    from tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path, smollm2_dir, seed=0, vocab_size=256, num_layers=3)
+    runners = [
+        make_llm(model, attention_backend=backend, kv_cache_memory=8 << 20).engine.runner
+        for backend in ("torch", "triton")
+    ]
+    assert runners[0]._kv_table is None and runners[1]._kv_table is not None
+    gen = torch.Generator().manual_seed(0)
+    for pair_a, pair_b in zip(runners[0].kv_caches, runners[1].kv_caches, strict=True):
+        for a, b in zip(pair_a, pair_b, strict=True):
+            a.copy_(torch.randn(a.shape, generator=gen))
+            b.copy_(a)
+    acceptance = UniformAcceptance(
+        num_accepted=torch.tensor([3, 0, 2, 1]),
+        path=torch.tensor([[0, 2, 5, 9], [0, 0, 0, 0], [0, 1, 4, 0], [0, 3, 0, 0]]),
+        token_ids=torch.zeros(4, 4, dtype=torch.int64),
+    )
+    root_index = torch.tensor([17, 40, 3, 0])
+    tables = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 0, 0], [0, 0, 0]], dtype=torch.int32)
+    before = runners[0].kv_caches[1][0].clone()
+    for runner in runners:
+        runner.move_accepted_kv(root_index, acceptance, tables)
+    for pair_a, pair_b in zip(runners[0].kv_caches, runners[1].kv_caches, strict=True):
+        for a, b in zip(pair_a, pair_b, strict=True):
+            assert torch.equal(a, b)
+    # Row 0: nodes 2, 5, 9 at cache index 19, 22, 26 moved to 18, 19, 20 (block 2 from 16).
+    after = runners[0].kv_caches[1][0].view(-1, *before.shape[2:])
+    flat = before.view(-1, *before.shape[2:])
+    for src, dst in [(19, 18), (22, 19), (26, 20)]:
+        assert torch.equal(after[2 * 16 + dst - 16], flat[2 * 16 + src - 16])

@@ -15,15 +15,16 @@ def make_tiny_model_dir(
     seed: int,
     logit_scale: float = 1.0,
     vocab_size: int | None = None,
+    num_layers: int = 2,
 ) -> Path:
-    """A 2-layer, 64-wide Llama in HF format with SmolLM2's config otherwise and its
-    tokenizer files; ``logit_scale`` sharpens the (tied) embedding so logits are uneven;
-    ``vocab_size`` narrows the logits (token ids then have to be taken modulo it)."""
+    """A ``num_layers``-layer, 64-wide Llama in HF format with SmolLM2's config otherwise
+    and its tokenizer files; ``logit_scale`` sharpens the (tied) embedding so logits are
+    uneven; ``vocab_size`` narrows the logits (token ids then have to be taken modulo it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = json.loads((smollm2_dir / "config.json").read_text())
     config.update(
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         hidden_size=64,
         intermediate_size=128,
         num_attention_heads=4,

@@ -107,6 +107,12 @@ class ModelRunner:
         self.block_table_width = cdiv(self.max_model_len, self.block_size)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # Every cache's base address, for the one-launch K/V move (Triton path only).
+        self._kv_table: torch.Tensor | None = None
+        if self.runtime.attention_backend == "triton":
+            from specdec.kernels.move_kv import cache_pointer_table
+
+            self._kv_table = cache_pointer_table([c for pair in self.kv_caches for c in pair])
         # Layers whose entering residual stream a proposer needs (EAGLE-3); set by the
         # engine before ``capture_graphs`` (graphs capture the aux outputs too).
         self.aux_layer_ids: tuple[int, ...] = ()
@@ -317,7 +323,24 @@ class ModelRunner:
         dst = root_index[:, None] + depth  # [batch, depth]
         src = torch.where(depth <= num_accepted[:, None], root_index[:, None] + path[:, 1:], dst)
         bs = self.block_size
-        self._copy_slots(cache_slots(block_tables, src, bs), cache_slots(block_tables, dst, bs))
+        src_slots, dst_slots = (
+            cache_slots(block_tables, src, bs),
+            cache_slots(block_tables, dst, bs),
+        )
+        if self._kv_table is None:
+            self._copy_slots(src_slots, dst_slots)
+            return
+        from specdec.kernels.move_kv import move_kv_slots
+
+        # One launch for every layer; a row's moves only shift nodes towards the root, and
+        # rows never share slots outside the null block (move_kv_slots' contract).
+        batch = dst.shape[0]
+        move_kv_slots(
+            self._kv_table,
+            self.kv_caches[0][0],
+            src_slots.view(batch, -1),
+            dst_slots.view(batch, -1),
+        )
 
     @torch.inference_mode()
     def replays_graph(self, inputs: StepInputs) -> bool:
