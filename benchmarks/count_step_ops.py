@@ -35,6 +35,7 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,14 +52,20 @@ SHAPES = {
 ORDER = ("draft glue", "head", "verify inputs", "target", "accept", "move_kv", "state")
 
 
-def is_work(func) -> bool:
-    """Whether an aten op launches a kernel: not a view (its result aliases an input
-    without writing it) and not a bare allocation."""
+def is_work(func, args, out) -> bool:
+    """Whether an aten op launched a kernel: not a bare allocation, and not a view (a
+    result that aliases an input without writing it; ``contiguous`` and ``reshape`` are
+    views only when they return an input's storage)."""
     schema = func._schema
     if schema.name.startswith(("aten::empty", "aten::lift_fresh", "aten::sym_")):
         return False
-    returns = schema.returns
-    return not any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    if not any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        return True
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return any(
+        isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs for o in outs
+    )
 
 
 class OpCounter(TorchDispatchMode):
@@ -77,10 +84,11 @@ class OpCounter(TorchDispatchMode):
         if name in ("aten::_local_scalar_dense", "aten::item"):
             self.host_syncs += 1
         phase = self.stack[-1]
-        if phase not in ("attention", "triton") and is_work(func):
+        out = func(*args, **(kwargs or {}))
+        if phase not in ("attention", "triton") and is_work(func, args, out):
             self.counts[phase] += 1
             self.by_op[phase][name.removeprefix("aten::")] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
     @contextlib.contextmanager
     def phase(self, name: str):

@@ -608,7 +608,7 @@ class EagerSpecStepGraphs(SpecStepGraphs):
     """The same stand-in for the pipelined speculative step's graphs."""
 
     def _capture(self, bs):
-        self.inputs[:bs].fill_(-1)
+        self.inputs[:bs].fill_(self.pipeline.pad_row)
         return self._run(bs)
 
     def _replay(self, bs) -> None:

@@ -22,6 +22,7 @@ from test_engine import (
 )
 
 from specdec import SamplingParams
+from specdec.attention.metadata import cache_slots
 from specdec.config import SpeculativeConfig
 from specdec.spec.acceptance import UniformAcceptance, greedy_accept_batch, greedy_accept_uniform
 from specdec.spec.tree import ChainShape, DraftTree, StaticTreeShape
@@ -272,10 +273,13 @@ def test_accepted_kv_moves_in_one_launch_as_per_layer_copies(smollm2_dir, tmp_pa
         token_ids=torch.zeros(4, 4, dtype=torch.int64),
     )
     root_index = torch.tensor([17, 40, 3, 0])
-    tables = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 0, 0], [0, 0, 0]], dtype=torch.int32)
+    tables = torch.tensor([[1, 2, 0, 0], [3, 4, 5, 7], [6, 0, 0, 0], [0, 0, 0, 0]])
+    q = 10  # nodes per tree
+    index = root_index[:, None] + torch.arange(q)  # each tree's nodes from its root
+    slots = cache_slots(tables.to(torch.int32), index, 16).view(4, q)
     before = runners[0].kv_caches[1][0].clone()
     for runner in runners:
-        runner.move_accepted_kv(root_index, acceptance, tables)
+        runner.move_accepted_kv(acceptance, slots)
     for pair_a, pair_b in zip(runners[0].kv_caches, runners[1].kv_caches, strict=True):
         for a, b in zip(pair_a, pair_b, strict=True):
             assert torch.equal(a, b)

@@ -383,3 +383,76 @@ def test_shape_sizes() -> None:
     assert (static.depth, static.num_expanded) == (3, 3)  # (0,), (1,), (0, 0) have children
     dynamic = DynamicTreeShape(8, 5, 48)
     assert (dynamic.depth, dynamic.num_expanded, dynamic.num_candidates) == (5, 32, 264)
+
+
+LAYOUT_SHAPES = pytest.mark.parametrize(
+    "shape",
+    [
+        ChainShape(4),
+        # a chain of two levels, then branching: the mask starts after a maskless prefix
+        StaticTreeShape([(0,), (0, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0), (0, 0, 1, 0)]),
+        DynamicTreeShape(3, 4, 10),
+    ],
+    ids=["chain", "chain-then-tree", "dynamic"],
+)
+
+
+@LAYOUT_SHAPES
+def test_draft_layout_feeds_each_node_at_its_slot_with_its_ancestors(shape) -> None:
+    """``TreeDraftLayout``'s inputs for every level equal a host-side layout: fed node
+    ``j`` of tree ``b`` at cache index ``start[b] + j`` through the block table (slot),
+    at position ``start[b] + depth - 1``, seeing the context and exactly its fed
+    ancestors (the tree mask; none while the fed nodes form a chain)."""
+    from specdec.spec.tree_draft import GrowInputs, TreeDraftLayout
+
+    block_size, batch = 4, 3
+    start = [5, 0, 13]
+    tables = torch.tensor([[7, 2, 9, 4, 1, 0], [3, 8, 0, 0, 0, 0], [6, 5, 11, 10, 12, 0]])
+    inputs = GrowInputs(
+        roots=torch.tensor([3, 7, 3]),
+        start=torch.tensor(start),
+        block_tables=tables.to(torch.int32),
+        root_state=(),
+        start_cpu=start,
+    )
+    layout = TreeDraftLayout(inputs, block_size, None, shape.num_expanded)
+    model = BatchedPathModels([PathModel(16, seed=s) for s in range(batch)])
+    parents: list[list[int | None]] = [[] for _ in range(batch)]  # fed node -> fed parent
+    offsets = [0]  # first fed index of each level
+
+    def step(tokens, parent_rows, depth):
+        if depth > 0:
+            x = layout.level(tokens, parent_rows, depth)
+            n, prev = tokens.shape[1], len(parents[0])
+            total = prev + n
+            for b in range(batch):
+                for r in parent_rows[b].tolist():
+                    parents[b].append(offsets[-1] + r if depth > 1 else None)
+            offsets.append(prev)
+            slots = [
+                int(tables[b, (start[b] + j) // block_size]) * block_size
+                + (start[b] + j) % block_size
+                for b in range(batch)
+                for j in range(prev, total)
+            ]
+            assert x.meta.slot_mapping.tolist() == slots
+            positions = [start[b] + depth - 1 for b in range(batch) for _ in range(n)]
+            assert x.positions.tolist() == positions
+            assert x.meta.seq_lens.tolist() == [s + total for s in start]
+            assert x.meta.query_start_loc.tolist() == list(range(0, (batch + 1) * n, n))
+            if n == 1 and prev == depth - 1:  # the fed nodes form a chain: causal
+                assert not x.meta.has_tree
+            else:
+                assert x.meta.has_tree and x.meta.max_tree_len == total
+                mask = x.meta.tree_mask.view(batch, total, total)
+                for b in range(batch):
+                    for i in range(total):
+                        seen, node = set(), i
+                        while node is not None:
+                            seen.add(node)
+                            node = parents[b][node]
+                        assert mask[b, i].tolist() == [j in seen for j in range(total)], (b, i)
+        return model(tokens, parent_rows, depth)
+
+    grow_trees(shape, inputs.roots, step)
+    assert layout.num_fed == shape.num_expanded

@@ -200,6 +200,26 @@ def test_ancestor_closure_on_padded_batch():
     assert not anc[1, :3, 3:].any()
 
 
+def test_ancestor_closure_bounded_by_depth_equals_the_full_closure():
+    """With ``max_depth`` = the deepest node's depth the closure takes fewer rounds and is
+    the same; a bound one short of it misses ancestors (the bound is not a no-op)."""
+    rng = random.Random(5)
+    short = 0
+    for _ in range(20):
+        n = rng.randint(2, 40)
+        parents = random_parents(rng, n)
+        depths = [0] * n
+        for i in range(1, n):
+            depths[i] = depths[parents[i]] + 1
+        tree = torch.tensor([parents])
+        full = ancestor_closure(tree)
+        assert torch.equal(ancestor_closure(tree, max_depth=max(depths)), full)
+        if max(depths) >= 3 and max(depths) - 1 in (2, 4, 8, 16):  # rounds drop by one
+            assert not torch.equal(ancestor_closure(tree, max_depth=max(depths) - 1), full)
+            short += 1
+    assert short  # the negative case ran
+
+
 def test_bad_parents_are_rejected():
     check_parents(torch.tensor([0, 0, 1, 1]))
     with pytest.raises(ValueError, match="root's parent is 2"):

@@ -67,18 +67,22 @@ def uniform_tree_mask(
 
 def ancestor_closure(
     parents: torch.Tensor,  # [num_trees, max_nodes] int: parent of each node, padded
+    max_depth: int | None = None,
 ) -> torch.Tensor:  # [num_trees, max_nodes, max_nodes] bool
     """``out[b, i, j]``: node ``j`` is node ``i`` or an ancestor of ``i`` in tree ``b``.
 
     Padding nodes must carry a parent index inside ``[0, max_nodes)`` (0 is safe); real
-    nodes never point at them, so their rows cannot leak into real rows.
+    nodes never point at them, so their rows cannot leak into real rows. ``max_depth``
+    bounds every node's depth (a shape's; default ``max_nodes - 1``): the closure takes
+    ``ceil(log2(max_depth))`` rounds.
     """
     num_trees, n = parents.shape
     node = torch.arange(n, device=parents.device)
     jump = parents.long()  # [B, n]: the ancestor 2**k steps up (the root maps to itself)
     anc = (node[:, None] == node[None, :]) | (jump[:, :, None] == node)  # [B, n, n]
-    # After round k, anc holds ancestors 0..2**(k+1) steps up; depth <= n - 1.
-    for _ in range(max(n - 1, 0).bit_length()):
+    # After round k, anc holds ancestors 0..2**(k+1) steps up.
+    depth = max(n - 1, 0) if max_depth is None else min(max_depth, max(n - 1, 0))
+    for _ in range(max(depth - 1, 0).bit_length()):
         anc = anc | torch.gather(anc, 1, jump[:, :, None].expand(num_trees, n, n))
         jump = torch.gather(jump, 1, jump)
     return anc

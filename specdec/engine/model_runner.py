@@ -13,7 +13,7 @@ import torch
 
 from specdec.attention import get_attention_backend
 from specdec.attention.custom_op import OpaqueAttention
-from specdec.attention.metadata import AttentionMetadata, cache_slots
+from specdec.attention.metadata import AttentionMetadata
 from specdec.config import EngineConfig
 from specdec.engine.cuda_graph import StepGraphs, graph_batch_sizes, tree_graph_batch_sizes
 from specdec.engine.input_batch import PendingTokens, StepInputs, build_step_inputs
@@ -309,38 +309,27 @@ class ModelRunner:
     @torch.inference_mode()
     def move_accepted_kv(
         self,
-        root_index: torch.Tensor,  # [batch] int64: each tree root's cache index
-        acceptance,  # spec.acceptance.UniformAcceptance of those trees
-        block_tables: torch.Tensor,  # [batch, width] int32
+        acceptance,  # spec.acceptance.UniformAcceptance of a batch of trees
+        slots: torch.Tensor,  # [batch, q] int64: the slots of each tree's nodes (root first)
     ) -> None:
-        """``move_kv`` for trees verified at ``root_index`` with device-side acceptance:
-        the accepted node at depth ``d`` moves to cache index ``root + d``. Device ops
-        only; depths past a row's accepted count copy a slot onto itself (no host-side
-        filtering), which no real move reads or writes (their targets are ``root + d``
-        for smaller ``d``)."""
+        """``move_kv`` for trees with device-side acceptance, node ``i`` of tree ``b``
+        verified at ``slots[b, i]``: the accepted node at depth ``d`` moves to the slot of
+        node ``d`` (cache index root + d). Device ops only; depths past a row's accepted
+        count copy a slot onto itself (no host-side filtering), which no real move reads or
+        writes (their targets are node ``d``'s slots for smaller ``d``)."""
         path, num_accepted = acceptance.path, acceptance.num_accepted  # [batch, depth + 1]
         depth = torch.arange(1, path.shape[1], device=path.device)  # [depth]
-        dst = root_index[:, None] + depth  # [batch, depth]
-        src = torch.where(depth <= num_accepted[:, None], root_index[:, None] + path[:, 1:], dst)
-        bs = self.block_size
-        src_slots, dst_slots = (
-            cache_slots(block_tables, src, bs),
-            cache_slots(block_tables, dst, bs),
-        )
+        src_node = torch.where(depth <= num_accepted[:, None], path[:, 1:], depth)
+        src = slots.gather(1, src_node)  # [batch, depth]
+        dst = slots[:, 1 : path.shape[1]]
         if self._kv_table is None:
-            self._copy_slots(src_slots, dst_slots)
+            self._copy_slots(src.flatten(), dst.flatten())
             return
         from specdec.kernels.move_kv import move_kv_slots
 
         # One launch for every layer; a row's moves only shift nodes towards the root, and
         # rows never share slots outside the null block (move_kv_slots' contract).
-        batch = dst.shape[0]
-        move_kv_slots(
-            self._kv_table,
-            self.kv_caches[0][0],
-            src_slots.view(batch, -1),
-            dst_slots.view(batch, -1),
-        )
+        move_kv_slots(self._kv_table, self.kv_caches[0][0], src, dst)
 
     @torch.inference_mode()
     def replays_graph(self, inputs: StepInputs) -> bool:

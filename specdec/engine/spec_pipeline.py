@@ -79,17 +79,8 @@ class CatchUpState:
         return cls(ints(rows, width), aux, ints(rows), ints(rows))
 
     def take(self, src: torch.Tensor) -> CatchUpState:
-        """Copies of rows ``src`` ([batch] int64); a negative source is a padding row: no
-        tokens, catch-up from cache index 0 (its block table is null)."""
-        pad = src < 0
-        index = src.clamp(min=0)
-        zero = torch.zeros((), dtype=torch.int64, device=src.device)
-        return CatchUpState(
-            tokens=torch.where(pad[:, None], zero, self.tokens.index_select(0, index)),
-            aux=self.aux.index_select(0, index),
-            last=torch.where(pad, zero, self.last.index_select(0, index)),
-            start=torch.where(pad, zero, self.start.index_select(0, index)),
-        )
+        """Copies of rows ``src`` ([batch] int32 or int64)."""
+        return CatchUpState(*(t.index_select(0, src) for t in self.fields()))
 
     def put(self, other: CatchUpState) -> None:
         """Write ``other``'s rows over rows ``0 .. len(other)``."""
@@ -127,8 +118,8 @@ class SpecLaunch:
 def verify_inputs(
     tree: TreeBatch,  # [batch, q] trees of one shape
     root_index: torch.Tensor,  # [batch] int64: cache index of each root
+    slots: torch.Tensor,  # [batch, q] int64: the slots of cache indices root_index + i
     block_tables: torch.Tensor,  # [batch, width] int32
-    block_size: int,
     max_seq_len: int,  # bound on root_index + q (grid sizes; a graph's captured bound)
     root_index_cpu: list[int] | None,  # host copy (the reference backend), then exact
 ) -> StepInputs:
@@ -138,9 +129,8 @@ def verify_inputs(
     replays it."""
     batch, q = tree.token_ids.shape
     device = tree.token_ids.device
-    index = root_index[:, None] + torch.arange(q, device=device)  # [batch, q]
     meta = AttentionMetadata(
-        slot_mapping=cache_slots(block_tables, index, block_size),
+        slot_mapping=slots.reshape(-1),
         query_start_loc=torch.arange(0, (batch + 1) * q, q, dtype=torch.int32, device=device),
         seq_lens=(root_index + q).to(torch.int32),
         block_tables=block_tables,
@@ -187,10 +177,15 @@ class SpecPipeline:
         # depth + 1 tokens before this one's tree starts.
         self.extra_lookahead = proposer.catch_up_width
         self.rows = runner.config.scheduler.max_num_seqs
+        # One more state row, never written and so all zeros: what a graph's padding rows
+        # take (no tokens, a catch-up from cache index 0 through a null block table).
+        self.pad_row = self.rows
         aux_width = len(proposer.aux_layer_ids) * runner.model_config.hidden_size
         self.state = CatchUpState.zeros(
-            self.rows, proposer.catch_up_width, aux_width, runner.dtype, runner.device
+            self.rows + 1, proposer.catch_up_width, aux_width, runner.dtype, runner.device
         )
+        # [q] int64: node i of a tree sits at cache index root + i.
+        self.node_offsets = torch.arange(self.shape.max_draft_tokens + 1, device=runner.device)
         self.graphs: SpecStepGraphs | None = None
         self.num_launches = 0
 
@@ -233,7 +228,7 @@ class SpecPipeline:
 
     def _step(
         self,
-        src: torch.Tensor,  # [batch] int64: each row's catch-up state row (< 0: padding)
+        src: torch.Tensor,  # [batch] int: each row's catch-up state row (padding: pad_row)
         tables: torch.Tensor,  # [batch, width] int32: block tables
         captured: bool = False,  # inside a graph: the head's and the target's graph paths
     ) -> torch.Tensor:  # [batch, depth + 2] int64: num_accepted, then the emitted tokens
@@ -242,23 +237,23 @@ class SpecPipeline:
         runner = self.runner
         state = self.state.take(src)  # copies: the writes below overwrite the rows read
         root_index = state.start + state.last + 1  # [batch]: each tree root's cache index
+        # The slots of the tree's cache indices, looked up once: the head's draft levels,
+        # the verification and the accepted K/V's move all address them.
+        slots = cache_slots(tables, root_index[:, None] + self.node_offsets, runner.block_size)
+        slots = slots.view(root_index.shape[0], -1)  # [batch, q]
         inputs = GrowInputs(
             roots=state.tokens.gather(1, state.last[:, None]).squeeze(1),
             start=root_index,
             block_tables=tables,
             root_state=state.fields(),
+            slots=slots,
         )
         on_cpu = runner.device.type == "cpu"
         if on_cpu:  # the reference backend loops over host lengths (free off CUDA)
             inputs.start_cpu = root_index.tolist()
         tree = self.proposer.grow_pipelined(inputs, runner.max_model_len, captured=captured)
         step = verify_inputs(
-            tree,
-            root_index,
-            tables,
-            runner.block_size,
-            runner.max_model_len,
-            inputs.start_cpu,
+            tree, root_index, slots, tables, runner.max_model_len, inputs.start_cpu
         )
         if captured:
             logits, aux = runner.graph_forward(step.input_ids, step.positions, step.meta)
@@ -268,7 +263,7 @@ class SpecPipeline:
             tree.token_ids, tree.parents, tree.depths, logits, self.depth
         )
         if not tree.is_chain:  # a chain's accepted nodes already sit next to the root
-            runner.move_accepted_kv(root_index, acceptance, tables)
+            runner.move_accepted_kv(acceptance, slots)
         batch, q = tree.token_ids.shape
         path = acceptance.path[:, :, None].expand(-1, -1, aux.shape[1])
         self.state.put(
@@ -285,7 +280,8 @@ class SpecPipeline:
 class SpecStepGraphs:
     """CUDA graphs of ``SpecPipeline._step``, one per bucketed batch size (the verify
     graphs' buckets). Each launch stages its inputs in one host-to-device copy into the
-    graphs' int32 buffer: the source rows (padding rows -1) at offset 0, the block tables
+    graphs' int32 buffer: the source rows (padding rows: the zero ``pad_row``) at offset
+    0, the block tables
     (padding rows null) from a fixed offset. Padding rows catch up and draft from cache
     index 0 through null block tables: they write the null block only, and their
     outcome rows are never read."""
@@ -306,7 +302,8 @@ class SpecStepGraphs:
         self.num_replays = 0
         for bs in reversed(self.batch_sizes):  # largest first: the others reuse its pool
             self.outputs[bs] = self._capture(bs)
-        # The warm-up and captured runs stepped the padding state: start clean.
+        # The warm-up and captured runs stepped the padding rows' outcomes into rows
+        # 0 .. bs: start clean.
         for t in pipeline.state.fields():
             t.zero_()
 
@@ -317,11 +314,11 @@ class SpecStepGraphs:
 
     def _run(self, bs: int) -> torch.Tensor:
         src, tables = self._args(bs)
-        return self.pipeline._step(src.long(), tables, captured=True)
+        return self.pipeline._step(src, tables, captured=True)
 
     def _capture(self, bs: int) -> torch.Tensor:
         """Warm up, capture the step of ``bs`` rows as graph ``bs``; returns its output."""
-        self.inputs[:bs].fill_(-1)  # padding rows: the null block only
+        self.inputs[:bs].fill_(self.pipeline.pad_row)  # padding rows: the null block only
         graph, out = capture_graph(lambda: self._run(bs), self.pool)
         self.pool = graph.pool()
         self.graphs[bs] = graph
@@ -339,7 +336,7 @@ class SpecStepGraphs:
         next replay)."""
         b = len(src)
         staged = np.zeros(self.tables_at + bs * self.width, dtype=np.int32)
-        staged[:bs] = -1
+        staged[:bs] = self.pipeline.pad_row
         staged[:b] = src
         staged[self.tables_at : self.tables_at + b * self.width] = tables.reshape(-1)
         to_device(staged, self.inputs.device, out=self.inputs)

@@ -239,7 +239,9 @@ def greedy_accept_uniform(
     on_path = token_ids == best.gather(1, parents)
     on_path[:, 0] = True  # the root passes (its own parent), so chains of passes reach it
     jump = parents
-    for _ in range(max(q - 1, 0).bit_length()):
+    # After round r a node has checked itself and its 2**r - 1 nearest ancestors; a node
+    # at depth <= max_depth needs max_depth of them (the root passes).
+    for _ in range(max(min(max_depth, q - 1) - 1, 0).bit_length()):
         on_path = on_path & on_path.gather(1, jump)
         jump = jump.gather(1, jump)
     on_path[:, 0] = False

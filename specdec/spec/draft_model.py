@@ -166,7 +166,7 @@ class DraftModelProposer(Proposer):
     ) -> TreeBatch:
         """Draft steps: level ``d`` feeds its nodes at position ``root + d``, laid out right
         after the root (the target's lookahead slots)."""
-        layout = TreeDraftLayout(inputs, self.block_size, max_seq_len)
+        layout = TreeDraftLayout(inputs, self.block_size, max_seq_len, shape.num_expanded)
 
         def step(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:
             if depth == 0:

@@ -291,7 +291,7 @@ class Eagle3Proposer(Proposer):
         """Draft steps: level ``d`` feeds its nodes at position ``root + d - 1``, each with
         its parent's pre-norm output, laid out from the root's cache index (the target's
         lookahead slots; the next catch-up rewrites them)."""
-        layout = TreeDraftLayout(inputs, self.block_size, max_seq_len)
+        layout = TreeDraftLayout(inputs, self.block_size, max_seq_len, shape.num_expanded)
         prev_out = root_out[:, None]  # [batch, 1, hidden]: rows of the previous call
 
         def step(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int) -> torch.Tensor:

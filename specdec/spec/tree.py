@@ -443,7 +443,7 @@ def grow_trees(
                 "sampled child depending on its value; use deterministic candidates "
                 "(sample=False) or a chain/static shape"
             )
-        return _with_mask(_build_dynamic(shape, roots, step_logprobs_fn, token_map))
+        return _with_mask(_build_dynamic(shape, roots, step_logprobs_fn, token_map), shape.depth)
     static = shape.as_static() if isinstance(shape, ChainShape) else shape
     if sample and not static.ranks_contiguous():
         raise ValueError(
@@ -454,11 +454,11 @@ def grow_trees(
     if isinstance(shape, ChainShape):
         batch.is_chain = True  # causal: verification needs no mask
         return batch
-    return _with_mask(batch)
+    return _with_mask(batch, shape.depth)
 
 
-def _with_mask(batch: TreeBatch) -> TreeBatch:
-    batch.ancestor_mask = ancestor_closure(batch.parents)
+def _with_mask(batch: TreeBatch, max_depth: int) -> TreeBatch:
+    batch.ancestor_mask = ancestor_closure(batch.parents, max_depth)
     return batch
 
 
@@ -492,6 +492,12 @@ class _StaticLevel:
     child_rows: torch.Tensor  # [m] their parent's row in this call
     ranks: torch.Tensor  # [m] each child's rank among its siblings
     width: int  # ranks needed per queried node
+    # Host shortcuts (each op saved is a kernel launch on the GPU): the node ranges that
+    # ``expanded`` / ``children`` are when consecutive, and whether each queried node has
+    # exactly its rank-0 child, in order (a chain's level).
+    expanded_span: slice | None = None
+    children_span: slice | None = None
+    one_child_each: bool = False
 
 
 @dataclass(frozen=True)
@@ -525,14 +531,19 @@ def _static_plan(shape: StaticTreeShape, device: torch.device) -> _StaticPlan:
     for depth in range(shape.depth):
         row_of = {v: r for r, v in enumerate(expanded)}
         children = [i for i in range(1, len(paths)) if depths[i] == depth + 1]
+        child_rows = [row_of[parents[i]] for i in children]
+        ranks = [paths[i][-1] for i in children]
         levels.append(
             _StaticLevel(
                 expanded=tensor(expanded),
                 parent_rows=tensor([prev_row[parents[v]] for v in expanded]),
                 children=tensor(children),
-                child_rows=tensor([row_of[parents[i]] for i in children]),
-                ranks=tensor([paths[i][-1] for i in children]),
-                width=max(paths[i][-1] for i in children) + 1,
+                child_rows=tensor(child_rows),
+                ranks=tensor(ranks),
+                width=max(ranks) + 1,
+                expanded_span=_span(expanded),
+                children_span=_span(children),
+                one_child_each=child_rows == list(range(len(expanded))) and not any(ranks),
             )
         )
         prev_row = row_of
@@ -542,6 +553,11 @@ def _static_plan(shape: StaticTreeShape, device: torch.device) -> _StaticPlan:
     plan = _StaticPlan(tensor(parents), tensor(depths), tuple(levels))
     _PLANS[key] = plan
     return plan
+
+
+def _span(nodes: list[int]) -> slice | None:
+    """``nodes`` as a slice when they are consecutive."""
+    return slice(nodes[0], nodes[-1] + 1) if nodes == list(range(nodes[0], nodes[-1] + 1)) else None
 
 
 def _build_static(
@@ -561,7 +577,9 @@ def _build_static(
     draft_probs: torch.Tensor | None = None
     for depth, level in enumerate(plan.levels):
         n = level.expanded.shape[0]
-        args = (fn, token_ids[:, level.expanded], level.parent_rows.expand(batch, n), depth)
+        span = level.expanded_span
+        nodes = token_ids[:, span] if span is not None else token_ids[:, level.expanded]
+        args = (fn, nodes, level.parent_rows.expand(batch, n), depth)
         if sample:
             probs = _level_logprobs(*args).exp()  # [batch, n, vocab]
             # Exponential race: sorting p / Exp(1) gives successive draws without replacement.
@@ -578,8 +596,15 @@ def _build_static(
                 ranked = scores.argmax(dim=-1, keepdim=True)  # [batch, n, 1]
             else:
                 ranked = scores.topk(level.width, dim=-1).indices  # [batch, n, width]
-        chosen = ranked[:, level.child_rows, level.ranks]  # [batch, m] columns
-        token_ids[:, level.children] = token_map[chosen] if token_map is not None else chosen
+        if level.one_child_each:
+            chosen = ranked[:, :, 0]  # [batch, n] columns
+        else:
+            chosen = ranked[:, level.child_rows, level.ranks]  # [batch, m] columns
+        ids = token_map[chosen] if token_map is not None else chosen
+        if level.children_span is not None:
+            token_ids[:, level.children_span] = ids
+        else:
+            token_ids[:, level.children] = ids
     return TreeBatch(
         token_ids=token_ids,
         parents=plan.parents.expand(batch, num_nodes),
@@ -618,22 +643,20 @@ def _build_dynamic(
     """
     device = roots.device
     batch, k = roots.shape[0], shape.top_k
+    plan = _dynamic_plan(shape, device)
     scores: list[torch.Tensor] = []  # per level: [batch, m] cumulative log-probs
     tokens: list[torch.Tensor] = []  # per level: [batch, m] int64
-    parent_ids: list[torch.Tensor] = []  # per level: [batch, m] candidate id of the parent
+    # Per expanded level (depth 1 .. depth - 1): the [batch, k] candidate columns of its
+    # frontier. Depth 1's frontier is all of its candidates.
+    frontiers: list[torch.Tensor] = [plan.first_frontier.expand(batch, k)]
 
-    # Candidate ids: 0 is the root, then levels in order.
-    zeros = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # [batch, 1]
+    zeros = plan.zeros.expand(batch, 1)  # [batch, 1]
     logprobs = _level_logprobs(fn, roots[:, None], zeros, 0)  # [batch, 1, vocab]
     top = logprobs[:, 0].topk(k, dim=-1)  # [batch, k]
     frontier_scores, frontier_tokens = top.values, _tokens(top.indices, token_map)  # [batch, k]
-    frontier_ids = torch.arange(1, k + 1, device=device).expand(batch, k)  # [batch, k]
     scores.append(frontier_scores)
     tokens.append(frontier_tokens)
-    parent_ids.append(zeros.expand(batch, k))
-    next_id = k + 1
     frontier_rows = zeros.expand(batch, k)  # [batch, k]: rows in the last call
-    cand_parent_row = torch.arange(k * k, device=device) // k  # [k*k]: row of each parent
 
     for depth in range(1, shape.depth):
         logprobs = _level_logprobs(fn, frontier_tokens, frontier_rows, depth)  # [batch, k, V]
@@ -642,27 +665,64 @@ def _build_dynamic(
         cand_tokens = _tokens(top.indices, token_map).flatten(1)  # [batch, k*k]
         scores.append(cand_scores)
         tokens.append(cand_tokens)
-        parent_ids.append(frontier_ids[:, cand_parent_row])
         best = cand_scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        if depth + 1 < shape.depth:  # the last level is never expanded
+            frontiers.append(best)
         frontier_scores = cand_scores.gather(1, best)  # [batch, k]
         frontier_tokens = cand_tokens.gather(1, best)
-        frontier_ids = next_id + best
-        frontier_rows = cand_parent_row[best]
-        next_id += k * k
+        frontier_rows = best // k
 
     all_scores = torch.cat(scores, dim=1)  # [batch, num_candidates]; id = column + 1
     order = all_scores.sort(dim=-1, descending=True, stable=True).indices
-    kept = order[:, : shape.total_tokens].sort(dim=-1).values + 1  # [batch, total] ids
-    all_tokens = torch.cat(tokens, dim=1)
-    all_parents = torch.cat(parent_ids, dim=1)
+    kept = order[:, : shape.total_tokens].sort(dim=-1).values  # [batch, total]: columns
+    # Every candidate's parent id: the root (0) at depth 1; below, the id of the frontier
+    # node its row expanded (depth d's candidate ids start at ``plan.first_id[d - 1]``).
+    parent_ids = zeros.expand(batch, k)
+    if shape.depth > 1:
+        frontier_ids = torch.stack(frontiers, dim=1) + plan.first_id  # [batch, D - 1, k]
+        below = frontier_ids[:, :, plan.cand_parent_row].flatten(1)  # [batch, (D-1) * k * k]
+        parent_ids = torch.cat([parent_ids, below], dim=1)  # [batch, num_candidates]
     # new_index[b, candidate id] = node index in tree b (the root stays 0).
     new_index = torch.zeros(batch, shape.num_candidates + 1, dtype=torch.int64, device=device)
-    node_numbers = torch.arange(1, shape.total_tokens + 1, device=device).expand_as(kept)
-    new_index.scatter_(1, kept, node_numbers)
-    parents = torch.cat([zeros, new_index.gather(1, all_parents.gather(1, kept - 1))], dim=1)
-    depth_of_candidate = torch.cat(
-        [torch.full_like(t[0], d + 1) for d, t in enumerate(tokens)]
-    )  # [num_candidates]
-    depths = torch.cat([zeros, depth_of_candidate[kept - 1]], dim=1)  # [batch, total + 1]
-    token_ids = torch.cat([roots[:, None], all_tokens.gather(1, kept - 1)], dim=1)
+    new_index.scatter_(1, kept + 1, plan.node_numbers.expand(batch, -1))
+    parents = torch.cat([zeros, new_index.gather(1, parent_ids.gather(1, kept))], dim=1)
+    depths = torch.cat([zeros, plan.candidate_depth[kept]], dim=1)  # [batch, total + 1]
+    token_ids = torch.cat([roots[:, None], torch.cat(tokens, dim=1).gather(1, kept)], dim=1)
     return TreeBatch(token_ids=token_ids, parents=parents, depths=depths)
+
+
+@dataclass(frozen=True)
+class _DynamicPlan:
+    """Index constants of a dynamic shape (made once per device, like ``_StaticPlan``).
+    Candidate ids: 0 is the root, then depth 1's k candidates, then k * k per level."""
+
+    zeros: torch.Tensor  # [1, 1] int64
+    first_frontier: torch.Tensor  # [1, k]: depth 1's frontier columns, 0 .. k - 1
+    cand_parent_row: torch.Tensor  # [k * k]: the frontier row each candidate hangs below
+    first_id: torch.Tensor  # [depth - 1, 1]: candidate id of column 0 at depth 1 .. depth-1
+    node_numbers: torch.Tensor  # [1, total_tokens]: 1 .. total_tokens
+    candidate_depth: torch.Tensor  # [num_candidates]: each candidate column's depth
+
+
+_DYNAMIC_PLANS: dict[tuple[DynamicTreeShape, torch.device], _DynamicPlan] = {}
+
+
+def _dynamic_plan(shape: DynamicTreeShape, device: torch.device) -> _DynamicPlan:
+    key = (shape, device)
+    if key not in _DYNAMIC_PLANS:
+        k, depth = shape.top_k, shape.depth
+
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        _DYNAMIC_PLANS[key] = _DynamicPlan(
+            zeros=tensor([[0]]),
+            first_frontier=tensor([list(range(k))]),
+            cand_parent_row=tensor([c // k for c in range(k * k)]),
+            first_id=tensor([[1]] + [[1 + k + (d - 2) * k * k] for d in range(2, depth)]),
+            node_numbers=tensor([list(range(1, shape.total_tokens + 1))]),
+            candidate_depth=tensor(
+                [1] * k + [d for d in range(2, depth + 1) for _ in range(k * k)]
+            ),
+        )
+    return _DYNAMIC_PLANS[key]

@@ -43,6 +43,10 @@ class GrowInputs:
     block_tables: torch.Tensor  # [batch, width] int32
     root_state: tuple[torch.Tensor, ...]  # proposer-specific, e.g. the root's logits
     start_cpu: list[int] | None = None  # host copy (eager runs; the reference backend)
+    # [batch, width] int64, optional: the cache slots of indices start .. start + width - 1
+    # when the caller has looked them up already (the pipelined step: its verification
+    # writes the same slots); a layout within ``width`` nodes reuses them.
+    slots: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -76,21 +80,43 @@ class GrowInputs:
 class TreeDraftLayout:
     """Where the fed nodes of a batch of trees (one shape) live in the proposer's cache.
 
-    Request ``b``'s blocks must hold ``start[b] + num_fed`` slots once every level is fed
-    (a shape's ``num_expanded`` nodes). ``max_seq_len`` bounds every context length
-    (captured graphs pass the model's limit); None derives it from ``start_cpu``.
+    Request ``b``'s blocks must hold ``start[b] + capacity`` slots: ``capacity`` bounds
+    the nodes fed over all levels (a shape's ``num_expanded``). ``max_seq_len`` bounds
+    every context length (captured graphs pass the model's limit); None derives it from
+    ``start_cpu``.
+
+    A draft level launches a few small kernels on the GPU, where a growth is launch-bound,
+    so what does not change from level to level is made once: the slots of every fed
+    index (one block-table lookup), one ancestor mask that each level extends by its own
+    rows (a level's mask is its top-left block), and the index tensors of each level
+    width.
     """
 
-    def __init__(self, inputs: GrowInputs, block_size: int, max_seq_len: int | None) -> None:
+    def __init__(
+        self, inputs: GrowInputs, block_size: int, max_seq_len: int | None, capacity: int
+    ) -> None:
         if max_seq_len is None and inputs.start_cpu is None:
             raise ValueError("pass max_seq_len, or GrowInputs with start_cpu")
+        if capacity < 0:
+            raise ValueError(f"capacity={capacity} is negative; pass the shape's num_expanded")
         self.inputs = inputs
         self.block_size = block_size
         self.max_seq_len = max_seq_len
+        self.capacity = capacity
         self.device = inputs.roots.device
         self.num_fed = 0  # nodes fed so far per tree (levels are equally wide across trees)
         self.num_levels = 0
-        self.mask: torch.Tensor | None = None  # [batch, num_fed, num_fed] bool; None: a chain
+        batch = inputs.batch
+        if inputs.slots is not None and inputs.slots.shape[1] >= capacity:
+            self._slots = inputs.slots  # [batch, >= capacity]
+        else:
+            index = inputs.start[:, None] + torch.arange(capacity, device=self.device)
+            self._slots = cache_slots(inputs.block_tables, index, block_size).view(batch, -1)
+        self._start32 = inputs.start.to(torch.int32)
+        # [batch, capacity, capacity] bool: row i marks fed node i and its ancestors among
+        # the fed nodes; made at the first level that is not a chain's.
+        self._ancestors: torch.Tensor | None = None
+        self._by_width: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._level_offset = 0  # first fed index of the last level
 
     def level(
@@ -105,61 +131,72 @@ class TreeDraftLayout:
             raise ValueError(
                 f"levels are fed in order: got depth {depth}, expected {self.num_levels + 1}"
             )
-        device = self.device
         prev, total = self.num_fed, self.num_fed + n
+        if total > self.capacity:
+            raise ValueError(
+                f"level {depth} feeds nodes {prev}..{total - 1}, past the layout's capacity "
+                f"of {self.capacity}; size the layout by the shape's num_expanded"
+            )
         # One node per level so far: the fed nodes form a chain, which causal attention
         # over their consecutive slots already restricts to ancestors (no mask to build,
         # and the attention takes its decode path).
         chain = n == 1 and prev == self.num_levels
-        mask = None
-        if not chain:
-            # Mask rows: a level-1 node sees itself; a deeper node its parent's row plus
-            # itself.
-            mask = torch.zeros(batch, total, total, dtype=torch.bool, device=device)
-            if prev:
-                earlier = self._ancestors(batch, prev)  # [batch, prev, prev]
-                mask[:, :prev, :prev] = earlier
-                if depth > 1:
-                    rows = self._level_offset + parent_rows  # [batch, n]
-                    mask[:, prev:, :prev] = earlier.gather(
-                        1, rows[:, :, None].expand(batch, n, prev)
-                    )
-            mask[:, prev:, prev:] |= torch.eye(n, dtype=torch.bool, device=device)
-
-        bs = self.block_size
-        start = self.inputs.start
-        index = start[:, None] + prev + torch.arange(n, device=device)  # [batch, n]
-        slots = cache_slots(self.inputs.block_tables, index, bs)  # [batch * n]
-        positions = (start + depth - 1)[:, None].expand(batch, n).flatten()
+        query_start_loc, rows = self._width_indices(batch, n)
         host = self.inputs.start_cpu
         seq_lens_cpu = [s + total for s in host] if host is not None else None
         meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device),
-            seq_lens=(start + total).to(torch.int32),
+            slot_mapping=self._slots[:, prev:total].reshape(-1),
+            query_start_loc=query_start_loc,
+            seq_lens=self._start32 + total,
             block_tables=self.inputs.block_tables,
             max_query_len=n,
             max_seq_len=self.max_seq_len if seq_lens_cpu is None else max(seq_lens_cpu),
             query_lens_cpu=[n] * batch if host is not None else None,
             seq_lens_cpu=seq_lens_cpu,
         )
-        if mask is not None:
-            meta = uniform_tree_mask(mask).attach(meta)
-        self.mask, self._level_offset, self.num_fed = mask, prev, total
+        if not chain:
+            meta = uniform_tree_mask(self._grow_mask(parent_rows, prev, total, depth)).attach(meta)
+        self._level_offset, self.num_fed = prev, total
         self.num_levels += 1
         return ChunkInputs(
             input_ids=tokens.flatten(),
-            positions=positions,
+            positions=(self.inputs.start + (depth - 1))[:, None].expand(batch, n).reshape(-1),
             meta=meta,
-            last_rows=torch.arange(batch * n, device=device),
+            last_rows=rows,
         )
 
-    def _ancestors(self, batch: int, num: int) -> torch.Tensor:  # [batch, num, num] bool
-        """The ancestor mask of the nodes fed so far (a chain's: lower-triangular)."""
-        if self.mask is not None:
-            return self.mask
-        tril = torch.ones(num, num, dtype=torch.bool, device=self.device).tril()
-        return tril.expand(batch, num, num)
+    def _width_indices(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query_start_loc [batch + 1] int32, rows [batch * n]) of a level ``n`` wide."""
+        if n not in self._by_width:
+            device = self.device
+            self._by_width[n] = (
+                torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device),
+                torch.arange(batch * n, device=device),
+            )
+        return self._by_width[n]
+
+    def _grow_mask(
+        self, parent_rows: torch.Tensor, prev: int, total: int, depth: int
+    ) -> torch.Tensor:  # [batch, total, total] bool, contiguous
+        """Extend the ancestor mask by the rows of nodes ``prev .. total``: each sees
+        itself and, below level 1, its parent's row (the parent's ancestors)."""
+        batch = parent_rows.shape[0]
+        if self._ancestors is None:
+            # Every node sees itself; the chain fed before this first tree level (nodes
+            # 0 .. prev) sees its own prefix.
+            device, c = self.device, self.capacity
+            eye = torch.eye(c, dtype=torch.bool, device=device)
+            self._ancestors = eye.expand(batch, c, c).clone()
+            if prev:
+                chain = torch.ones(prev, prev, dtype=torch.bool, device=device).tril()
+                self._ancestors[:, :prev, :prev] = chain
+        anc = self._ancestors
+        if depth > 1:
+            rows = self._level_offset + parent_rows  # [batch, n]
+            anc[:, prev:total, :prev] = anc[:, :prev, :prev].gather(
+                1, rows[:, :, None].expand(batch, total - prev, prev)
+            )
+        return anc[:, :total, :total].contiguous()
 
 
 def catch_up_inputs(
