@@ -132,6 +132,9 @@ def patched(counter: OpCounter, engine):
         (TritonAttentionBackend, "forward_rope", "attention"),
     ]
     launcher = _interpreted_launcher()
+    # (A target an older tree lacks, e.g. forward_rope, is skipped: the counter also
+    # measures earlier commits.)
+    targets = [(owner, attr, name) for owner, attr, name in targets if hasattr(owner, attr)]
     saved = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in targets]
     saved.append((launcher, "run", launcher.__dict__["run"]))
     run = launcher.run
