@@ -11,12 +11,15 @@ and checkpoints are train-draft's (``trainer.py``, ``checkpoint.py``): with
 At the end the model is written in HF layout to ``<output_dir>/<export.name>``
 (``models.hf_save``: safetensors shards of at most ``export.shard_mb``, the base's
 config, tokenizer and chat template, and ``specdec_sft.json`` with the recipe and final
-figures), ready for ``specdec generate --model <that dir>``.
+figures), ready for ``specdec generate --model <that dir>``. With ``lora.rank`` > 0 the
+base stays frozen, low-rank updates train (``models.lora``), and the export is a PEFT
+adapter directory naming the base: a few MB that every loader here merges.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -125,6 +128,11 @@ def build_model(config: SFTConfig, device: torch.device):
         attention=packed_attention(config.model.attention, device),
         max_positions=config.data.max_seq_len,
     )
+    if config.lora.enabled:
+        from specdec.models.lora import apply_lora
+
+        apply_lora(lm, config.lora.spec())  # the base stays frozen
+        return lm.train(), resolved
     return lm.requires_grad_(True).train(), resolved
 
 
@@ -242,9 +250,11 @@ def evaluate(model, source: ChatRecords, accelerator) -> dict[str, Any]:
 
 
 def _export(accelerator, model, config: SFTConfig, base_dir: Path, state, evals) -> Path:
-    """The tuned model in HF layout, written to a temporary directory and renamed."""
+    """The tuned model, written to a temporary directory and renamed: in HF layout, or
+    with LoRA the PEFT adapter directory (which names ``model.base``)."""
     from specdec.data_gen.reasoning.format import THINK_CLOSE, THINK_OPEN
     from specdec.models.hf_save import save_hf_model
+    from specdec.models.lora import adapter_tensors, save_adapter
 
     out_dir = Path(config.run.output_dir)
     final = out_dir / config.export.name
@@ -265,14 +275,20 @@ def _export(accelerator, model, config: SFTConfig, base_dir: Path, state, evals)
         }
         tmp = out_dir / f"{config.export.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_hf_model(
-            lm,
-            tmp,
-            source_dir=base_dir,
-            dtype=_DTYPES[config.export.dtype],
-            max_shard_bytes=int(config.export.shard_mb * 2**20),
-            extra_files={"specdec_sft.json": provenance},
-        )
+        dtype, limit = _DTYPES[config.export.dtype], int(config.export.shard_mb * 2**20)
+        if config.lora.enabled:
+            tensors = adapter_tensors(lm, dtype)
+            save_adapter(tmp, tensors, config.lora.spec(), config.model.base, limit)
+            (tmp / "specdec_sft.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        else:
+            save_hf_model(
+                lm,
+                tmp,
+                source_dir=base_dir,
+                dtype=dtype,
+                max_shard_bytes=limit,
+                extra_files={"specdec_sft.json": provenance},
+            )
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     accelerator.wait_for_everyone()

@@ -45,6 +45,37 @@ class SFTDataSection:
 
 
 @dataclass
+class LoraSection:
+    """LoRA instead of a full fine-tune (``rank`` > 0): the base frozen, low-rank updates
+    of the ``targets`` projections trained, and the export a PEFT adapter directory of a
+    few MB (``specdec.models.lora``) that names ``model.base``."""
+
+    rank: int = 0  # 0: full fine-tune
+    alpha: float = 32.0  # updates scale by alpha / rank
+    targets: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    )  # fmt: skip
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _at_least("lora", self, 0, "rank")
+        if self.rank:
+            self.spec()  # validates targets and dropout, naming the bad value
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def spec(self):
+        from specdec.models.lora import LoraSpec
+
+        try:
+            return LoraSpec(self.rank, self.alpha, tuple(self.targets), self.dropout)
+        except ValueError as e:
+            raise ValueError(f"lora: {e}") from None
+
+
+@dataclass
 class ExportSection:
     dtype: str = "bfloat16"  # weights of the exported model
     shard_mb: float = 16.0  # largest safetensors file; bigger tensors are split by rows
@@ -65,4 +96,5 @@ class SFTConfig(SectionedConfig):
     data: SFTDataSection = field(default_factory=SFTDataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     run: RunSection = field(default_factory=RunSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     export: ExportSection = field(default_factory=ExportSection)

@@ -64,7 +64,14 @@ class HFGenerate:
 def _load(model: str, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    hf_dir = resolve_model(model).hf_dir
+    resolved = resolve_model(model)
+    if resolved.adapter is not None:
+        raise ValueError(
+            f"the HF generate peer loads {model!r}'s base without its LoRA adapter; write a "
+            "merged HF directory (specdec.models.hf_save.save_hf_model(load_model(...))) and "
+            "bench that, or disable the peer"
+        )
+    hf_dir = resolved.hf_dir
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
 
 

@@ -3,7 +3,9 @@
 A spec is, in the order tried:
 
 1. an alias (``smollm2-135m-instruct``): a GGUF shipped in a PyPI package (``aliases.py``);
-2. an existing local path: an HF directory (config.json + *.safetensors) or a .gguf file;
+2. an existing local path: an HF directory (config.json + *.safetensors), a PEFT LoRA
+   adapter directory (``adapter_config.json``: its base is resolved by these rules and the
+   adapter merged into it, ``lora.py``), or a .gguf file;
 3. a hub name ``org/name``: the local Hugging Face cache first, then a download.
 
 Every GGUF is converted once into a cached HF directory (``gguf.py``), so everything
@@ -25,9 +27,10 @@ from specdec.models.aliases import ALIASES, ModelNotFoundError
 from specdec.models.config import ModelConfig
 from specdec.models.gguf import gguf_to_hf_dir
 from specdec.models.llama import CausalLM
+from specdec.models.lora import ADAPTER_CONFIG, merge_adapter, read_adapter_config
 from specdec.models.weights import load_safetensors_weights
 
-SourceKind = Literal["alias", "hf_dir", "gguf", "hub"]
+SourceKind = Literal["alias", "hf_dir", "gguf", "hub", "adapter"]
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What a model needs from a hub snapshot (weights, configs, tokenizer, chat template).
@@ -39,6 +42,9 @@ class ResolvedModel:
     name: str  # the alias, directory name, GGUF stem or hub name
     hf_dir: Path  # an HF directory: config.json, *.safetensors, tokenizer files
     source: SourceKind
+    # A LoRA adapter directory merged into ``hf_dir``'s weights at load (source "adapter":
+    # ``hf_dir`` is then its base's; config and tokenizer are the base's).
+    adapter: Path | None = None
 
 
 def resolve_model(spec: str, cache_dir: str | Path | None = None) -> ResolvedModel:
@@ -48,6 +54,8 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> ResolvedMod
         gguf = ALIASES[spec].locate()
         return ResolvedModel(spec, gguf_to_hf_dir(gguf, cache_dir), "alias")
     path = Path(spec).expanduser()
+    if path.is_dir() and (path / ADAPTER_CONFIG).is_file():
+        return _resolve_adapter(path.resolve(), cache_dir)
     if path.is_dir():
         return ResolvedModel(path.resolve().name, _check_hf_dir(path.resolve()), "hf_dir")
     if path.is_file():
@@ -96,6 +104,8 @@ def load_model(
     lm.tie_weights()  # to_empty may replace the shared parameter with two copies
     lm.rotary.build_cache()
     load_safetensors_weights(lm, resolved.hf_dir)
+    if resolved.adapter is not None:
+        merge_adapter(lm, resolved.adapter)
     return lm.eval().requires_grad_(False)
 
 
@@ -113,6 +123,25 @@ def load_tokenizer(model: str | ResolvedModel, cache_dir: str | Path | None = No
 
     resolved = model if isinstance(model, ResolvedModel) else resolve_model(model, cache_dir)
     return AutoTokenizer.from_pretrained(resolved.hf_dir)
+
+
+def _resolve_adapter(adapter: Path, cache_dir: str | Path | None) -> ResolvedModel:
+    """A LoRA adapter directory: its base (a path relative to the adapter is tried there
+    too), with the adapter to merge."""
+    _, base = read_adapter_config(adapter)
+    if base not in ALIASES and not Path(base).expanduser().exists():
+        beside = adapter / base
+        if beside.exists():
+            base = str(beside)
+    try:
+        resolved = resolve_model(base, cache_dir)
+    except ModelNotFoundError as e:
+        raise ModelNotFoundError(
+            f"LoRA adapter {adapter}: its base_model_name_or_path {base!r} does not resolve ({e})"
+        ) from None
+    if resolved.adapter is not None:
+        raise ModelNotFoundError(f"LoRA adapter {adapter}: its base {base!r} is an adapter too")
+    return ResolvedModel(adapter.name, resolved.hf_dir, "adapter", adapter=adapter)
 
 
 def _check_hf_dir(path: Path) -> Path:
