@@ -145,7 +145,6 @@ def test_varlen_attention_matches_sdpa_on_cuda():
 
 
 def test_sft_learns_and_exports_a_model_the_engine_serves(traces, tiny, tmp_path):
-    from specdec import LLM, SamplingParams
 
     out = tmp_path / "run"
     result = train_sft(
@@ -180,15 +179,7 @@ def test_sft_learns_and_exports_a_model_the_engine_serves(traces, tiny, tmp_path
         stored = trained.get(f"lm.{key}", trained.get(f"lm.{tied.get(key)}"))
         torch.testing.assert_close(value, stored, atol=0, rtol=0)
 
-    llm = LLM(
-        str(model), device="cpu", dtype="float32", kv_cache_memory=16 << 20, max_model_len=512
-    )
-    outs = llm.chat(
-        [{"role": "user", "content": "Find the GCD of 12 and 18."}],
-        SamplingParams(temperature=0, max_tokens=4),
-        use_tqdm=False,
-    )
-    assert len(outs[0].outputs[0].token_ids) == 4
+    _engine_serves(model)
 
 
 def test_lora_sft_trains_only_the_adapter_and_exports_a_small_peft_directory(
@@ -197,7 +188,6 @@ def test_lora_sft_trains_only_the_adapter_and_exports_a_small_peft_directory(
     """``lora.rank`` > 0: the base's weights do not move, the loss falls, and the export
     is a PEFT adapter directory (one small file naming the base) that the engine serves
     and that loads as base + the checkpoint's updates."""
-    from specdec import LLM, SamplingParams
     from specdec.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     out = tmp_path / "run"
@@ -236,8 +226,15 @@ def test_lora_sft_trains_only_the_adapter_and_exports_a_small_peft_directory(
     torch.testing.assert_close(tuned[f"{layer}.weight"][:q_rows], want, atol=1e-6, rtol=0)
     assert not torch.equal(tuned[f"{layer}.weight"], base[f"{layer}.weight"])
 
+    _engine_serves(adapter)
+
+
+def _engine_serves(model: Path) -> None:
+    """The engine loads ``model`` and decodes with it."""
+    from specdec import LLM, SamplingParams
+
     llm = LLM(
-        str(adapter), device="cpu", dtype="float32", kv_cache_memory=16 << 20, max_model_len=512
+        str(model), device="cpu", dtype="float32", kv_cache_memory=16 << 20, max_model_len=512
     )
     outs = llm.chat(
         [{"role": "user", "content": "Find the GCD of 12 and 18."}],
