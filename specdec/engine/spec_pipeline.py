@@ -281,10 +281,9 @@ class SpecStepGraphs:
     """CUDA graphs of ``SpecPipeline._step``, one per bucketed batch size (the verify
     graphs' buckets). Each launch stages its inputs in one host-to-device copy into the
     graphs' int32 buffer: the source rows (padding rows: the zero ``pad_row``) at offset
-    0, the block tables
-    (padding rows null) from a fixed offset. Padding rows catch up and draft from cache
-    index 0 through null block tables: they write the null block only, and their
-    outcome rows are never read."""
+    0, the block tables (padding rows null) from a fixed offset. Padding rows catch up
+    and draft from cache index 0 through null block tables: they write the null block
+    only, and their outcome rows are never read."""
 
     def __init__(self, pipeline: SpecPipeline, max_batch_size: int) -> None:
         self.pipeline = pipeline
