@@ -102,14 +102,14 @@ def test_adapter_directory_is_peft_layout(tiny, tmp_path):
     assert config["base_model_name_or_path"] == "smollm2-135m-instruct"
     assert set(config["target_modules"]) == set(spec.targets)
     c = model.config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    kv = c.num_kv_heads * c.head_dim
     prefix = "base_model.model.model.layers.1"
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
     assert shapes[f"{prefix}.self_attn.q_proj.lora_A.weight"] == (4, c.hidden_size)
     assert shapes[f"{prefix}.self_attn.k_proj.lora_B.weight"] == (kv, 4)
     assert shapes[f"{prefix}.self_attn.o_proj.lora_B.weight"] == (c.hidden_size, 4)
     assert shapes[f"{prefix}.mlp.down_proj.lora_A.weight"] == (4, c.intermediate_size)
-    assert q and len(tensors) == 2 * 7 * c.num_layers
+    assert len(tensors) == 2 * 7 * c.num_layers
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert (adapter / ADAPTER_WEIGHTS).is_file()
     with pytest.raises(ValueError, match=r"at rank 4, over the 0.0 MB file limit"):

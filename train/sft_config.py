@@ -44,6 +44,12 @@ class SFTDataSection:
         _at_least("data", self, 0, "eval_records")
 
 
+def _every_projection() -> tuple[str, ...]:
+    from specdec.models.lora import PROJECTIONS  # torch: only when a config is built
+
+    return tuple(PROJECTIONS)
+
+
 @dataclass
 class LoraSection:
     """LoRA instead of a full fine-tune (``rank`` > 0): the base frozen, low-rank updates
@@ -52,9 +58,7 @@ class LoraSection:
 
     rank: int = 0  # 0: full fine-tune
     alpha: float = 32.0  # updates scale by alpha / rank
-    targets: tuple[str, ...] = (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    )  # fmt: skip
+    targets: tuple[str, ...] = field(default_factory=_every_projection)
     dropout: float = 0.0
 
     def __post_init__(self) -> None:

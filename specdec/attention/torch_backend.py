@@ -12,6 +12,8 @@ batch-dependent key axis, which changes fp32 rounding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,19 @@ def store_kvcache_ref(
     _, _, kvh, d = k_cache.shape
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def move_kvcache_ref(
+    caches: Sequence[torch.Tensor],  # each [num_blocks, block_size, kv_heads, head_dim]
+    src: torch.Tensor,  # [...] int64 slots
+    dst: torch.Tensor,  # [...] int64 slots, src's shape
+) -> None:
+    """Copy slot ``src[i]`` to ``dst[i]`` in every cache; all sources are read before any
+    destination is written (so a move may land on a slot another move reads)."""
+    src, dst = src.flatten(), dst.flatten()
+    for cache in caches:
+        flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
+        flat.index_copy_(0, dst, flat.index_select(0, src))
 
 
 def rope_store_kvcache_ref(

@@ -14,6 +14,7 @@ import torch
 from specdec.attention import get_attention_backend
 from specdec.attention.custom_op import OpaqueAttention
 from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.torch_backend import move_kvcache_ref
 from specdec.config import EngineConfig
 from specdec.engine.cuda_graph import StepGraphs, graph_batch_sizes, tree_graph_batch_sizes
 from specdec.engine.input_batch import PendingTokens, StepInputs, build_step_inputs
@@ -110,9 +111,10 @@ class ModelRunner:
         # Every cache's base address, for the one-launch K/V move (Triton path only).
         self._kv_table: torch.Tensor | None = None
         if self.runtime.attention_backend == "triton":
-            from specdec.kernels.move_kv import cache_pointer_table
+            from specdec.kernels.move_kv import cache_pointer_table, move_kv_slots
 
             self._kv_table = cache_pointer_table([c for pair in self.kv_caches for c in pair])
+            self._move_kv_slots = move_kv_slots
         # Layers whose entering residual stream a proposer needs (EAGLE-3); set by the
         # engine before ``capture_graphs`` (graphs capture the aux outputs too).
         self.aux_layer_ids: tuple[int, ...] = ()
@@ -301,10 +303,7 @@ class ModelRunner:
     def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """K/V of slots ``src`` into slots ``dst`` ([n] int64 each), every layer; all
         sources are read before any destination is written."""
-        for k_cache, v_cache in self.kv_caches:
-            for cache in (k_cache, v_cache):
-                flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
-                flat.index_copy_(0, dst, flat.index_select(0, src))
+        move_kvcache_ref([c for pair in self.kv_caches for c in pair], src, dst)
 
     @torch.inference_mode()
     def move_accepted_kv(
@@ -323,13 +322,11 @@ class ModelRunner:
         src = slots.gather(1, src_node)  # [batch, depth]
         dst = slots[:, 1 : path.shape[1]]
         if self._kv_table is None:
-            self._copy_slots(src.flatten(), dst.flatten())
+            self._copy_slots(src, dst)
             return
-        from specdec.kernels.move_kv import move_kv_slots
-
         # One launch for every layer; a row's moves only shift nodes towards the root, and
         # rows never share slots outside the null block (move_kv_slots' contract).
-        move_kv_slots(self._kv_table, self.kv_caches[0][0], src, dst)
+        self._move_kv_slots(self._kv_table, self.kv_caches[0][0], src, dst)
 
     @torch.inference_mode()
     def replays_graph(self, inputs: StepInputs) -> bool:

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.attention.torch_backend import move_kvcache_ref as move_kv_slots_ref
 from specdec.kernels.launch import next_power_of_2, require_launchable
 
 __all__ = ["cache_pointer_table", "move_kv_slots", "move_kv_slots_ref"]
@@ -39,19 +40,6 @@ def cache_pointer_table(caches: Sequence[torch.Tensor]) -> torch.Tensor:  # [num
             )
     ptrs = [c.data_ptr() for c in caches]
     return torch.tensor(ptrs, dtype=torch.int64).to(first.device)
-
-
-def move_kv_slots_ref(
-    caches: Sequence[torch.Tensor],  # each [num_blocks, block_size, kv_heads, head_dim]
-    src: torch.Tensor,  # [rows, n] int64 slots
-    dst: torch.Tensor,  # [rows, n] int64 slots
-) -> None:
-    """Copy slot ``src[r, j]`` to ``dst[r, j]`` in every cache; all sources are read
-    before any destination is written."""
-    src, dst = src.flatten(), dst.flatten()
-    for cache in caches:
-        flat = cache.view(-1, *cache.shape[2:])  # [num_slots, kv_heads, head_dim]
-        flat.index_copy_(0, dst, flat.index_select(0, src))
 
 
 @triton.jit
