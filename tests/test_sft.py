@@ -145,7 +145,6 @@ def test_varlen_attention_matches_sdpa_on_cuda():
 
 
 def test_sft_learns_and_exports_a_model_the_engine_serves(traces, tiny, tmp_path):
-
     out = tmp_path / "run"
     result = train_sft(
         config(
