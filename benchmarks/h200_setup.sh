@@ -5,6 +5,10 @@
 # in .gpu/ (made here with `split -n 2 -d MODEL.gguf .gpu/smollm2.gguf.part`, one part per
 # call because a call carries at most 64 MiB) and joins them once all have arrived.
 # Parts must sit one folder below .gpu/ (.gpu/<name>/<part>).
+# The working tree travels too: with the shipped head (29 MB) and the reasoning adapter
+# (10 MB) it leaves no room for a 49 MB part, so the two calls that carry the parts run
+# with specdec/heads/*/ and specdec/targets/*/ moved out of the checkout (code alone is
+# ~7 MB; session 14 did so and restored them for the later calls).
 mkdir -p /tmp/site /tmp/gguf
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl

@@ -8,18 +8,20 @@
 #   HEAD=specdec/heads/smollm2-135m-instruct PROMPTS=.gpu/bench_sets \
 #       bash benchmarks/h200_spec_speed.sh
 #
-# PROMPTS holds humaneval.jsonl and gsm_symbolic.jsonl (made where the data packages are:
-# `specdec bench --export-prompts DIR`). Reports go to $OUT (spec_speed_{eager,compiled}.*).
+# PROMPTS holds the sets' JSONLs (made where the data packages are: `specdec bench
+# --export-prompts DIR`); SETS picks them (default humaneval gsm_symbolic), MODES the head's
+# modes (default eager compiled). Reports go to $OUT (spec_speed_{eager,compiled}.*).
 set -uo pipefail
 : "${HEAD:?HEAD=<EAGLE-3 head dir>}" "${PROMPTS:?PROMPTS=<dir with the bench set JSONLs>}"
 OUT=${OUT:-/tmp/spec_speed}
 mkdir -p "$OUT"
-for mode in eager compiled; do
+prompts=()
+for set in ${SETS:-humaneval gsm_symbolic}; do prompts+=(--prompts "$PROMPTS/$set.jsonl"); done
+for mode in ${MODES:-eager compiled}; do
     compile=off
     [ "$mode" = compiled ] && compile=on
     timeout "${BENCH_S:-270}" specdec bench --model smollm2-135m-instruct --draft eagle3 \
-        --draft-model "$HEAD" --prompts "$PROMPTS/humaneval.jsonl" \
-        --prompts "$PROMPTS/gsm_symbolic.jsonl" --num-prompts "${NP:-16}" --max-tokens 256 \
+        --draft-model "$HEAD" "${prompts[@]}" --num-prompts "${NP:-16}" --max-tokens 256 \
         --batch-sizes 1,16 --dtype bfloat16 --sweep-chain 2,3 --sweep-top-k 8 \
         --sweep-depth 5 --sweep-total-tokens 32 --spec-pipelined on \
         --spec-compile-head "$compile" --repeats 1 --no-progress \

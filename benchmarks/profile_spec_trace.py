@@ -100,7 +100,7 @@ def build(a: argparse.Namespace, shape: str):
         a.model,
         speculative=spec,
         dtype=a.dtype,
-        max_model_len=2048,
+        max_model_len=4096,
         max_num_seqs=max(a.batch),
         cuda_graph_max_batch_size=max(a.batch),
         kv_cache_memory=2 << 30,
