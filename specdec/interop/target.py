@@ -3,7 +3,9 @@
 specdec's own format records ``target_model``, the speculators format
 ``speculators_config.verifier.name_or_path``; the research format names none, so
 ``--target`` is needed there. ``portable_name`` is what other engines can resolve: a
-specdec alias (a GGUF inside a pip package) becomes its converted HF directory.
+specdec alias of a GGUF inside a pip package becomes its converted HF directory, an alias
+of a shipped LoRA adapter the adapter's directory (never its bare base, which would serve
+a different model).
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ def resolve_target(head_dir: str | Path, target: str | None) -> ResolvedTarget:
             "for it); pass --target with the model the head drafts for (alias, HF directory "
             "or hub name)"
         )
-    portable = str(resolve_model(name).hf_dir) if name in ALIASES else name
+    if name in ALIASES:  # a path that loads anywhere: the adapter itself, not its base
+        resolved = resolve_model(name)
+        portable = str(resolved.adapter or resolved.hf_dir)
+    else:
+        portable = name
     return ResolvedTarget(name, portable, load_config(name))
 
 

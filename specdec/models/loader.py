@@ -2,7 +2,9 @@
 
 A spec is, in the order tried:
 
-1. an alias (``smollm2-135m-instruct``): a GGUF shipped in a PyPI package (``aliases.py``);
+1. an alias (``aliases.py``): a GGUF shipped in a PyPI package (``smollm2-135m-instruct``),
+   or a model directory shipped inside specdec (``smollm2-135m-reasoning``, a LoRA adapter
+   on the former), resolved as the directory it is;
 2. an existing local path: an HF directory (config.json + *.safetensors), a PEFT LoRA
    adapter directory (``adapter_config.json``: its base is resolved by these rules and the
    adapter merged into it, ``lora.py``), or a .gguf file;
@@ -14,6 +16,7 @@ downstream reads one format.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -23,7 +26,7 @@ from typing import Literal
 import torch
 
 from specdec.attention.base import AttentionBackend, get_attention_backend
-from specdec.models.aliases import ALIASES, ModelNotFoundError
+from specdec.models.aliases import ALIASES, ModelNotFoundError, PackagedModel
 from specdec.models.config import ModelConfig
 from specdec.models.gguf import gguf_to_hf_dir
 from specdec.models.llama import CausalLM
@@ -50,9 +53,11 @@ class ResolvedModel:
 def resolve_model(spec: str, cache_dir: str | Path | None = None) -> ResolvedModel:
     """Turn ``spec`` into an HF directory; ``cache_dir`` holds GGUF conversions
     (default ``$SPECDEC_CACHE`` or ``~/.cache/specdec``)."""
-    if spec in ALIASES:
-        gguf = ALIASES[spec].locate()
-        return ResolvedModel(spec, gguf_to_hf_dir(gguf, cache_dir), "alias")
+    if isinstance(alias := ALIASES.get(spec), PackagedModel):
+        shipped = resolve_model(str(alias.locate()), cache_dir)
+        return dataclasses.replace(shipped, name=spec)
+    if alias is not None:
+        return ResolvedModel(spec, gguf_to_hf_dir(alias.locate(), cache_dir), "alias")
     path = Path(spec).expanduser()
     if path.is_dir() and (path / ADAPTER_CONFIG).is_file():
         return _resolve_adapter(path.resolve(), cache_dir)

@@ -1,0 +1,69 @@
+"""The shipped reasoning target (alias ``smollm2-135m-reasoning``, a LoRA adapter in
+``specdec/targets/``): it resolves as an adapter on SmolLM2, and it thinks and answers held-out
+items in the trained format, checked by the tasks' own verifiers (real weights, fp32 CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.bench.reasoning import EvalConfig, run_eval
+from specdec.data_gen.decontam import Decontaminator
+from specdec.data_gen.reasoning.generate import TracesConfig, run_traces
+from specdec.models import ALIASES, resolve_model
+from specdec.models.aliases import TARGETS_DIR, PackagedModel
+
+ALIAS = "smollm2-135m-reasoning"
+
+
+def test_the_alias_resolves_to_the_shipped_adapter_on_smollm2(smollm2_dir):
+    assert isinstance(ALIASES[ALIAS], PackagedModel)
+    resolved = resolve_model(ALIAS)
+    assert (resolved.name, resolved.source) == (ALIAS, "adapter")
+    assert resolved.adapter == TARGETS_DIR / ALIAS
+    assert resolved.hf_dir == smollm2_dir  # the base's converted GGUF, merged at load
+    sft = json.loads((TARGETS_DIR / ALIAS / "specdec_sft.json").read_text())
+    assert sft["base"] == "smollm2-135m-instruct" and sft["final_eval"]["eval/acc"] > 0.95
+
+
+def test_a_missing_shipped_directory_names_the_reinstall(monkeypatch, tmp_path):
+    monkeypatch.setattr("specdec.models.aliases.TARGETS_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"missing from the installed specdec; reinstall"):
+        resolve_model(ALIAS)
+
+
+def test_the_shipped_target_thinks_and_answers_held_out_items(tmp_path, smollm2_tokenizer):
+    """The first eval item of three tasks: each reply opens and closes its think span and
+    its answer passes the verifier. These three were right in the 200-item eval of
+    BENCHMARKS.md (session 14); the base model writes no think span at all."""
+    pytest.importorskip("reasoning_gym")
+    traces = tmp_path / "eval.jsonl"
+    run_traces(
+        TracesConfig(
+            output=str(traces),
+            split="eval",
+            tasks=("chain_sum", "basic_arithmetic", "leg_counting"),
+            num_per_task=1,
+        ),
+        decontaminator=Decontaminator({"none": ["nothing to match here at all"]}),
+        tokenizer=smollm2_tokenizer,
+    )
+    report = run_eval(
+        EvalConfig(
+            model=ALIAS,
+            traces=str(traces),
+            max_tokens=400,
+            engine={"device": "cpu", "dtype": "float32", "max_model_len": 1024},
+        )
+    )
+    ids = [item["id"] for item in report["items"]]
+    assert ids == [
+        "chain_sum/eval/1000000003",
+        "basic_arithmetic/eval/1000000007",
+        "leg_counting/eval/1000000007",
+    ], "the eval split's first items changed (reasoning-gym or the splitter)"
+    for item in report["items"]:
+        assert item["opened"] and item["closed"], item
+        assert item["correct"], item
+        assert 0 < item["think_tokens"] < item["output_tokens"]
