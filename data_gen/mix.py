@@ -1,10 +1,12 @@
-"""The default offline training mix: BIG-bench task inputs, reasoning-gym generators (not
-gsm_symbolic, a benchmark set) and chatterbot dialogs, deduplicated and decontaminated.
+"""The offline training sources: BIG-bench task inputs, reasoning-gym generators (not
+gsm_symbolic, a benchmark set), chatterbot dialogs (together the default mix, ``mix``) and
+composed long-form writing requests (``writing``, writing.py; opt-in), deduplicated and
+decontaminated.
 
 Everything here is seeded and ordered: the same config gives the same conversations in
 the same order, which is what lets the prompts stage resume byte-identically. Each source
 yields ``Conversation``s with stable ids (``bigbench/<task>#<example>``,
-``reasoning_gym/<generator>#<i>``, ``chatterbot/<lang>/<file>#<i>``).
+``reasoning_gym/<generator>#<i>``, ``chatterbot/<lang>/<file>#<i>``, ``writing/<i>``).
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from specdec.data_gen.package_files import (
     iter_package_files,
 )
 from specdec.data_gen.records import BadRecord, Conversation, SkipCounts, text_hash
+from specdec.data_gen.writing import writing_conversations
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_SOURCES = ("bigbench", "reasoning_gym", "chatterbot")
+# What ``mix`` means: the sources the shipped head was trained on (docs/default_head.md).
+MIX_SOURCES = ("bigbench", "reasoning_gym", "chatterbot")
+BUILTIN_SOURCES = (*MIX_SOURCES, "writing")
 # Benchmark sets (never training data) and meta-generators that need other generators.
 REASONING_GYM_EXCLUDED = frozenset({"gsm_symbolic", "composite"})
 
@@ -44,7 +49,7 @@ class MixConfig:
     ``reasoning_gym_generators``: None = every generator except the excluded ones.
     """
 
-    sources: tuple[str, ...] = BUILTIN_SOURCES
+    sources: tuple[str, ...] = MIX_SOURCES
     seed: int = 0
     bigbench_per_task: int = 100
     bigbench_multiple_choice: bool = False  # also the inputs of multiple-choice tasks
@@ -52,6 +57,7 @@ class MixConfig:
     reasoning_gym_per_generator: int = 100
     reasoning_gym_generators: tuple[str, ...] | None = None
     chatterbot_languages: tuple[str, ...] = ("english",)
+    writing_prompts: int = 5000
     min_chars: int = 4
     max_chars: int = 16000
     cache_dir: str | None = None
@@ -61,6 +67,8 @@ class MixConfig:
         unknown = [s for s in self.sources if s not in BUILTIN_SOURCES]
         if unknown:
             raise ValueError(f"unknown built-in sources {unknown}; choose from {BUILTIN_SOURCES}")
+        if self.writing_prompts < 0:
+            raise ValueError(f"writing_prompts={self.writing_prompts} must be >= 0")
         if self.reasoning_gym_generators:
             bad = REASONING_GYM_EXCLUDED & set(self.reasoning_gym_generators)
             if bad:
@@ -179,10 +187,18 @@ def chatterbot_conversations(config: MixConfig, skipped: SkipCounts) -> Iterator
                 skipped.add(e.reason)
 
 
+def composed_writing_conversations(
+    config: MixConfig, skipped: SkipCounts
+) -> Iterator[Conversation]:
+    """``writing_prompts`` long-form writing requests (writing.py), seeded by the mix."""
+    return writing_conversations(config.writing_prompts, config.seed)
+
+
 BUILDERS = {
     "bigbench": bigbench_conversations,
     "reasoning_gym": reasoning_gym_conversations,
     "chatterbot": chatterbot_conversations,
+    "writing": composed_writing_conversations,
 }
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from specdec.data_gen.decontam import BenchmarkConfig, Decontaminator, load_benchmark_prompts
 from specdec.data_gen.mix import (
     BUILTIN_SOURCES,
+    MIX_SOURCES,
     MixConfig,
     MixStats,
     build_mix,
@@ -31,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PromptsConfig:
-    """``sources``: ``mix`` (every built-in source), built-in names (``bigbench``,
-    ``reasoning_gym``, ``chatterbot``), JSONL files, stage directories or ``hf:NAME``."""
+    """``sources``: ``mix`` (``bigbench``, ``reasoning_gym``, ``chatterbot``), built-in
+    names (those and ``writing``), JSONL files, stage directories or ``hf:NAME``."""
 
     output: str
     sources: tuple[str, ...] = ("mix",)
@@ -53,8 +54,8 @@ class PromptsConfig:
 def collect(config: PromptsConfig, skipped: SkipCounts) -> tuple[list[Conversation], MixStats]:
     """Every source's conversations, filtered (first occurrence wins), then shuffled."""
     decontaminator = Decontaminator(load_benchmark_prompts(config.benchmark), config.ngram)
-    builtin = [s for s in config.sources if s in BUILTIN_SOURCES or s == "mix"]
-    names = BUILTIN_SOURCES if "mix" in builtin else tuple(builtin)
+    expanded = [n for s in config.sources for n in (MIX_SOURCES if s == "mix" else (s,))]
+    names = tuple(dict.fromkeys(n for n in expanded if n in BUILTIN_SOURCES))
     convs, stats = build_mix(
         MixConfig(**{**asdict(config.mix), "sources": names}), decontaminator, skipped
     )

@@ -23,6 +23,7 @@ PROMPT_SOURCES=${PROMPT_SOURCES:-mix} # data-gen prompts --source values (space-
 # (the prompts stage prints the manifest's record count: check it).
 BIGBENCH_PER_TASK=${BIGBENCH_PER_TASK:-300}
 RG_PER_GENERATOR=${RG_PER_GENERATOR:-200}
+WRITING_PROMPTS=${WRITING_PROMPTS:-5000}  # with PROMPT_SOURCES="mix writing": long-form requests
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}     # regeneration batch
@@ -51,7 +52,8 @@ stage_prompts() {
     local sources=()
     for s in $PROMPT_SOURCES; do sources+=(--source "$s"); done
     specdec data-gen prompts -o "$DATA/prompts" --max-records "$NUM_PROMPTS" "${sources[@]}" \
-        --bigbench-per-task "$BIGBENCH_PER_TASK" --reasoning-gym-per-generator "$RG_PER_GENERATOR"
+        --bigbench-per-task "$BIGBENCH_PER_TASK" --reasoning-gym-per-generator "$RG_PER_GENERATOR" \
+        --writing-prompts "$WRITING_PROMPTS"
 }
 
 stage_regenerate() {

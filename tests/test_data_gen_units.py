@@ -8,21 +8,24 @@ from __future__ import annotations
 import copy
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from specdec.data_gen import mix as mix_module
 from specdec.data_gen.chat import tokenize_conversation
 from specdec.data_gen.decontam import BenchmarkConfig, Decontaminator, load_benchmark_prompts
 from specdec.data_gen.dump_plan import plan_groups, plan_shards
-from specdec.data_gen.mix import MixConfig
+from specdec.data_gen.mix import MIX_SOURCES, MixConfig
 from specdec.data_gen.prompts import PromptsConfig, run_prompts
 from specdec.data_gen.records import SkipCounts
 from specdec.data_gen.shards import RankInfo, ShardStore, load_manifest, verify_manifest
 from specdec.data_gen.sources import read_source
 from specdec.data_gen.vocab import build_vocab_map
+from specdec.data_gen.writing import FORMS, writing_prompts
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] "
@@ -213,6 +216,52 @@ def test_prompt_mix_is_deduplicated_decontaminated_and_resumable(tmp_path):
     assert verify_manifest(tmp_path / "out") == [shard.name]
     run_prompts(config, RankInfo())
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").glob("prompts-*")} == before
+
+
+def test_writing_prompts_are_seeded_distinct_long_form_requests():
+    prompts = writing_prompts(3000, seed=0)
+    assert prompts == writing_prompts(3000, seed=0)
+    assert prompts != writing_prompts(3000, seed=1)
+    assert len(set(prompts)) == len(prompts)
+    for text in prompts[:500]:
+        form = next(f for f in FORMS if f.name + " " in text)
+        words = int(re.search(r"(\d+) words", text).group(1))
+        assert form.words[0] - 25 <= words <= form.words[1] + 25 and words % 50 == 0, text
+    assert len({f.name for f in FORMS if any(f.name + " " in t for t in prompts)}) == len(FORMS)
+    assert writing_prompts(0) == []
+    with pytest.raises(ValueError, match=r"count=-1 must be in \[0, "):
+        writing_prompts(-1)
+    with pytest.raises(ValueError, match="writing_prompts=-3 must be >= 0"):
+        MixConfig(writing_prompts=-3)
+
+
+def test_the_writing_source_is_opt_in_and_decontaminated(tmp_path, monkeypatch):
+    """``mix`` keeps the shipped head's three sources; ``writing`` adds composed requests
+    (once, however often named), filtered against WritingBench like every source."""
+    for name in MIX_SOURCES:  # the mix's own data is tested above; here it is empty
+        monkeypatch.setitem(mix_module.BUILDERS, name, lambda config, skipped: iter(()))
+    planted = writing_prompts(40, seed=0)[17]
+    (tmp_path / "wb.jsonl").write_text(json.dumps({"query": planted}) + "\n")
+    bench = BenchmarkConfig(gsm_symbolic_size=5, writingbench_path=str(tmp_path / "wb.jsonl"))
+    config = PromptsConfig(
+        output=str(tmp_path / "out"),
+        sources=("mix", "writing", "writing"),
+        mix=MixConfig(writing_prompts=40),
+        benchmark=bench,
+    )
+    manifest = run_prompts(config, RankInfo())
+    assert manifest["counts"]["source_writing"] == 39
+    assert manifest["filtered"]["benchmark_overlap"] == 1
+    convs = list(read_source(str(tmp_path / "out"), SkipCounts()))
+    assert {c.source for c in convs} == {"writing"} and planted not in {
+        c.prompt_text for c in convs
+    }
+    only_mix = PromptsConfig(
+        output=str(tmp_path / "mix"), mix=MixConfig(writing_prompts=40), benchmark=bench
+    )
+    # The mix alone (emptied here) holds no writing requests.
+    with pytest.raises(ValueError, match=r"no conversations left from sources \['mix'\]"):
+        run_prompts(only_mix, RankInfo())
 
 
 def test_mix_refuses_benchmark_generators():
