@@ -16,10 +16,9 @@ downstream reads one format.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -55,7 +54,7 @@ def resolve_model(spec: str, cache_dir: str | Path | None = None) -> ResolvedMod
     (default ``$SPECDEC_CACHE`` or ``~/.cache/specdec``)."""
     if isinstance(alias := ALIASES.get(spec), PackagedModel):
         shipped = resolve_model(str(alias.locate()), cache_dir)
-        return dataclasses.replace(shipped, name=spec)
+        return replace(shipped, name=spec)
     if alias is not None:
         return ResolvedModel(spec, gguf_to_hf_dir(alias.locate(), cache_dir), "alias")
     path = Path(spec).expanduser()
