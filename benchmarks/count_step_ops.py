@@ -124,7 +124,8 @@ def patched(counter: OpCounter, engine):
         (spec_pipeline, "verify_inputs", "verify inputs"),
         (CausalLM, "forward", "target"),
         (CausalLM, "compute_logits", "target"),
-        (spec_pipeline, "greedy_accept_uniform", "accept"),
+        (spec_pipeline, "greedy_accept_uniform", "accept"),  # before the one-launch accept
+        (engine.pipeline, "_accept_and_stage", "accept"),
         (engine.runner, "move_accepted_kv", "move_kv"),
         (TorchAttentionBackend, "forward", "attention"),
         (TorchAttentionBackend, "forward_rope", "attention"),

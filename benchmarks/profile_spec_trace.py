@@ -140,7 +140,6 @@ def profile(llm, prompt_ids: list[list[int]], max_tokens: int) -> dict:
     from torch.profiler import profile as torch_profile
 
     from specdec import SamplingParams
-    from specdec.engine import spec_pipeline
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -161,13 +160,17 @@ def profile(llm, prompt_ids: list[list[int]], max_tokens: int) -> dict:
     for obj, attr, label in targets:
         if obj is not None:
             _labelled(obj, attr, label, patched)
-    accept = spec_pipeline.greedy_accept_uniform
+    # The pipelined step's acceptance is an instance attribute (the kernel or the torch
+    # reference), so it is wrapped and put back rather than shadowed.
+    pipeline = engine.pipeline
+    accept = getattr(pipeline, "_accept_and_stage", None)
+    if accept is not None:
 
-    def labelled_accept(*args, **kwargs):
-        with torch.profiler.record_function("accept"):
-            return accept(*args, **kwargs)
+        def labelled_accept(*args, **kwargs):
+            with torch.profiler.record_function("accept"):
+                return accept(*args, **kwargs)
 
-    spec_pipeline.greedy_accept_uniform = labelled_accept
+        pipeline._accept_and_stage = labelled_accept
     try:
         with tempfile.TemporaryDirectory() as tmp:
             with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -178,7 +181,8 @@ def profile(llm, prompt_ids: list[list[int]], max_tokens: int) -> dict:
             prof.export_chrome_trace(str(path))
             trace = json.loads(path.read_text())
     finally:
-        spec_pipeline.greedy_accept_uniform = accept
+        if accept is not None:
+            pipeline._accept_and_stage = accept
         for obj, attr in patched:  # instance attributes shadowing the methods
             delattr(obj, attr)
     trace["specdec"] = {"tau": engine.spec_stats.tau, "batch": len(prompt_ids)}

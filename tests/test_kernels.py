@@ -51,6 +51,7 @@ from specdec.kernels import (  # noqa: E402
     store_kvcache,
     store_kvcache_ref,
 )
+from specdec.kernels.accept import accept_and_stage, accept_and_stage_ref  # noqa: E402
 from specdec.kernels.move_kv import (  # noqa: E402
     cache_pointer_table,
     move_kv_slots,
@@ -262,6 +263,90 @@ def test_cache_pointer_table_rejects_mixed_caches():
     a = torch.zeros(2, 16, 1, 64, device=DEVICE)
     with pytest.raises(ValueError, match="every cache must be contiguous"):
         cache_pointer_table([a, torch.zeros(2, 16, 2, 64, device=DEVICE)])
+
+
+# --- accept_and_stage --------------------------------------------------------------------
+
+
+def _random_trees(gen, batch, q, max_depth, chain):
+    """Trees of one size: each node's parent an earlier node (depth <= max_depth); siblings
+    carry distinct tokens (as drafts do: at most one child of a node passes), and each
+    node's argmax picks one of its k children's tokens or none with odds k : 1, so long
+    accepted paths are common."""
+    parents = torch.zeros(batch, q, dtype=torch.int64)
+    depths = torch.zeros(batch, q, dtype=torch.int64)
+    for b in range(batch):
+        for i in range(1, q):
+            if chain:
+                p = i - 1
+            else:
+                options = [j for j in range(i) if depths[b, j] < max_depth]
+                p = options[int(torch.randint(len(options), (1,), generator=gen))]
+            parents[b, i], depths[b, i] = p, depths[b, p] + 1
+    tokens = torch.zeros(batch, q, dtype=torch.int64)
+    best = torch.zeros(batch, q, dtype=torch.int64)
+    for b in range(batch):
+        for node in range(q):
+            kids = [i for i in range(1, q) if parents[b, i] == node]
+            tokens[b, kids] = torch.randperm(len(kids), generator=gen)
+            best[b, node] = int(torch.randint(len(kids) + 1, (1,), generator=gen))
+    return tokens, parents, depths, best
+
+
+@pytest.mark.parametrize(
+    ("batch", "q", "max_depth", "chain", "aux_width"),
+    [(5, 4, 3, True, 24), (7, 33, 5, False, 1728), (3, 9, 8, True, 40), (1, 2, 1, True, 8)],
+)
+def test_accept_and_stage_matches_reference(batch, q, max_depth, chain, aux_width):
+    """One launch gives the reference's acceptance (path, emitted tokens, counts, padding
+    included), its packed read-back row and its catch-up state rows; rows past the batch
+    are left alone."""
+    gen = torch.Generator().manual_seed(q * 10 + batch)
+    tokens, parents, depths, best = _random_trees(gen, batch, q, max_depth, chain)
+    if chain:  # one row accepts everything: the bonus goes to the last column
+        best[0, :-1] = tokens[0, 1:]
+        best[0, -1] = 7
+    aux = torch.randn(batch * q, aux_width, generator=gen)
+    root = torch.randint(100, (batch,), generator=gen)
+    rows, d1 = batch + 2, max_depth + 1
+
+    def state():
+        g = torch.Generator().manual_seed(1)
+        return (
+            torch.randint(9, (rows, d1), generator=g),
+            torch.randn(rows, d1, aux_width, generator=g),
+            torch.randint(9, (rows,), generator=g),
+            torch.randint(9, (rows,), generator=g),
+        )
+
+    want_state, got_state = state(), tuple(t.to(DEVICE) for t in state())
+    want, want_packed = accept_and_stage_ref(
+        best, tokens, parents, depths, max_depth, aux, root, want_state
+    )
+    on = [t.to(DEVICE) for t in (best, tokens, parents, depths)]
+    got, got_packed = accept_and_stage(*on, max_depth, aux.to(DEVICE), root.to(DEVICE), got_state)
+    assert torch.equal(got.num_accepted.cpu(), want.num_accepted)
+    assert torch.equal(got.path.cpu(), want.path)
+    assert torch.equal(got.token_ids.cpu(), want.token_ids)
+    assert torch.equal(got_packed.cpu(), want_packed)
+    for g, w in zip(got_state, want_state, strict=True):
+        assert torch.equal(g.cpu(), w)
+    if chain and q == max_depth + 1:
+        assert want.num_accepted[0] == max_depth and want.token_ids[0, -1] == 7
+    assert want.num_accepted.max() >= 1  # the case exercises accepted paths
+
+
+def test_accept_and_stage_checks_the_state_shape():
+    t = torch.zeros(2, 4, dtype=torch.int64, device=DEVICE)
+    aux = torch.zeros(8, 6, device=DEVICE)
+    state = (
+        torch.zeros(2, 3, dtype=torch.int64, device=DEVICE),
+        torch.zeros(2, 3, 6, device=DEVICE),
+        torch.zeros(2, dtype=torch.int64, device=DEVICE),
+        torch.zeros(2, dtype=torch.int64, device=DEVICE),
+    )
+    with pytest.raises(ValueError, match=r"state rows must be \[rows, 4\] tokens"):
+        accept_and_stage(t, t, t, t, 3, aux, t[:, 0], state)
 
 
 # --- varlen prefill / extend -------------------------------------------------------------

@@ -100,13 +100,22 @@ def _pipelined(smollm2_dir, head_dir, tree: dict, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "tree", [{"num_speculative_tokens": 3}, DYNAMIC], ids=["chain3", "dynamic"]
+    ("tree", "accept"),
+    [({"num_speculative_tokens": 3}, "torch"), (DYNAMIC, "torch"), (DYNAMIC, "kernel")],
+    ids=["chain3", "dynamic", "dynamic-accept-kernel"],
 )
 def test_pipelined_steps_keep_greedy_outputs(
-    smollm2_dir, trained_head_dir, chats, reference, tree
+    smollm2_dir, trained_head_dir, chats, reference, tree, accept
 ) -> None:
+    """``accept="kernel"``: the acceptance and catch-up state by the GPU path's one-launch
+    kernel (kernels/accept.py, under the Triton interpreter), the rest as on the CPU."""
     llm = _pipelined(smollm2_dir, trained_head_dir, tree)
     engine = llm.engine
+    if accept == "kernel":
+        pytest.importorskip("triton")
+        from specdec.kernels.accept import accept_and_stage
+
+        engine.pipeline._accept_and_stage = accept_and_stage
     outs = llm.generate([chats[i] for i in PICKED], greedy(), use_tqdm=False)
     assert token_ids(outs) == [reference[i] for i in PICKED]
     stats = engine.spec_stats

@@ -43,7 +43,7 @@ from specdec.engine.cuda_graph import capture_graph, tree_graph_batch_sizes
 from specdec.engine.input_batch import StepInputs, block_table_array
 from specdec.engine.request import Request
 from specdec.engine.staging import HostCopy, aligned, to_device, to_host
-from specdec.spec.acceptance import greedy_accept_uniform
+from specdec.spec.acceptance import greedy_accept_and_stage
 from specdec.spec.tree import TreeBatch
 from specdec.spec.tree_draft import GrowInputs
 
@@ -188,6 +188,13 @@ class SpecPipeline:
         self.node_offsets = torch.arange(self.shape.max_draft_tokens + 1, device=runner.device)
         self.graphs: SpecStepGraphs | None = None
         self.num_launches = 0
+        # Acceptance, the next catch-up state and the read-back row: one launch on the
+        # Triton path (kernels/accept.py), the reference's ~30 torch ops elsewhere.
+        self._accept_and_stage = greedy_accept_and_stage
+        if runner.runtime.attention_backend == "triton":
+            from specdec.kernels.accept import accept_and_stage
+
+            self._accept_and_stage = accept_and_stage
 
     def capture_graphs(self, max_batch_size: int) -> None:
         """Graphs of the whole step for batches up to ``max_batch_size`` (GPU path, after
@@ -259,22 +266,23 @@ class SpecPipeline:
             logits, aux = runner.graph_forward(step.input_ids, step.positions, step.meta)
         else:
             logits, aux = runner.execute(step)  # [batch * q, vocab], [batch * q, A]
-        acceptance = greedy_accept_uniform(
-            tree.token_ids, tree.parents, tree.depths, logits, self.depth
+        batch, q = tree.token_ids.shape
+        best = logits.argmax(dim=-1).view(batch, q)  # the target's choice at every node
+        # Rows 0 .. batch of the state get the outcome (tokens, aux along the path, count,
+        # root); the read-back row is num_accepted, then the emitted tokens.
+        acceptance, packed = self._accept_and_stage(
+            best,
+            tree.token_ids,
+            tree.parents,
+            tree.depths,
+            self.depth,
+            aux,
+            root_index,
+            self.state.fields(),
         )
         if not tree.is_chain:  # a chain's accepted nodes already sit next to the root
             runner.move_accepted_kv(acceptance, slots)
-        batch, q = tree.token_ids.shape
-        path = acceptance.path[:, :, None].expand(-1, -1, aux.shape[1])
-        self.state.put(
-            CatchUpState(
-                tokens=acceptance.token_ids,
-                aux=aux.view(batch, q, -1).gather(1, path),  # [batch, depth + 1, A]
-                last=acceptance.num_accepted,
-                start=root_index,
-            )
-        )
-        return torch.cat([acceptance.num_accepted[:, None], acceptance.token_ids], dim=1)
+        return packed
 
 
 class SpecStepGraphs:

@@ -236,6 +236,19 @@ def greedy_accept_uniform(
             f"({batch} trees of {q} nodes, back to back)"
         )
     best = target_logits.argmax(dim=-1).view(batch, q)  # [batch, q]
+    return greedy_accept_argmax(token_ids, parents, depths, best, max_depth)
+
+
+def greedy_accept_argmax(
+    token_ids: torch.Tensor,  # [batch, q] int64
+    parents: torch.Tensor,  # [batch, q] int64
+    depths: torch.Tensor,  # [batch, q] int64
+    best: torch.Tensor,  # [batch, q] int64: the target's argmax at each node
+    max_depth: int,
+) -> UniformAcceptance:
+    """``greedy_accept_uniform`` from the target's argmax per node (what the one-launch
+    kernel ``kernels.accept`` takes too)."""
+    batch, q = token_ids.shape
     on_path = token_ids == best.gather(1, parents)
     on_path[:, 0] = True  # the root passes (its own parent), so chains of passes reach it
     jump = parents
@@ -258,6 +271,33 @@ def greedy_accept_uniform(
     emitted = torch.cat([token_ids.gather(1, path[:, 1:]), bonus], dim=1)
     emitted = emitted.scatter(1, num_accepted[:, None], bonus)
     return UniformAcceptance(num_accepted=num_accepted, path=path, token_ids=emitted)
+
+
+def greedy_accept_and_stage(
+    best: torch.Tensor,  # [batch, q] int64: argmax of each node's target logits
+    token_ids: torch.Tensor,  # [batch, q] int64
+    parents: torch.Tensor,  # [batch, q] int64
+    depths: torch.Tensor,  # [batch, q] int64
+    max_depth: int,
+    aux: torch.Tensor,  # [batch * q, A]: the target's aux states at every node
+    root_index: torch.Tensor,  # [batch] int64
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # rows >= batch
+) -> tuple[UniformAcceptance, torch.Tensor]:
+    """The pipelined speculative step's acceptance (``greedy_accept_argmax``), its next
+    catch-up state written into rows ``0 .. batch`` of ``state`` (tokens [rows, depth +
+    1], aux [rows, depth + 1, A] gathered along each path, last [rows], start [rows]) and
+    the packed read-back row [batch, depth + 2] (num_accepted, then the emitted tokens).
+    Torch ops only (capturable); the reference of ``kernels.accept.accept_and_stage``."""
+    batch, q = token_ids.shape
+    acceptance = greedy_accept_argmax(token_ids, parents, depths, best, max_depth)
+    path = acceptance.path[:, :, None].expand(-1, -1, aux.shape[1])
+    tokens, st_aux, last, start = state
+    tokens[:batch].copy_(acceptance.token_ids)
+    st_aux[:batch].copy_(aux.view(batch, q, -1).gather(1, path))
+    last[:batch].copy_(acceptance.num_accepted)
+    start[:batch].copy_(root_index)
+    packed = torch.cat([acceptance.num_accepted[:, None], acceptance.token_ids], dim=1)
+    return acceptance, packed
 
 
 def _result(layout: _Layout, b: int, path: list[int], token_ids: list[int]) -> AcceptResult:
