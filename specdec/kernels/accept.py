@@ -5,10 +5,11 @@ After the verify forward the pipelined speculative step (engine/spec_pipeline.py
 per tree, the nodes whose token is their parent's argmax all the way from the root, the
 accepted path by depth, the emitted tokens (accepted, then the bonus), and then writes the
 next step's catch-up state: those tokens, the target's aux states gathered along the path,
-the accepted count and the root's cache index. As torch ops that is ~30 small kernels per
-step (``spec.acceptance.greedy_accept_uniform``, the aux gather, the state copies and the
-packed read-back row), where a step on the GPU is launch-bound (~2-3 µs a kernel). This
-kernel does all of it after the argmax: one program per tree.
+the accepted count and the root's cache index. As torch ops
+(``spec.acceptance.greedy_accept_and_stage``: acceptance, the aux gather, the state copies
+and the packed read-back row) that is ~25 small kernels per step, where a step on the GPU
+is launch-bound (~2-3 µs a kernel). This kernel does all of it after the argmax: one
+program per tree.
 
 Acceptance without in-register gathers: a node is accepted iff it and each of its first
 ``max_depth`` ancestors pass (the root passes); the ancestors are walked through the
