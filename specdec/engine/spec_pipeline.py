@@ -189,7 +189,7 @@ class SpecPipeline:
         self.graphs: SpecStepGraphs | None = None
         self.num_launches = 0
         # Acceptance, the next catch-up state and the read-back row: one launch on the
-        # Triton path (kernels/accept.py), the reference's ~30 torch ops elsewhere.
+        # Triton path (kernels/accept.py), the reference's ~25 torch ops elsewhere.
         self._accept_and_stage = greedy_accept_and_stage
         if runner.runtime.attention_backend == "triton":
             from specdec.kernels.accept import accept_and_stage
