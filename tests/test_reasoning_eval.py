@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from reasoning_items import write_eval_items
 from tiny_models import make_tiny_model_dir
 
 from specdec.bench.reasoning import (
@@ -18,9 +19,7 @@ from specdec.bench.reasoning import (
     sampling_params,
     tokens_through,
 )
-from specdec.data_gen.decontam import Decontaminator
 from specdec.data_gen.reasoning.format import parse
-from specdec.data_gen.reasoning.generate import TracesConfig, run_traces
 
 pytest.importorskip("reasoning_gym")
 
@@ -59,17 +58,8 @@ def test_parse_splits_at_the_first_close_tag(text, think, answer, opened, closed
 @pytest.fixture(scope="module")
 def items(tmp_path_factory, smollm2_tokenizer):
     out = tmp_path_factory.mktemp("eval") / "eval.jsonl"
-    run_traces(
-        TracesConfig(
-            output=str(out),
-            split="eval",
-            tasks=("gcd", "fraction_simplification", "prime_factorization"),
-            num_per_task=2,
-        ),
-        decontaminator=Decontaminator({"none": ["nothing to match here at all"]}),
-        tokenizer=smollm2_tokenizer,
-    )
-    return out
+    tasks = ("gcd", "fraction_simplification", "prime_factorization")
+    return write_eval_items(out, smollm2_tokenizer, tasks, num_per_task=2)
 
 
 def test_the_verifier_scores_the_text_after_think(items):

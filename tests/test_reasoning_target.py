@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from reasoning_items import write_eval_items
 
 from specdec.bench.reasoning import EvalConfig, run_eval
-from specdec.data_gen.decontam import Decontaminator
-from specdec.data_gen.reasoning.generate import TracesConfig, run_traces
 from specdec.models import ALIASES, resolve_model
 from specdec.models.aliases import TARGETS_DIR, PackagedModel
 
@@ -38,17 +37,8 @@ def test_the_shipped_target_thinks_and_answers_held_out_items(tmp_path, smollm2_
     its answer passes the verifier. These three were right in the 200-item eval of
     BENCHMARKS.md (session 14); the base model writes no think span at all."""
     pytest.importorskip("reasoning_gym")
-    traces = tmp_path / "eval.jsonl"
-    run_traces(
-        TracesConfig(
-            output=str(traces),
-            split="eval",
-            tasks=("chain_sum", "basic_arithmetic", "leg_counting"),
-            num_per_task=1,
-        ),
-        decontaminator=Decontaminator({"none": ["nothing to match here at all"]}),
-        tokenizer=smollm2_tokenizer,
-    )
+    tasks = ("chain_sum", "basic_arithmetic", "leg_counting")
+    traces = write_eval_items(tmp_path / "eval.jsonl", smollm2_tokenizer, tasks, num_per_task=1)
     report = run_eval(
         EvalConfig(
             model=ALIAS,
