@@ -62,7 +62,7 @@ def _accept_stage_kernel(
     offs = tl.arange(0, BLOCK_Q)
     ok = offs < Q
     # A node passes when its token is its parent's argmax; the root always passes.
-    accepted = offs < Q
+    accepted = ok
     cur = offs
     for _ in tl.static_range(DEPTH):
         par = tl.load(parents_ptr + base + cur, mask=ok, other=0)
