@@ -139,6 +139,9 @@ def _exit_labels_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", "-i", required=True,
                    help="regenerate directory (or JSONL file) of reasoning records")  # fmt: skip
     p.add_argument("--output", "-o", required=True, help="directory for labels-*.jsonl")
+    p.add_argument("--target", choices=["final", "correct"], default="final",
+                   help="a label says the forced answer equals the trace's own final answer "
+                   "(final), or passes the task's verifier (correct: needs --items)")  # fmt: skip
     p.add_argument("--items", help="traces JSONL naming each record id's task/seed/params")
     p.add_argument("--think-start", type=_marker, default="<think>",
                    help="text or a JSON list of token ids")  # fmt: skip
@@ -359,6 +362,7 @@ def _exit_labels(args) -> int:
         input=args.input,
         output=args.output,
         model=args.model,
+        target=args.target,
         items=args.items,
         engine=_engine_kwargs(args),
         think_start=args.think_start,

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # SpecExit end to end on the shipped reasoning target (docs/spec_exit.md,
 # docs/reasoning_target.md): train-split prompts -> the target's own greedy reasoning ->
-# confidence labels (forced answers, verified) -> draft vocabulary -> an EAGLE-3 head with
-# exit channels, trained online -> eval-reasoning on held-out items: plain, EAGLE-3, and
-# EAGLE-3 with SpecExit (think length, accuracy, latency).
+# confidence labels (forced answers: settled = the trace's own final answer) -> draft
+# vocabulary -> an EAGLE-3 head with exit channels, trained online -> eval-reasoning on
+# held-out items: plain, EAGLE-3, and EAGLE-3 with SpecExit (think length, accuracy), all
+# items at once, then one at a time on a subset (latency).
 #
 #   scripts/spec_exit_head.sh                    # every stage, in order
 #   scripts/spec_exit_head.sh train eval         # some stages
@@ -23,7 +24,9 @@ EVAL_TRACES=${EVAL_TRACES:-}          # held-out items (default: the prompts sta
 EVAL_PER_TASK=${EVAL_PER_TASK:-50}
 MAX_TOKENS=${MAX_TOKENS:-1024}        # per answer: the traces think ~150-350 tokens
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
-DRAFT_VOCAB=${DRAFT_VOCAB:-4096}      # the traces use few distinct tokens (docs)
+DRAFT_VOCAB=${DRAFT_VOCAB:-1024}      # session 15: the answers use 432 distinct tokens
+LABEL_TARGET=${LABEL_TARGET:-final}   # exit-labels --target: final (own answer) | correct
+LATENCY_PER_TASK=${LATENCY_PER_TASK:-5}  # latency stage: items per task, one at a time
 STEPS=${STEPS:-1000}               # x 16k tokens: ~6 epochs of the answers, ~4.5 min on an H200
 TIME_LIMIT=${TIME_LIMIT:-}            # seconds: stop with a checkpoint and the head
 SIGNALS=${SIGNALS:-[confidence,progress,remaining]}
@@ -33,7 +36,7 @@ DEVICE_ARGS=()
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the whole chain on CPU, tiny: checks the recipe runs
     DATA=${DATA%/}-smoke RUN=${RUN%/}-smoke
-    PER_TASK=1 EVAL_PER_TASK=1 MAX_TOKENS=400 MAX_NUM_SEQS=16 DRAFT_VOCAB=1024 STEPS=4
+    PER_TASK=1 EVAL_PER_TASK=1 LATENCY_PER_TASK=1 MAX_TOKENS=400 MAX_NUM_SEQS=16 STEPS=4
     EXTRA_TRAIN="data.max_tokens=2048 data.eval_records=2 optim.warmup_steps=1 run.save_every=2 run.eval_every=2 run.log_every=1 run.wandb=disabled ${EXTRA_TRAIN}"
     DEVICE_ARGS=(--device cpu --dtype float32)
     export TRITON_INTERPRET=1
@@ -59,7 +62,7 @@ stage_regenerate() {
 stage_labels() {
     # Confidence: at every step boundary of the think span, an answer forced there and
     # scored by the task's verifier (`--items` gives each record its task, seed, params).
-    specdec data-gen exit-labels -i "$DATA/regen" -o "$DATA/labels" \
+    specdec data-gen exit-labels -i "$DATA/regen" -o "$DATA/labels" --target "$LABEL_TARGET" \
         --items "$DATA/prompts.jsonl" --model "$MODEL" --max-num-seqs "$MAX_NUM_SEQS" \
         "${DEVICE_ARGS[@]}"
 }
@@ -79,26 +82,40 @@ stage_train() {
         ${TIME_LIMIT:+run.time_limit_s=$TIME_LIMIT} $EXTRA_TRAIN
 }
 
-stage_eval() {
-    # The same held-out items three ways; SpecExit is judged against the second.
-    local common=(--model "$MODEL" --traces "$EVAL_TRACES" --per-task "$EVAL_PER_TASK"
-        --max-tokens "$MAX_TOKENS" "${DEVICE_ARGS[@]}")
-    specdec eval-reasoning "${common[@]}" --draft none --out "$RUN/eval-plain"
+eval_three() {  # OUT_PREFIX PER_TASK [eval-reasoning args...]: plain, EAGLE-3, SpecExit
+    local prefix=$1 per_task=$2
+    shift 2
+    local common=(--model "$MODEL" --traces "$EVAL_TRACES" --per-task "$per_task"
+        --max-tokens "$MAX_TOKENS" "${DEVICE_ARGS[@]}" "$@")
+    specdec eval-reasoning "${common[@]}" --draft none --out "$RUN/$prefix-plain"
     specdec eval-reasoning "${common[@]}" --draft eagle3 --draft-model "$RUN/head" \
-        --out "$RUN/eval-eagle3"
+        --out "$RUN/$prefix-eagle3"
     specdec eval-reasoning "${common[@]}" --draft eagle3 --draft-model "$RUN/head" \
-        --spec-exit "$SPEC_EXIT" --out "$RUN/eval-spec-exit"
+        --spec-exit "$SPEC_EXIT" --out "$RUN/$prefix-spec-exit"
     for v in plain eagle3 spec-exit; do
-        echo "--- $v"; grep -F "**all**" "$RUN/eval-$v/report.md"
+        echo "--- $v"; grep -F "**all**" "$RUN/$prefix-$v/report.md"
     done
 }
 
+stage_eval() {
+    # The same held-out items three ways, all at once (think length, accuracy); SpecExit
+    # is judged against the second.
+    eval_three eval "$EVAL_PER_TASK"
+}
+
+stage_latency() {
+    # End-to-end latency, one request at a time (in the evals above every item runs at
+    # once and queueing dominates): the first LATENCY_PER_TASK items of each task.
+    eval_three latency "$LATENCY_PER_TASK" --concurrency 1
+}
+
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(prompts regenerate labels vocab train eval)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(prompts regenerate labels vocab train eval latency)
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        prompts | regenerate | labels | vocab | train | eval) ;;
-        *) echo "unknown stage '$stage'; stages: prompts regenerate labels vocab train eval" >&2
+        prompts | regenerate | labels | vocab | train | eval | latency) ;;
+        *) echo "unknown stage '$stage'; stages: prompts regenerate labels vocab train eval" \
+               "latency" >&2
            exit 2 ;;
     esac
     echo "=== $stage ($(date -u +%H:%M:%S))"

@@ -1,9 +1,10 @@
 """``data-gen exit-labels`` (data_gen/reasoning/confidence.py): SpecExit confidence labels
-from forced answers at every step boundary of a think span.
+from forced answers at the start of a think span and at every step boundary in it.
 
 With a stub model whose answer is right exactly when the probe's prefix holds the settled
-step, reasoning-gym's own verifier must label 0 before the settled step and 1 from it on,
-at the second newline token of each step separator; probes are the record's tokens through
+step, the labels must be 0 at the span's start and before the settled step and 1 from it
+on, at the second newline token of each step separator, whether judged against the
+trace's own answer or by reasoning-gym's verifier; probes are the record's tokens through
 the boundary, ``</think>`` and ``"\\n\\n"`` as running text. On a tiny random target through
 the engine: the stage labels every boundary, a SIGKILLed run resumes to the bytes of an
 uninterrupted one, and the dump and the online reader carry the labels.
@@ -36,7 +37,7 @@ from specdec.data_gen.stage import write_plan
 
 pytest.importorskip("reasoning_gym")
 
-CLOSE, NL = [9617, 17400, 46], 198
+OPEN, CLOSE, NL = [44, 17400, 46], [9617, 17400, 46], 198
 TASKS = ("gcd", "prime_factorization", "chain_sum")
 ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_memory": 32 << 20, "max_model_len": 768}
 
@@ -60,10 +61,13 @@ def records_of(path: Path) -> list[dict]:
 
 
 def boundaries(rec: dict) -> list[tuple[int, bool]]:
-    """(token index, settled) of each step separator's second newline, from the record's
-    own step offsets: the ground truth the stage must find from token texts alone."""
+    """(token index, settled) of each probe: the span's start (the last token of
+    ``<think>``, never settled), then each step separator's second newline from the
+    record's own step offsets: the ground truth the stage must find from token texts
+    alone."""
     p, steps = rec["prompt_tokens"], rec["steps"]
-    return [(p + s["tokens"][1] + 1, s["settled"]) for s in steps[:-1]]
+    start = rec["input_ids"].index(OPEN[-1], p)
+    return [(start, False)] + [(p + s["tokens"][1] + 1, s["settled"]) for s in steps[:-1]]
 
 
 class StubLLM:
@@ -82,8 +86,8 @@ class StubLLM:
         outs = []
         for prompt in prompts:
             self.prompts.append(prompt)
-            rec = next(r for r in self.records if prompt[: r["prompt_tokens"] + 4] ==
-                       r["input_ids"][: r["prompt_tokens"] + 4])  # fmt: skip
+            rec = next(r for r in self.records if prompt[: r["prompt_tokens"] + 3] ==
+                       r["input_ids"][: r["prompt_tokens"] + 3])  # fmt: skip
             settled = rec["steps"][rec["settled_step"]]["tokens"][1] + rec["prompt_tokens"]
             cut = len(prompt) - len(CLOSE) - 2  # through the delimiter
             answer = rec["answer"] if cut > settled else "-1"
@@ -91,12 +95,17 @@ class StubLLM:
         return outs
 
 
-def test_labels_are_the_verifiers_at_each_step_boundary(traces, tmp_path, smollm2_tokenizer):
+@pytest.mark.parametrize("target", ["final", "correct"])
+def test_labels_at_the_span_start_and_each_step_boundary(
+    traces, tmp_path, smollm2_tokenizer, target
+):
+    """On traces whose final answers are right, both targets label alike: 0 before the
+    settled step, 1 from it on."""
     records = records_of(traces)
     stub = StubLLM(smollm2_tokenizer, records)
     out = tmp_path / "labels"
-    stats = run_exit_labels(ExitLabelsConfig(input=str(traces), output=str(out)), RankInfo(),
-                            llm=stub)  # fmt: skip
+    config = ExitLabelsConfig(input=str(traces), output=str(out), target=target)
+    stats = run_exit_labels(config, RankInfo(), llm=stub)
     assert stub.calls == 1  # every probe of the shard in one generate
     labelled = read_input(str(out), SkipCounts())
     assert [r["id"] for r in labelled] == [r["id"] for r in records]
@@ -116,7 +125,7 @@ def test_labels_are_the_verifiers_at_each_step_boundary(traces, tmp_path, smollm
     counts = manifest["counts"]
     n_probes = sum(len(boundaries(r)) for r in records)
     assert (counts["records"], counts["labelled"], counts["probes"]) == (6, 6, n_probes)
-    assert counts["probes_correct"] == sum(s for r in records for _, s in boundaries(r))
+    assert counts["probes_labelled_1"] == sum(s for r in records for _, s in boundaries(r))
     assert stats["probes"] == n_probes and manifest["stage"] == "exit-labels"
 
 
@@ -134,7 +143,8 @@ def test_items_by_id_and_records_that_cannot_be_labelled(traces, tmp_path, smoll
     src = tmp_path / "regen.jsonl"
     src.write_text("".join(dumps_record(r) + "\n" for r in stripped))
     out = tmp_path / "labels"
-    config = ExitLabelsConfig(input=str(src), output=str(out), items=str(traces))
+    config = ExitLabelsConfig(input=str(src), output=str(out), items=str(traces),
+                              target="correct")  # fmt: skip
     run_exit_labels(config, RankInfo(), llm=StubLLM(smollm2_tokenizer, records))
     labelled = read_input(str(out), SkipCounts())
     assert ["spec_exit_confidence" in r for r in labelled] == [True, False, False] + [True] * 3
@@ -143,8 +153,45 @@ def test_items_by_id_and_records_that_cannot_be_labelled(traces, tmp_path, smoll
     counts = load_manifest(out)["counts"]
     assert counts["unlabelled_no_item"] == 1 and counts["unlabelled_no_think_span"] == 1
     with pytest.raises(ValueError, match="pass --items"):
-        run_exit_labels(ExitLabelsConfig(input=str(src), output=str(tmp_path / "x")),
+        run_exit_labels(ExitLabelsConfig(input=str(src), output=str(tmp_path / "x"),
+                                         target="correct"),
                         RankInfo(), llm=StubLLM(smollm2_tokenizer, records))  # fmt: skip
+
+
+def test_final_target_labels_agreement_with_the_traces_own_answer(
+    traces, tmp_path, smollm2_tokenizer
+):
+    """A trace that ends on a wrong answer: ``final`` labels the probes whose forced answer
+    is that answer (the stub's "-1" before the settled step), ``correct`` those whose
+    answer is right (from the settled step on): exactly the other probes. No items are
+    needed for ``final``; a trace with nothing after its span is unlabelled."""
+    records = records_of(traces)
+    wrong = []
+    for rec in records:
+        ids = rec["input_ids"]
+        end = next(i for i in range(len(ids)) if ids[i : i + 3] == CLOSE) + len(CLOSE)
+        tail = smollm2_tokenizer.encode("\n\n-1", add_special_tokens=False)
+        wrong.append({"id": rec["id"], "input_ids": [*ids[:end], *tail, 2, NL]})
+    wrong[0]["input_ids"] = wrong[0]["input_ids"][: -len(tail) - 2]  # ends at </think>
+    src = tmp_path / "wrong.jsonl"
+    src.write_text("".join(dumps_record(r) + "\n" for r in wrong))
+    got = {}
+    for target in ("final", "correct"):
+        out = tmp_path / target
+        config = ExitLabelsConfig(input=str(src), output=str(out), target=target,
+                                  items=str(traces) if target == "correct" else None)  # fmt: skip
+        run_exit_labels(config, RankInfo(), llm=StubLLM(smollm2_tokenizer, records))
+        got[target] = [r.get("spec_exit_confidence") for r in read_input(str(out), SkipCounts())]
+        if target == "final":
+            assert load_manifest(out)["counts"]["unlabelled_no_final_answer"] == 1
+    assert got["final"][0] is None
+    for rec, final, correct in zip(records[1:], got["final"][1:], got["correct"][1:],
+                                   strict=True):  # fmt: skip
+        assert final["labels"] == [0.0 if settled else 1.0 for _, settled in boundaries(rec)]
+        assert correct["labels"] == [1.0 if settled else 0.0 for _, settled in boundaries(rec)]
+        assert final["answers"] == correct["answers"]  # the same probes, judged two ways
+    with pytest.raises(ValueError, match="not a label target"):
+        ExitLabelsConfig(input="x", output="y", target="gold")
 
 
 # ---------------------------------------------------------------- on the engine
@@ -249,8 +296,24 @@ def test_dump_and_online_reader_carry_the_labels(engine_labels, traces, tiny_tar
     got = batch.exit_targets[:, 0].numpy()
     order = [labelled.index(next(r for r in labelled if r["input_ids"] == ids))
              for ids in _split(batch)]  # fmt: skip
-    np.testing.assert_array_equal(got, np.concatenate([dense[i] for i in order]))
-    assert np.nansum(got) > 0
+    held = [_held(labelled[i]) for i in order]  # training holds each probe's label
+    np.testing.assert_array_equal(got, np.concatenate(held))
+    assert np.nansum(got) > np.nansum(np.concatenate(dense))
+
+
+def _held(rec: dict) -> np.ndarray:
+    """Per-token confidence targets: inside the think span, the label of the latest probe
+    at or before each token; NaN elsewhere."""
+    ids = rec["input_ids"]
+    start = ids.index(OPEN[-1])
+    end = next(i for i in range(start, len(ids)) if ids[i : i + 3] == CLOSE)
+    c = rec["spec_exit_confidence"]
+    label = dict(zip(c["positions"], c["labels"], strict=True))
+    out, current = np.full(len(ids), np.nan, dtype=np.float32), np.nan
+    for t in range(start, end):
+        current = label.get(t, current)
+        out[t] = current
+    return out
 
 
 def _split(batch) -> list[list[int]]:

@@ -101,6 +101,39 @@ def test_smoothers(kind, params, expected):
     assert got == pytest.approx(expected)
 
 
+class _Tokenizer:
+    """Just what SpecExitRuntime reads: the vocabulary size and token texts."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def decode(self, ids) -> str:
+        return "".join(TEXT.get(i, "x") for i in ids)
+
+
+def test_replay_cuts_where_serving_would():
+    """The policy replayed over a finished trace, 2 tokens a step: each step reads the mean
+    confidence of the previous step's tokens and may cut at its own first delimiter."""
+    from specdec.spec.spec_exit_replay import replay_exit
+    from specdec.spec.spec_exit_runtime import SpecExitRuntime
+
+    runtime = SpecExitRuntime(_Tokenizer(), ("confidence",))
+    params = SpecExitParams(progress_above=None, remaining_below=None, smoothing="window",
+                            window=1, think_start=[START], think_end=[END])  # fmt: skip
+    #      prompt   | steps: [4 D] [4 4] [D 4] [4 4] [D 4] [END 5]
+    ids = [9, START, 4, DELIM, 4, 4, DELIM, 4, 4, 4, DELIM, 4, END, 5]
+    settled = np.zeros((len(ids), 1))
+    settled[6:] = 1.0  # from position 6 on: the step [D 4] reads 0, [4 4] then [D 4] read 1
+    assert replay_exit(runtime, params, ids, 2, settled, step_tokens=2) == 10
+    always = np.ones((len(ids), 1))  # the first step has no signals yet; the third cuts
+    assert replay_exit(runtime, params, ids, 2, always, step_tokens=2) == 6
+    assert replay_exit(runtime, params, ids, 2, np.zeros((len(ids), 1)), 2) is None
+    with pytest.raises(ValueError, match="step_tokens=0"):
+        replay_exit(runtime, params, ids, 2, always, step_tokens=0)
+    with pytest.raises(ValueError, match="13 signal rows"):
+        replay_exit(runtime, params, ids, 2, always[:-1], step_tokens=2)
+
+
 def test_params_are_validated_with_the_fix_named():
     with pytest.raises(ValueError, match=r"confidence_above=1.5 must be in \[0, 1\]"):
         SpecExitParams(confidence_above=1.5)
@@ -133,7 +166,7 @@ def test_labels_on_a_known_trace():
     span = find_think_span(ids, START, END)
     assert (span.start, span.end, span.num_thinking) == (2, 7, 4)
     conf = np.full(len(ids), np.nan)
-    conf[4:7] = [0.0, 1.0, 1.0]
+    conf[[2, 5]] = [0.0, 1.0]  # probes at the span's start and at a boundary
     labels = exit_targets(ReasoningRecord(ids, span, conf), ["remaining", "progress", "confidence"])
     nan = math.nan
     np.testing.assert_array_equal(
@@ -142,18 +175,22 @@ def test_labels_on_a_known_trace():
             [  # confidence, progress, remaining (canonical order)
                 [nan, nan, nan],
                 [nan, nan, nan],
-                [nan, 0.0, 4],
-                [nan, 0.25, 3],
+                [0.0, 0.0, 4],
+                [0.0, 0.25, 3],  # each probe's label holds until the next probe
                 [0.0, 0.5, 2],
                 [1.0, 0.75, 1],
                 [1.0, 1.0, 0],
-                [nan, nan, nan],
+                [nan, nan, nan],  # never past the span
                 [nan, nan, nan],
                 [nan, nan, nan],
             ],
             dtype=np.float32,
         ),
     )
+    late = np.full(len(ids), np.nan)
+    late[4] = 1.0  # no probe before position 4: the span's first tokens stay unlabelled
+    got = exit_targets(ReasoningRecord(ids, span, late), ["confidence"])[:, 0]
+    np.testing.assert_array_equal(got, [nan, nan, nan, nan, 1, 1, 1, nan, nan, nan])
     assert find_think_span(np.array([START, 4, 4]), START, END) is None  # never closed
     assert find_think_span(np.array([4, END]), START, END) is None
     empty = exit_targets(ReasoningRecord(np.array([START, END]), ThinkSpan(0, 1)), SIGNALS)

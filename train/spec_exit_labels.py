@@ -12,12 +12,22 @@ read the whole start marker, the end marker is still to come):
 - ``progress[t] = (t - start) / L``: thinking written so far (0 after the start marker,
   1 when the end marker comes next);
 - ``remaining[t] = end - 1 - t``: thinking tokens still to come (``L`` .. 0);
-- ``confidence[t]``: given per position by the caller (e.g. 1 if an answer forced after
-  ``x[t]`` is already correct by the task's verifier, or the fraction of several forced
-  answers that are), NaN where unknown.
+- ``confidence[t]``: the label of the latest *probe* at or before ``t`` in the span. The
+  caller gives labels at probe positions (e.g. 1 if an answer forced after ``x[p]``
+  already equals the trace's final answer, or the fraction of several forced answers that
+  do; NaN elsewhere), and each holds until the next probe: "an answer forced at the last
+  probe would be correct" is what the head can know at ``t``.
 
-Positions outside the span, spans without thinking (``L = 0``) and unknown confidences
-have no label (NaN): the loss skips them. A trace without a closed span has no labels.
+Why hold rather than label the probes alone: serving averages each signal over the tokens
+of a step (the catch-up rows, ``DraftTree.exit_signals``), and a step's tokens are mostly
+not probe positions. A channel trained only at probes is unconstrained between them; the
+first head trained so (session 15, BENCHMARKS.md) read 0.8-0.98 at settled probes but
+0.1-0.2 averaged over a step, so its smoothed confidence never passed 0.5 and no exit
+fired on 500 items.
+
+Positions outside the span, before its first probe, spans without thinking (``L = 0``)
+and spans without confidence labels have no label (NaN): the loss skips them. A trace
+without a closed span has no labels.
 """
 
 from __future__ import annotations
@@ -86,6 +96,13 @@ def find_think_span(
     return None if end is None else ThinkSpan(start, end)
 
 
+def hold_forward(values: np.ndarray) -> np.ndarray:  # [m] float, NaN = none -> [m]
+    """Each NaN replaced by the latest non-NaN value before it; leading NaNs stay."""
+    known = ~np.isnan(values)
+    last = np.maximum.accumulate(np.where(known, np.arange(len(values)), -1))
+    return np.where(last >= 0, values[np.maximum(last, 0)], np.nan)
+
+
 def exit_targets(record: ReasoningRecord, signals: Sequence[str]) -> np.ndarray:
     """Labels [n, len(signals)] float32 in ``signals``' order (canonical, see
     ``exit_signals``), NaN where a position has none (module docstring)."""
@@ -100,7 +117,7 @@ def exit_targets(record: ReasoningRecord, signals: Sequence[str]) -> np.ndarray:
         "progress": (t - span.start) / span.num_thinking,
         "remaining": (span.end - 1 - t).astype(np.float64),
         "confidence": (
-            record.confidence[span.start : span.end]
+            hold_forward(record.confidence[span.start : span.end])
             if record.confidence is not None
             else np.full(t.shape, np.nan)
         ),

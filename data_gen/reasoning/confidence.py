@@ -1,8 +1,9 @@
 """``data-gen exit-labels``: SpecExit confidence labels from a target's own reasoning.
 
 Confidence at a point of a think span (docs/spec_exit.md) is whether an answer forced
-there is already correct, for tasks with verifiers. For each record (the token ids of a
-reasoning conversation and the reasoning-gym item it answers), at every step boundary
+there is already *settled*. For each record (the token ids of a reasoning conversation,
+and for ``target="correct"`` the reasoning-gym item it answers), at the span's start (the
+think-start marker's last token: an answer with no thinking) and at every step boundary
 ``j`` inside its think span the target is *probed*:
 
     input_ids[: j + 1] + think-end marker ids + answer-prefix ids  →  greedy answer
@@ -10,10 +11,24 @@ reasoning conversation and the reasoning-gym item it answers), at every step bou
 which is SpecExit's exit at that boundary (keep the tokens through the delimiter, force
 the end marker) plus the separator the reasoning format writes before its answer
 (``"\\n\\n"``, as running text: SmolLM2 writes it [198, 198]; ``answer_prefix=""`` leaves it
-to the model, exactly the engine's exit). The task's verifier scores the answer and
-position ``j`` (the delimiter's last token: what the head has read when the policy decides
-to exit there) is labelled 1.0 for a correct answer (score 1.0, eval-reasoning's
-``correct``), else 0.0. Other positions have no confidence label.
+to the model, exactly the engine's exit). Position ``j`` (the delimiter's last token: what
+the head has read when the policy decides to exit there) is labelled 1.0 or 0.0 by the
+config's ``target`` (``JUDGES``):
+
+- ``final`` (default): the answer equals the record's own final answer, the text after its
+  think span (whitespace-normalised; a probe answer cut at ``max_tokens`` counts as
+  different). An exit there would not change the reply's answer, right or wrong, so the
+  head learns "the answer is settled" and needs no verifier: any reasoning data works.
+- ``correct``: the task's reasoning-gym verifier gives it 1.0 (eval-reasoning's
+  ``correct``). The head then also has to guess whether the settled answer is right,
+  which it cannot see; session 15's head (BENCHMARKS.md) read 0.6-0.8 at settled steps of
+  wrong traces and 0.8-0.98 at right ones. On 256 of its train traces the earliest exit
+  that keeps the answer saves ~70% of the thinking under ``final``, ~50% under
+  ``correct`` (no exit ever fires on a wrong trace).
+
+Other positions have no label here; training holds each probe's label until the next probe
+(``train.spec_exit_labels``), so the probe at the span's start labels the first step's
+tokens, which serving's smoothing reads first.
 
 Spans and boundaries are serving's and training's: the span is train-draft's
 ``find_think_span`` (markers as token sequences, ``specdec.spec.think_markers``), a
@@ -26,15 +41,16 @@ Output: a stage directory of ``labels-00000.jsonl`` shards; shard ``i`` holds in
     spec_exit_confidence  {"positions": [j, ...], "labels": [1.0 | 0.0, ...],
                            "answers": [the probe's answer text, ...]}
 
-Records that cannot be labelled (no item for the verifier, no closed think span, no
-boundary or none whose probe fits the context, no token ids) pass through without it and
+Records that cannot be labelled (no closed think span, no final answer after it, no item
+for the verifier, no probe that fits the context, no token ids) pass through without it and
 are counted, so a mixed data set stays whole. ``data-gen dump`` stores the labels as the
 shard tensor ``spec_exit_confidence``; train-draft's online mode reads them from the
 records (both through ``dump_plan.parse_confidence``).
 
-Items: the verifier rebuilds the reasoning-gym entry from (task, seed, params), read from
-the record itself (a traces record) or, for ``data-gen regenerate`` output of traces
-prompts (which keeps each id and drops the rest), from ``items`` (the traces file) by id.
+Items (``target="correct"``): the verifier rebuilds the reasoning-gym entry from (task,
+seed, params), read from the record itself (a traces record) or, for ``data-gen
+regenerate`` output of traces prompts (which keeps each id and drops the rest), from
+``items`` (the traces file) by id.
 
 Batching and resume: every probe of a shard's records goes into one ``LLM.generate``,
 record by record and each record's longest probe first (the shorter ones then reuse its
@@ -74,12 +90,14 @@ Verifier = Callable[[dict[str, Any], dict[str, Any]], Score]
 class ExitLabelsConfig:
     """``engine``: ``LLM`` keyword arguments. ``think_start`` / ``think_end``: text or
     token ids (``think_markers``); ``delimiters``: step boundaries; ``answer_prefix``: text
-    appended after the end marker (module docstring); ``max_tokens``: per probe answer."""
+    appended after the end marker; ``target``: what a label says (``JUDGES``: ``final`` or
+    ``correct``; module docstring); ``max_tokens``: per probe answer."""
 
     input: str  # a stage directory (regenerate) or a JSONL file of records with input_ids
     output: str
     model: str = "smollm2-135m-instruct"
-    items: str | None = None  # traces JSONL: (task, seed, params) by id
+    target: str = "final"
+    items: str | None = None  # traces JSONL: (task, seed, params) by id; target "correct"
     engine: dict[str, Any] = field(default_factory=dict)
     think_start: str | tuple[int, ...] = "<think>"
     think_end: str | tuple[int, ...] = "</think>"
@@ -104,6 +122,11 @@ class ExitLabelsConfig:
                 raise ValueError(f"{name} is empty; give the marker's text or token ids")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1 (answer tokens)")
+        if self.target not in JUDGES:
+            raise ValueError(
+                f"target={self.target!r} is not a label target; choose from {sorted(JUDGES)} "
+                "(final: the trace's own answer; correct: the task's verifier)"
+            )
         if self.records_per_shard < 1:
             raise ValueError(f"records_per_shard={self.records_per_shard} must be >= 1")
 
@@ -193,24 +216,62 @@ class ReasoningGymVerifier:
         return lambda answer: task.score(answer, entry)
 
 
+def normalize_answer(text: str) -> str:
+    """An answer compared as text: whitespace runs collapsed, ends stripped."""
+    return " ".join(text.split())
+
+
+def final_answer(tokenizer, ids: Sequence[int], after: int, answer_prefix: str) -> str:
+    """A trace's own answer: its text from ``after`` (the first token past the think-end
+    marker) without the answer prefix and special tokens, normalised."""
+    tail = tokenizer.decode([int(t) for t in ids[after:]], skip_special_tokens=True)
+    tail = tail[len(answer_prefix) :] if tail.startswith(answer_prefix) else tail
+    return normalize_answer(tail)
+
+
+# A record's scorer (answer text -> label), or the counts key saying why it has none.
+Judge = Callable[
+    ["ConfidenceProber", dict[str, Any], "dict | None", np.ndarray, Any], "Score | str"
+]
+
+
+def _judge_final(prober: ConfidenceProber, record, item, ids, span) -> Score | str:
+    final = prober.final_answer(ids, span)
+    if not final:
+        return "unlabelled_no_final_answer"
+    return lambda answer: float(normalize_answer(answer) == final)
+
+
+def _judge_correct(prober: ConfidenceProber, record, item, ids, span) -> Score | str:
+    if item is None:
+        return "unlabelled_no_item"
+    return prober.verifier(item, record)
+
+
+JUDGES: dict[str, Judge] = {"final": _judge_final, "correct": _judge_correct}
+NEEDS_ITEMS = frozenset({"correct"})
+
+
 # ---------------------------------------------------------------- one shard
 
 
 @dataclass
 class _Probe:
     record: int  # index in the shard
-    position: int  # the boundary's token index in the record's input_ids
+    position: int  # the probe's token index in the record's input_ids
     prompt: list[int]
 
 
 class ConfidenceProber:
-    """Probes and labels shards of records with one ``LLM`` (``label_shard``)."""
+    """Probes and labels shards of records with one ``LLM`` (``label_shard``). The verifier
+    (``target="correct"``) defaults to ``ReasoningGymVerifier``, made on first use."""
 
-    def __init__(self, config: ExitLabelsConfig, llm, verifier: Verifier) -> None:
+    def __init__(self, config: ExitLabelsConfig, llm, verifier: Verifier | None = None) -> None:
         from specdec.sampling_params import SamplingParams
         from specdec.spec.think_markers import check_markers, resolve_marker
 
-        self.config, self.llm, self.verifier = config, llm, verifier
+        self.config, self.llm, self._verifier = config, llm, verifier
+        self.judge = JUDGES[config.target]
         tok = llm.tokenizer
         self.start = resolve_marker(tok, config.think_start, "think_start")
         self.end = resolve_marker(tok, config.think_end, "think_end")
@@ -220,6 +281,16 @@ class ConfidenceProber:
         self.max_model_len = llm.engine.max_model_len
         self._texts: dict[int, str] = {}
 
+    @property
+    def verifier(self) -> Verifier:
+        if self._verifier is None:
+            self._verifier = ReasoningGymVerifier()
+        return self._verifier
+
+    def final_answer(self, ids: np.ndarray, span) -> str:
+        return final_answer(self.llm.tokenizer, ids, span.end + len(self.end),
+                            self.config.answer_prefix)  # fmt: skip
+
     def text_of(self, token: int) -> str:
         text = self._texts.get(token)
         if text is None:
@@ -228,23 +299,26 @@ class ConfidenceProber:
 
     def probes_of(
         self, index: int, record: dict[str, Any], item: dict | None, counts: Counter
-    ) -> list[_Probe]:
+    ) -> tuple[list[_Probe], Score | None]:
+        """The record's probes and the scorer of their answers; none (and a count saying
+        why) when it cannot be labelled."""
         from specdec.train.spec_exit_labels import find_think_span
 
         ids = record.get("input_ids")
         if not isinstance(ids, list) or not ids:
             counts["unlabelled_no_input_ids"] += 1
-            return []
-        if item is None:
-            counts["unlabelled_no_item"] += 1
-            return []
+            return [], None
         arr = np.asarray(ids)
         span = find_think_span(arr, self.start, self.end)
         if span is None:
             counts["unlabelled_no_think_span"] += 1
-            return []
-        positions = step_boundaries(arr, span.start, span.end, self.text_of,
-                                    self.config.delimiters)  # fmt: skip
+            return [], None
+        score = self.judge(self, record, item, arr, span)
+        if isinstance(score, str):
+            counts[score] += 1
+            return [], None
+        positions = [span.start, *step_boundaries(arr, span.start, span.end, self.text_of,
+                                                  self.config.delimiters)]  # fmt: skip
         probes = []
         for j in positions:
             prompt = [*ids[: j + 1], *self.forced]
@@ -253,8 +327,8 @@ class ConfidenceProber:
                 continue
             probes.append(_Probe(index, j, prompt))
         if not probes:
-            counts["unlabelled_no_probe"] += 1  # no boundary, or none that fits the context
-        return probes
+            counts["unlabelled_no_probe"] += 1  # none fits the context
+        return probes, score
 
     def label_shard(
         self, records: list[dict[str, Any]], items: list[dict | None]
@@ -262,8 +336,10 @@ class ConfidenceProber:
         """The shard's JSONL bytes (records in order, labelled ones with
         ``CONFIDENCE_KEY``) and its counts."""
         counts: Counter = Counter()
-        per_record = [self.probes_of(i, r, it, counts) for i, (r, it) in
-                      enumerate(zip(records, items, strict=True))]  # fmt: skip
+        probed = [self.probes_of(i, r, it, counts) for i, (r, it) in
+                  enumerate(zip(records, items, strict=True))]  # fmt: skip
+        per_record = [probes for probes, _ in probed]
+        scores = [score for _, score in probed]
         # Record by record, longest probe first: its blocks are published to the prefix
         # cache when it is scheduled (even within one step), and the record's shorter
         # probes, queued right behind it, reuse them instead of recomputing the prefix.
@@ -276,9 +352,8 @@ class ConfidenceProber:
             for p, out in zip(order, outputs, strict=True)
         }
         lines = []
-        for i, (record, item) in enumerate(zip(records, items, strict=True)):
+        for i, (record, score) in enumerate(zip(records, scores, strict=True)):
             if per_record[i]:
-                score = self.verifier(item, record)
                 positions = [p.position for p in per_record[i]]
                 texts = [answers[(i, j)] for j in positions]
                 labels = [1.0 if score(a) == 1.0 else 0.0 for a in texts]
@@ -287,7 +362,7 @@ class ConfidenceProber:
                 }}  # fmt: skip
                 counts["labelled"] += 1
                 counts["probes"] += len(labels)
-                counts["probes_correct"] += int(sum(labels))
+                counts["probes_labelled_1"] += int(sum(labels))
             lines.append(dumps_record(record) + "\n")
         counts["records"] = len(records)
         return "".join(lines).encode(), dict(counts)
@@ -328,10 +403,11 @@ def run_exit_labels(
         raise ValueError(f"{config.input} holds no records ({skipped.as_dict()})")
     index = load_item_index(config.items)
     items = [item_of(r, index) for r in records]
-    if not any(items):
+    if config.target in NEEDS_ITEMS and not any(items):
         raise ValueError(
-            f"no record of {config.input} names its reasoning-gym item (task, seed, params); "
-            "pass --items TRACES.jsonl, the traces file its prompts came from"
+            f"no record of {config.input} names its reasoning-gym item (task, seed, params), "
+            f"which target={config.target!r} verifies against; pass --items TRACES.jsonl, the "
+            "traces file its prompts came from, or use --target final"
         )
     ranges = list(chunk_ranges(len(records), config.records_per_shard))
     gen = {k: v for k, v in asdict(config).items()
@@ -347,7 +423,7 @@ def run_exit_labels(
     if todo:
         if llm is None:
             llm = _load_llm(config, rank)
-        prober = ConfidenceProber(config, llm, verifier or ReasoningGymVerifier())
+        prober = ConfidenceProber(config, llm, verifier)
         total = sum(ranges[i][1] - ranges[i][0] for i in todo)
         bar = tqdm(total=total, desc=f"exit-labels {store.root.name}", unit="rec")
         t0 = time.perf_counter()

@@ -9,8 +9,9 @@ signals are stored (``SIGNAL_ORDER``). Labels and losses live with the trainer
 
 Signals at a position ``t`` inside a think span (the head has read tokens up to ``t``):
 
-- ``confidence``: probability that an answer forced now would already be correct
-  (sigmoid; in [0, 1]).
+- ``confidence``: probability that an answer forced now would already be settled: the
+  trace's final answer (or a correct one; ``data-gen exit-labels --target``) (sigmoid; in
+  [0, 1]).
 - ``progress``: fraction of the span's thinking already written (sigmoid; in [0, 1]).
 - ``remaining``: thinking tokens still to come before the end-of-think token (exp - 1,
   clamped at 0; raw values regress ``log1p(remaining)``).

@@ -1,0 +1,140 @@
+"""SpecExit settings judged offline: the exit policy replayed over labelled traces.
+
+For every labelled record of a ``data-gen exit-labels`` output (the target's own traces,
+with an answer forced and judged at each step boundary), the target reads the trace once
+(aux states, CPU or GPU), the head's exit channels give the signals at every token, and
+``specdec.spec.spec_exit_replay.replay_exit`` runs the serving policy for each setting:
+
+    python benchmarks/spec_exit_offline.py --model smollm2-135m-reasoning --head HEAD \\
+        --labels data/spec-exit/labels --records 200 \\
+        --settings '{}' '{"confidence_above": 0.9}' '{"confidence_above": null}'
+
+Per setting: how many traces exit, the thinking kept (mean tokens, and the reduction
+against the whole spans), and how many exits land on a boundary whose forced answer was
+*not* settled (``changed``: the reply's answer would differ; an upper bound on accuracy
+lost when the labels are ``--target final``). ``--judge final`` re-judges stored probe
+answers against each trace's own final answer, so labels made with ``--target correct``
+serve too. Last, a table; ``--json`` keeps the per-setting numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from specdec.data_gen.dump_plan import CONFIDENCE_KEY
+from specdec.data_gen.reasoning.confidence import final_answer, normalize_answer, read_input
+from specdec.data_gen.records import SkipCounts
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="the target (alias, directory, adapter)")
+    p.add_argument("--head", required=True, help="EAGLE-3 head directory with exit channels")
+    p.add_argument("--labels", required=True, help="exit-labels directory or JSONL")
+    p.add_argument("--skip", type=int, default=0, help="labelled records to skip first")
+    p.add_argument("--records", type=int, default=None, help="labelled records to replay")
+    p.add_argument("--settings", nargs="+", default=["{}"],
+                   help="SpecExitParams as JSON objects ('{}': the defaults)")  # fmt: skip
+    p.add_argument("--step-tokens", type=int, default=4, help="tokens per replayed step (~τ)")
+    p.add_argument("--judge", choices=["stored", "final"], default="stored",
+                   help="stored labels, or stored answers vs each trace's own answer")  # fmt: skip
+    p.add_argument("--answer-prefix", default="\n\n", help="as given to exit-labels")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def load_records(args) -> list[dict]:
+    records = [r for r in read_input(args.labels, SkipCounts()) if r.get(CONFIDENCE_KEY)]
+    end = None if args.records is None else args.skip + args.records
+    records = records[args.skip : end]
+    if not records:
+        raise SystemExit(f"{args.labels} has no labelled records in the range asked for")
+    return records
+
+
+def probe_labels(rec: dict, judge: str, tokenizer, span, end_len: int, prefix: str) -> dict:
+    """position -> 1.0 | 0.0 at each probe of the record."""
+    conf = rec[CONFIDENCE_KEY]
+    labels = conf["labels"]
+    if judge == "final":
+        final = final_answer(tokenizer, rec["input_ids"], span.end + end_len, prefix)
+        labels = [float(bool(final) and normalize_answer(a) == final) for a in conf["answers"]]
+    return dict(zip(conf["positions"], labels, strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specdec.data_gen.target import TargetForward
+    from specdec.models.eagle3_formats import load_eagle3
+    from specdec.models.loader import load_tokenizer
+    from specdec.spec.spec_exit import SpecExitParams
+    from specdec.spec.spec_exit_replay import replay_exit
+    from specdec.spec.spec_exit_runtime import SpecExitRuntime
+    from specdec.spec.think_markers import resolve_marker
+    from specdec.train.spec_exit_labels import find_think_span
+
+    args = parse_args(argv)
+    settings = [SpecExitParams.from_dict(json.loads(s)) for s in args.settings]
+    records = load_records(args)
+    target = TargetForward(args.model, device=args.device or "auto")
+    head = load_eagle3(args.head, target_config=target.model.config, device=target.device)
+    if head.spec_exit is None:
+        raise SystemExit(f"{args.head} has no SpecExit channels")
+    tokenizer = load_tokenizer(target.resolved)
+    runtime = SpecExitRuntime(tokenizer, head.config.exit_signals)
+    # Spans are found with the first setting's markers (settings differ in thresholds).
+    start = resolve_marker(tokenizer, settings[0].think_start, "think_start")
+    end = resolve_marker(tokenizer, settings[0].think_end, "think_end")
+    traces = []  # (ids, prompt_len, span, signals, labels)
+    for rec in tqdm(records, desc="signals", unit="trace"):
+        ids = np.asarray(rec["input_ids"])
+        mask = np.asarray(rec["loss_mask"])
+        with torch.inference_mode():
+            _, aux = target(ids, np.array([len(ids)]))
+            signals = head.exit_signals(aux.to(head.fc.weight.dtype)).cpu().numpy()
+        span = find_think_span(ids, start, end)
+        if span is None:
+            continue
+        labels = probe_labels(rec, args.judge, tokenizer, span, len(end), args.answer_prefix)
+        traces.append((ids, int(mask.argmax()), span, signals, labels))
+    rows = []
+    for text, params in zip(args.settings, settings, strict=True):
+        kept, full, exits, changed, unjudged = [], [], 0, 0, 0
+        for ids, prompt_len, span, signals, labels in traces:
+            cut = replay_exit(runtime, params, ids, prompt_len, signals, args.step_tokens)
+            full.append(span.num_thinking)
+            if cut is None or cut >= span.end:
+                kept.append(span.num_thinking)
+                continue
+            exits += 1
+            kept.append(cut - span.start)
+            label = labels.get(cut)
+            unjudged += label is None
+            changed += label == 0.0
+        rows.append({
+            "setting": json.loads(text), "traces": len(traces), "exits": exits,
+            "think_tokens": statistics.fmean(kept), "full_think_tokens": statistics.fmean(full),
+            "reduction": 1 - sum(kept) / sum(full), "changed": changed / len(traces),
+            "unjudged": unjudged,
+        })  # fmt: skip
+    print(f"\n{len(traces)} traces, {args.step_tokens} tokens per step, judge {args.judge}\n")
+    print("| setting | exits | think tokens | reduction | answer changed |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        think = f"{r['think_tokens']:.1f} / {r['full_think_tokens']:.1f}"
+        print(f"| `{json.dumps(r['setting'])}` | {r['exits']} | {think} | "
+              f"{r['reduction']:.1%} | {r['changed']:.1%} |")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
