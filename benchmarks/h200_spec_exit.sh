@@ -41,7 +41,7 @@ run_stage() {  # stage [extra env...]: under the call's remaining time
     return $rc
 }
 
-for stage in ${STAGES:-regenerate labels vocab train eval latency}; do
+for stage in ${STAGES:-regenerate labels vocab train offline eval latency}; do
     case $stage in
         train)
             # Leave 40 s for the trainer's final checkpoint and head export.
@@ -68,6 +68,7 @@ done
 # and one archive of the stage logs, the training log, the eval reports and the manifests.
 if [ -d "$RUN/head" ]; then mkdir -p "$OUT/head" && cp "$RUN"/head/* "$OUT/head/"; fi
 tar czf "$OUT/reports.tgz" --ignore-failed-read "$OUT"/*.log "$RUN"/log.jsonl \
+    "$RUN"/offline.json "$RUN"/spec_exit_chosen.json \
     "$RUN"/eval-*/report.json "$RUN"/eval-*/report.md "$RUN"/latency-*/report.json \
     "$DATA"/*/manifest.json 2>/dev/null
 rm -f "$OUT"/*.log

@@ -6,7 +6,7 @@ with an answer forced and judged at each step boundary), the target reads the tr
 ``specdec.spec.spec_exit_replay.replay_exit`` runs the serving policy for each setting:
 
     python benchmarks/spec_exit_offline.py --model smollm2-135m-reasoning --head HEAD \\
-        --labels data/spec-exit/labels --records 200 \\
+        --labels data/spec-exit/labels --held-out 256 \\
         --settings '{}' '{"confidence_above": 0.9}' '{"confidence_above": null}'
 
 Per setting: how many traces exit, the thinking kept (mean tokens, and the reduction
@@ -14,7 +14,9 @@ against the whole spans), and how many exits land on a boundary whose forced ans
 *not* settled (``changed``: the reply's answer would differ; an upper bound on accuracy
 lost when the labels are ``--target final``). ``--judge final`` re-judges stored probe
 answers against each trace's own final answer, so labels made with ``--target correct``
-serve too. Last, a table; ``--json`` keeps the per-setting numbers.
+serve too. Last, a table; ``--json`` keeps the per-setting numbers, and ``--choose FILE``
+writes the setting that cuts the most thinking with at most ``--max-changed`` (2%) of the
+answers changed.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="the target (alias, directory, adapter)")
     p.add_argument("--head", required=True, help="EAGLE-3 head directory with exit channels")
     p.add_argument("--labels", required=True, help="exit-labels directory or JSONL")
+    p.add_argument("--held-out", type=int, default=None, metavar="N",
+                   help="only the records train-draft held out with data.eval_records=N "
+                   "(online mode; it skipped none of the records)")  # fmt: skip
     p.add_argument("--skip", type=int, default=0, help="labelled records to skip first")
     p.add_argument("--records", type=int, default=None, help="labelled records to replay")
     p.add_argument("--settings", nargs="+", default=["{}"],
@@ -46,13 +51,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--judge", choices=["stored", "final"], default="stored",
                    help="stored labels, or stored answers vs each trace's own answer")  # fmt: skip
     p.add_argument("--answer-prefix", default="\n\n", help="as given to exit-labels")
+    p.add_argument("--choose", default=None, metavar="FILE",
+                   help="write the setting that cuts the most thinking while changing at "
+                   "most --max-changed of the answers (JSON), for the evals to use")  # fmt: skip
+    p.add_argument("--max-changed", type=float, default=0.02)
     p.add_argument("--device", default=None)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
+def choose(rows: list[dict], max_changed: float) -> dict | None:
+    """The row with the largest reduction among those changing at most ``max_changed`` of
+    the answers (ties: the earlier setting); None when none qualifies or none exits."""
+    ok = [r for r in rows if r["changed"] <= max_changed and r["exits"] > 0]
+    return max(ok, key=lambda r: r["reduction"], default=None)
+
+
 def load_records(args) -> list[dict]:
-    records = [r for r in read_input(args.labels, SkipCounts()) if r.get(CONFIDENCE_KEY)]
+    from specdec.train.data import evenly_spaced
+
+    records = read_input(args.labels, SkipCounts())
+    if args.held_out is not None:  # the trainer's online split (train.data.OnlineRecords)
+        records = [records[i] for i in evenly_spaced(len(records), args.held_out)]
+    records = [r for r in records if r.get(CONFIDENCE_KEY)]
     end = None if args.records is None else args.skip + args.records
     records = records[args.skip : end]
     if not records:
@@ -72,7 +93,8 @@ def probe_labels(rec: dict, judge: str, tokenizer, span, end_len: int, prefix: s
 
 def main(argv: list[str] | None = None) -> int:
     from specdec.data_gen.target import TargetForward
-    from specdec.models.eagle3_formats import load_eagle3
+    from specdec.models import load_config
+    from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
     from specdec.models.loader import load_tokenizer
     from specdec.spec.spec_exit import SpecExitParams
     from specdec.spec.spec_exit_replay import replay_exit
@@ -83,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = [SpecExitParams.from_dict(json.loads(s)) for s in args.settings]
     records = load_records(args)
-    target = TargetForward(args.model, device=args.device or "auto")
+    head_config = read_eagle3_config(args.head, load_config(args.model))
+    target = TargetForward(args.model, device=args.device or "auto",
+                           aux_layer_ids=head_config.aux_layer_ids)  # fmt: skip
     head = load_eagle3(args.head, target_config=target.model.config, device=target.device)
     if head.spec_exit is None:
         raise SystemExit(f"{args.head} has no SpecExit channels")
@@ -133,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['reduction']:.1%} | {r['changed']:.1%} |")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    if args.choose:
+        best = choose(rows, args.max_changed)
+        if best is None:
+            print(f"no setting exits with at most {args.max_changed:.1%} of answers changed")
+            Path(args.choose).unlink(missing_ok=True)
+        else:
+            print(f"chosen: {json.dumps(best['setting'])}")
+            Path(args.choose).write_text(json.dumps(best["setting"]) + "\n")
     return 0
 
 

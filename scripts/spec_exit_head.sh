@@ -30,15 +30,24 @@ LATENCY_PER_TASK=${LATENCY_PER_TASK:-5}  # latency stage: items per task, one at
 STEPS=${STEPS:-1000}               # x 16k tokens: ~6 epochs of the answers, ~4.5 min on an H200
 TIME_LIMIT=${TIME_LIMIT:-}            # seconds: stop with a checkpoint and the head
 SIGNALS=${SIGNALS:-[confidence,progress,remaining]}
-SPEC_EXIT=${SPEC_EXIT:-'{}'}          # SpecExitParams for the eval ({}: the defaults)
+SPEC_EXIT=${SPEC_EXIT:-}              # SpecExitParams for the evals (default: the offline
+                                      # stage's choice, else {}: the defaults)
+MAX_CHANGED=${MAX_CHANGED:-0.02}      # offline: the most answers a chosen setting changes
 EXTRA_TRAIN=${EXTRA_TRAIN:-}          # more train-draft overrides, e.g. "optim.lr=2e-4"
+OFFLINE_SETTINGS=('{}' '{"confidence_above": 0.9}' '{"confidence_above": 0.7}'
+    '{"smoothing": "window", "window": 4}' '{"smoothing": "window", "window": 8}'
+    '{"alpha": 0.3}' '{"progress_above": null, "remaining_below": null}')
+HELD_OUT=${HELD_OUT:-256}             # = data.eval_records of the train config
 DEVICE_ARGS=()
+REPLAY_ARGS=()
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the whole chain on CPU, tiny: checks the recipe runs
     DATA=${DATA%/}-smoke RUN=${RUN%/}-smoke
     PER_TASK=1 EVAL_PER_TASK=1 LATENCY_PER_TASK=1 MAX_TOKENS=400 MAX_NUM_SEQS=16 STEPS=4
     EXTRA_TRAIN="data.max_tokens=2048 data.eval_records=2 optim.warmup_steps=1 run.save_every=2 run.eval_every=2 run.log_every=1 run.wandb=disabled ${EXTRA_TRAIN}"
     DEVICE_ARGS=(--device cpu --dtype float32)
+    REPLAY_ARGS=(--device cpu)
+    HELD_OUT=2
     export TRITON_INTERPRET=1
 fi
 EVAL_TRACES=${EVAL_TRACES:-$DATA/eval.jsonl}
@@ -82,16 +91,31 @@ stage_train() {
         ${TIME_LIMIT:+run.time_limit_s=$TIME_LIMIT} $EXTRA_TRAIN
 }
 
+stage_offline() {
+    # Exit settings replayed over the records train-draft held out (data.eval_records in
+    # configs/train/smollm2.yaml: 256, spread over every task): thinking kept and answers
+    # changed per setting, without generating (docs/spec_exit.md, "Choosing thresholds").
+    python benchmarks/spec_exit_offline.py --model "$MODEL" --head "$RUN/head" \
+        --labels "$DATA/labels" --held-out "$HELD_OUT" --json "$RUN/offline.json" \
+        --choose "$RUN/spec_exit_chosen.json" --max-changed "$MAX_CHANGED" \
+        --settings "${OFFLINE_SETTINGS[@]}" "${REPLAY_ARGS[@]}"
+}
+
 eval_three() {  # OUT_PREFIX PER_TASK [eval-reasoning args...]: plain, EAGLE-3, SpecExit
-    local prefix=$1 per_task=$2
+    local prefix=$1 per_task=$2 spec_exit=$SPEC_EXIT
     shift 2
+    if [ -z "$spec_exit" ]; then
+        spec_exit='{}'
+        [ -f "$RUN/spec_exit_chosen.json" ] && spec_exit=$(cat "$RUN/spec_exit_chosen.json")
+    fi
+    echo "SpecExit setting: $spec_exit"
     local common=(--model "$MODEL" --traces "$EVAL_TRACES" --per-task "$per_task"
         --max-tokens "$MAX_TOKENS" "${DEVICE_ARGS[@]}" "$@")
     specdec eval-reasoning "${common[@]}" --draft none --out "$RUN/$prefix-plain"
     specdec eval-reasoning "${common[@]}" --draft eagle3 --draft-model "$RUN/head" \
         --out "$RUN/$prefix-eagle3"
     specdec eval-reasoning "${common[@]}" --draft eagle3 --draft-model "$RUN/head" \
-        --spec-exit "$SPEC_EXIT" --out "$RUN/$prefix-spec-exit"
+        --spec-exit "$spec_exit" --out "$RUN/$prefix-spec-exit"
     for v in plain eagle3 spec-exit; do
         echo "--- $v"; grep -F "**all**" "$RUN/$prefix-$v/report.md"
     done
@@ -110,12 +134,12 @@ stage_latency() {
 }
 
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(prompts regenerate labels vocab train eval latency)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(prompts regenerate labels vocab train offline eval latency)
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        prompts | regenerate | labels | vocab | train | eval | latency) ;;
-        *) echo "unknown stage '$stage'; stages: prompts regenerate labels vocab train eval" \
-               "latency" >&2
+        prompts | regenerate | labels | vocab | train | offline | eval | latency) ;;
+        *) echo "unknown stage '$stage'; stages: prompts regenerate labels vocab train" \
+               "offline eval latency" >&2
            exit 2 ;;
     esac
     echo "=== $stage ($(date -u +%H:%M:%S))"

@@ -306,3 +306,55 @@ def test_eval_reasoning_accepts_spec_exit_for_the_smollm2_markers(
     assert report["sampling"]["spec_exit"]["think_end"] == "</think>"
     assert report["sampling"]["spec_exit"]["confidence_above"] == 0.9
     assert report["spec_exit"]["exits"] >= 0
+
+
+def test_offline_replay_judges_settings_and_chooses(target_dir, exit_head_dir, tmp_path):
+    """benchmarks/spec_exit_offline.py on one labelled trace in the reasoning format: the
+    head's constant channels pass the defaults, so the replay cuts at a step boundary
+    (where a probe was judged) and not under a threshold they miss; ``--judge final``
+    compares the stored answers with the trace's own, and ``--choose`` keeps the setting
+    that cuts most among those changing few enough answers (none if every exit changes
+    the answer)."""
+    import sys
+
+    from specdec.data_gen.reasoning.confidence import step_boundaries
+    from specdec.models.loader import load_tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import spec_exit_offline
+
+    tok = load_tokenizer(str(target_dir))
+    reply = tok.encode("<think>\nFirst, 6 * 7 = 42.\n\nCheck: 42 / 7 = 6.\n\nSo 42.\n"
+                       "</think>\n\n42", add_special_tokens=False)  # fmt: skip
+    ids = [*PROMPT, *reply, 2]
+    start = len(PROMPT) + len(OPEN_IDS) - 1
+    end = next(i for i in range(len(ids)) if ids[i : i + 3] == CLOSE_IDS)
+    bounds = step_boundaries(ids, start, end, lambda t: tok.decode([t]), ["\n\n"])
+    assert len(bounds) == 2
+    positions = [start, *bounds]
+
+    def run(answers: list[str], name: str, max_changed: float) -> dict:
+        record = {"id": "r0", "input_ids": ids, "loss_mask": [0] * len(PROMPT) + [1] * (
+            len(ids) - len(PROMPT)), "spec_exit_confidence": {
+            "positions": positions, "labels": [0.0] * 3, "answers": answers}}  # fmt: skip
+        labels = tmp_path / f"{name}.jsonl"
+        labels.write_text(json.dumps(record) + "\n")
+        out, chosen = tmp_path / f"{name}.json", tmp_path / f"{name}-chosen.json"
+        spec_exit_offline.main([
+            "--model", str(target_dir), "--head", str(exit_head_dir), "--labels", str(labels),
+            "--device", "cpu", "--judge", "final", "--step-tokens", "3",
+            "--settings", "{}", '{"confidence_above": 0.99}', "--json", str(out),
+            "--choose", str(chosen), "--max-changed", str(max_changed),
+        ])  # fmt: skip
+        rows = json.loads(out.read_text())["rows"]
+        return {"rows": rows, "chosen": json.loads(chosen.read_text()) if chosen.exists()
+                else None}  # fmt: skip
+
+    settled = run(["7", "42", "42"], "settled", 0.02)
+    cut, missed = settled["rows"]
+    assert (cut["exits"], cut["unjudged"], cut["changed"]) == (1, 0, 0.0)
+    assert 0 < cut["reduction"] < 1 and cut["full_think_tokens"] == end - start - 1
+    assert (missed["exits"], missed["reduction"]) == (0, 0.0)
+    assert settled["chosen"] == {}
+    unsettled = run(["7", "7", "7"], "unsettled", 0.02)
+    assert unsettled["rows"][0]["changed"] == 1.0 and unsettled["chosen"] is None

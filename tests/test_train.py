@@ -218,7 +218,7 @@ def test_online_mode_computes_the_dumped_states_and_trains(data, tmp_path):
     stored for the same conversations (up to CPU matmul rounding across batch sizes), and
     a short run trains from them."""
     from specdec.data_gen.target import TargetForward
-    from specdec.train.data import BatchRef, OfflineShards, OnlineRecords
+    from specdec.train.data import BatchRef, OfflineShards, OnlineRecords, evenly_spaced
 
     offline = OfflineShards(data / "dump", max_tokens=4096, max_seq_len=2048, eval_shards=0,
                             seed=0)  # fmt: skip
@@ -231,6 +231,17 @@ def test_online_mode_computes_the_dumped_states_and_trains(data, tmp_path):
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
     torch.testing.assert_close(b.aux_hidden, a.aux_hidden, rtol=1e-4, atol=1e-2)
     torch.testing.assert_close(b.target_hidden, a.target_hidden, rtol=1e-4, atol=1e-3)
+
+    # The held-out records spread over the file (it is written in groups, e.g. by task),
+    # the first and the last included; together with the train split, every record once.
+    ids = [r.id for r in online.train]  # eval_records=0: every record trains
+    held = OnlineRecords(data / "regen", forward, max_tokens=4096, max_seq_len=2048,
+                         eval_records=3, seed=0, vocab_size=49152)  # fmt: skip
+    first, middle, last = (r.id for r in held.eval)
+    assert (first, last) == (ids[0], ids[-1]) and middle not in (first, last)
+    assert sorted(r.id for r in held.train + held.eval) == sorted(ids)
+    assert evenly_spaced(10, 3) == [0, 4, 9] and evenly_spaced(5, 9) == [0, 1, 2, 3, 4]
+    assert evenly_spaced(5, 0) == []
 
     cfg = config(data, tmp_path, data={"mode": "online", "path": str(data / "regen"),
                                        "eval_records": 4},

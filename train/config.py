@@ -47,7 +47,7 @@ class DataSection:
     max_tokens: int = 4096  # tokens per micro-batch (whole sequences packed)
     max_seq_len: int = 2048  # longer sequences are cut (and counted)
     eval_shards: int = 1  # offline: the manifest's last N shards form the held-out split
-    eval_records: int = 16  # online: the last N records form the held-out split
+    eval_records: int = 16  # online: N records spread evenly over the data, held out
     seed: int = 0  # shuffling of shards and of sequences within a shard
 
     def __post_init__(self) -> None:

@@ -88,6 +88,17 @@ def clip(length: int, max_tokens: int, max_seq_len: int) -> int:
     return min(length, max_tokens, max_seq_len)
 
 
+def evenly_spaced(n: int, k: int) -> list[int]:
+    """``min(k, n)`` distinct indices spread evenly over ``range(n)``, ascending: files are
+    often written in groups (a traces file task by task, and a regenerate output keeps its
+    input's order), so the first or last ``k`` would cover one group."""
+    if k >= n:
+        return list(range(n))
+    if k <= 0:
+        return []
+    return sorted(set(np.linspace(0, n - 1, k).round().astype(int).tolist()))
+
+
 def shuffled(n: int, seed: int, epoch: int, salt: int = 0) -> list[int]:
     order = list(range(n))
     random.Random(f"{seed}/{epoch}/{salt}").shuffle(order)  # str seeds: same in every process
@@ -281,13 +292,14 @@ class OnlineRecords:
         self.forward = target_forward
         self.target = target_forward.model_name
         self.aux_layer_ids = tuple(target_forward.aux_layer_ids)
-        cut = len(records) - eval_records
-        if cut < 1:
+        if len(records) - eval_records < 1:
             raise ValueError(
                 f"data.eval_records={eval_records} leaves none of {len(records)} records for "
                 "training; lower it"
             )
-        self.train, self.eval = records[:cut], records[cut:]
+        held = set(evenly_spaced(len(records), eval_records))
+        self.train = [r for i, r in enumerate(records) if i not in held]
+        self.eval = [records[i] for i in sorted(held)]
         self.max_tokens, self.max_seq_len, self.seed = max_tokens, max_seq_len, seed
         self.labeler = labeler
         self._lock = threading.Lock()

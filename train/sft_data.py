@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from specdec.data_gen.chat import tokenize_conversation
 from specdec.data_gen.records import BadRecord, SkipCounts, parse_conversation
 from specdec.data_gen.sources import iter_jsonl
-from specdec.train.data import BatchRef, clip, pack, shuffled
+from specdec.train.data import BatchRef, clip, evenly_spaced, pack, shuffled
 
 IGNORE = -100  # the label of a position without loss (torch's cross_entropy default)
 
@@ -129,9 +129,7 @@ def read_chat_records(
 def spread(records: list, n: int) -> list:
     """``n`` records evenly spaced over ``records`` (all when there are fewer): a traces
     file is written task by task, so its first ``n`` would cover only the first tasks."""
-    if len(records) <= n:
-        return records
-    return [records[i] for i in np.linspace(0, len(records) - 1, n).round().astype(int)]
+    return [records[i] for i in evenly_spaced(len(records), n)]
 
 
 class ChatRecords:
