@@ -7,7 +7,7 @@
 #
 #   source benchmarks/h200_setup.sh > /tmp/setup.log 2>&1     # wheels, GGUF joined
 #   STAGES="regenerate labels vocab train" bash benchmarks/h200_spec_exit.sh
-#   STAGES="train eval" bash benchmarks/h200_spec_exit.sh      # next call: goes on
+#   STAGES="train offline eval latency" bash benchmarks/h200_spec_exit.sh  # next call
 #
 # Prompts made here (`scripts/spec_exit_head.sh prompts`, gzipped: ~4 MB instead of 37)
 # travel in .gpu/data/ and are unpacked once into $DATA. Data and the run stay in /tmp
@@ -54,7 +54,7 @@ for stage in ${STAGES:-regenerate labels vocab train offline eval latency}; do
                 n=$((n + 1))
                 [ "$(left)" -lt 60 ] && { echo "--- variant $n: not started"; break; }
                 echo "--- variant $n: $v"
-                timeout "$(left)" specdec eval-reasoning --model smollm2-135m-reasoning \
+                timeout "$(left)" specdec eval-reasoning --model "${MODEL:-smollm2-135m-reasoning}" \
                     --traces "$DATA/eval.jsonl" --per-task "${EVAL_PER_TASK:-50}" \
                     --max-tokens "${MAX_TOKENS:-1024}" --draft eagle3 --draft-model "$RUN/head" \
                     --spec-exit "$v" --out "$RUN/eval-variant$n" > "$OUT/variant$n.log" 2>&1

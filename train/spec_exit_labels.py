@@ -16,7 +16,7 @@ read the whole start marker, the end marker is still to come):
   caller gives labels at probe positions (e.g. 1 if an answer forced after ``x[p]``
   already equals the trace's final answer, or the fraction of several forced answers that
   do; NaN elsewhere), and each holds until the next probe: "an answer forced at the last
-  probe would be correct" is what the head can know at ``t``.
+  probe would be settled" is what the head can know at ``t``.
 
 Why hold rather than label the probes alone: serving averages each signal over the tokens
 of a step (the catch-up rows, ``DraftTree.exit_signals``), and a step's tokens are mostly
