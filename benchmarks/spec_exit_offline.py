@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.data_gen.dump_plan import CONFIDENCE_KEY
-from specdec.data_gen.reasoning.confidence import final_answer, normalize_answer, read_input
+from specdec.data_gen.reasoning.confidence import agrees_with, final_answer, read_input
 from specdec.data_gen.records import SkipCounts
 
 
@@ -86,8 +86,8 @@ def probe_labels(rec: dict, judge: str, tokenizer, span, end_len: int, prefix: s
     conf = rec[CONFIDENCE_KEY]
     labels = conf["labels"]
     if judge == "final":
-        final = final_answer(tokenizer, rec["input_ids"], span.end + end_len, prefix)
-        labels = [float(bool(final) and normalize_answer(a) == final) for a in conf["answers"]]
+        agrees = agrees_with(final_answer(tokenizer, rec["input_ids"], span.end + end_len, prefix))
+        labels = [agrees(a) for a in conf["answers"]]
     return dict(zip(conf["positions"], labels, strict=True))
 
 

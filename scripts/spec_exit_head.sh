@@ -69,8 +69,9 @@ stage_regenerate() {
 }
 
 stage_labels() {
-    # Confidence: at every step boundary of the think span, an answer forced there and
-    # scored by the task's verifier (`--items` gives each record its task, seed, params).
+    # Confidence: at the think span's start and every step boundary in it, an answer forced
+    # there, settled when it is the trace's own final answer (LABEL_TARGET=correct: when
+    # the task's verifier accepts it; `--items` gives each record its task, seed, params).
     specdec data-gen exit-labels -i "$DATA/regen" -o "$DATA/labels" --target "$LABEL_TARGET" \
         --items "$DATA/prompts.jsonl" --model "$MODEL" --max-num-seqs "$MAX_NUM_SEQS" \
         "${DEVICE_ARGS[@]}"

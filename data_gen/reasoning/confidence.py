@@ -229,6 +229,12 @@ def final_answer(tokenizer, ids: Sequence[int], after: int, answer_prefix: str) 
     return normalize_answer(tail)
 
 
+def agrees_with(final: str) -> Score:
+    """``target="final"``'s scorer: 1.0 when an answer is the (normalised) ``final`` one;
+    never for an empty ``final``."""
+    return lambda answer: float(bool(final) and normalize_answer(answer) == final)
+
+
 # A record's scorer (answer text -> label), or the counts key saying why it has none.
 Judge = Callable[
     ["ConfidenceProber", dict[str, Any], "dict | None", np.ndarray, Any], "Score | str"
@@ -239,7 +245,7 @@ def _judge_final(prober: ConfidenceProber, record, item, ids, span) -> Score | s
     final = prober.final_answer(ids, span)
     if not final:
         return "unlabelled_no_final_answer"
-    return lambda answer: float(normalize_answer(answer) == final)
+    return agrees_with(final)
 
 
 def _judge_correct(prober: ConfidenceProber, record, item, ids, span) -> Score | str:
