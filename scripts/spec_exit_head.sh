@@ -35,8 +35,11 @@ SPEC_EXIT=${SPEC_EXIT:-}              # SpecExitParams for the evals (default: t
 MAX_CHANGED=${MAX_CHANGED:-0.02}      # offline: the most answers a chosen setting changes
 EXTRA_TRAIN=${EXTRA_TRAIN:-}          # more train-draft overrides, e.g. "optim.lr=2e-4"
 OFFLINE_SETTINGS=('{}' '{"confidence_above": 0.9}' '{"confidence_above": 0.7}'
+    '{"confidence_above": 0.6}' '{"smoothing": "window", "window": 2}'
     '{"smoothing": "window", "window": 4}' '{"smoothing": "window", "window": 8}'
-    '{"alpha": 0.3}' '{"progress_above": null, "remaining_below": null}')
+    '{"alpha": 0.3}' '{"alpha": 0.5}' '{"progress_above": null, "remaining_below": null}'
+    '{"smoothing": "window", "window": 4, "progress_above": null, "remaining_below": null}'
+    '{"smoothing": "window", "window": 4, "confidence_above": 0.9}')
 HELD_OUT=${HELD_OUT:-256}             # = data.eval_records of the train config
 DEVICE_ARGS=()
 REPLAY_ARGS=()
