@@ -296,23 +296,25 @@ def test_dump_and_online_reader_carry_the_labels(engine_labels, traces, tiny_tar
     got = batch.exit_targets[:, 0].numpy()
     order = [labelled.index(next(r for r in labelled if r["input_ids"] == ids))
              for ids in _split(batch)]  # fmt: skip
-    held = [_held(labelled[i]) for i in order]  # training holds each probe's label
+    held = [_held(labelled[i]) for i in order]  # training holds each probe's label back
     np.testing.assert_array_equal(got, np.concatenate(held))
     assert np.nansum(got) > np.nansum(np.concatenate(dense))
 
 
 def _held(rec: dict) -> np.ndarray:
-    """Per-token confidence targets: inside the think span, the label of the latest probe
-    at or before each token; NaN elsewhere."""
+    """Per-token confidence targets: inside the think span, the label of the first probe
+    at or after each token (after the last probe, the last probe's); NaN elsewhere."""
     ids = rec["input_ids"]
     start = ids.index(OPEN[-1])
     end = next(i for i in range(start, len(ids)) if ids[i : i + 3] == CLOSE)
     c = rec["spec_exit_confidence"]
     label = dict(zip(c["positions"], c["labels"], strict=True))
     out, current = np.full(len(ids), np.nan, dtype=np.float32), np.nan
-    for t in range(start, end):
+    for t in range(end - 1, start - 1, -1):  # backwards: the next probe's label
         current = label.get(t, current)
         out[t] = current
+    last = max(p for p in label if start <= p < end)
+    out[last:end] = label[last]
     return out
 
 

@@ -166,7 +166,7 @@ def test_labels_on_a_known_trace():
     span = find_think_span(ids, START, END)
     assert (span.start, span.end, span.num_thinking) == (2, 7, 4)
     conf = np.full(len(ids), np.nan)
-    conf[[2, 5]] = [0.0, 1.0]  # probes at the span's start and at a boundary
+    conf[[2, 4, 6]] = [0.0, 0.5, 1.0]  # probes at the span's start and at two boundaries
     labels = exit_targets(ReasoningRecord(ids, span, conf), ["remaining", "progress", "confidence"])
     nan = math.nan
     np.testing.assert_array_equal(
@@ -176,8 +176,8 @@ def test_labels_on_a_known_trace():
                 [nan, nan, nan],
                 [nan, nan, nan],
                 [0.0, 0.0, 4],
-                [0.0, 0.25, 3],  # each probe's label holds until the next probe
-                [0.0, 0.5, 2],
+                [0.5, 0.25, 3],  # the label of the boundary that closes the token's step
+                [0.5, 0.5, 2],
                 [1.0, 0.75, 1],
                 [1.0, 1.0, 0],
                 [nan, nan, nan],  # never past the span
@@ -187,10 +187,16 @@ def test_labels_on_a_known_trace():
             dtype=np.float32,
         ),
     )
+    previous = exit_targets(ReasoningRecord(ids, span, conf), ["confidence"], "previous_probe")
+    np.testing.assert_array_equal(previous[2:7, 0], [0.0, 0.0, 0.5, 0.5, 1.0])
     late = np.full(len(ids), np.nan)
-    late[4] = 1.0  # no probe before position 4: the span's first tokens stay unlabelled
+    late[4] = 1.0  # one probe: the tokens after it (to the span's end) take its label too
     got = exit_targets(ReasoningRecord(ids, span, late), ["confidence"])[:, 0]
+    np.testing.assert_array_equal(got, [nan, nan, 1, 1, 1, 1, 1, nan, nan, nan])
+    got = exit_targets(ReasoningRecord(ids, span, late), ["confidence"], "previous_probe")[:, 0]
     np.testing.assert_array_equal(got, [nan, nan, nan, nan, 1, 1, 1, nan, nan, nan])
+    with pytest.raises(ValueError, match=r"confidence_hold='next'; choose one of next_probe"):
+        exit_targets(ReasoningRecord(ids, span, late), ["confidence"], "next")
     assert find_think_span(np.array([START, 4, 4]), START, END) is None  # never closed
     assert find_think_span(np.array([4, END]), START, END) is None
     empty = exit_targets(ReasoningRecord(np.array([START, END]), ThinkSpan(0, 1)), SIGNALS)

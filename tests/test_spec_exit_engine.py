@@ -97,12 +97,12 @@ def generate(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def pick_delimiter(llm: LLM, tokens: list[int], avoid_bonus: int | None = None):
-    """(k, text): the first index k >= 2 whose token's text (plain ASCII, 3+ characters)
-    the joined text of ``tokens`` first ends with at k — the step boundary of this test.
-    ``avoid_bonus`` = K + 1 skips indices where a full step's bonus token lands."""
+def pick_delimiter(llm: LLM, tokens: list[int], avoid_bonus: int | None = None, first: int = 2):
+    """(k, text): the first index k >= ``first`` whose token's text (plain ASCII, 3+
+    characters) the joined text of ``tokens`` first ends with at k — the step boundary of
+    this test. ``avoid_bonus`` = K + 1 skips indices where a full step's bonus token lands."""
     text = [llm.tokenizer.decode([t]) for t in tokens]
-    for k in range(2, len(tokens) - 8):
+    for k in range(first, len(tokens) - 8):
         delim = text[k]
         if not (delim.isascii() and len(delim.strip()) >= 3):
             continue

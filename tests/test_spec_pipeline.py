@@ -8,6 +8,7 @@ replays (CPU stand-ins)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -20,11 +21,16 @@ from test_engine import (
     make_llm,
     token_ids,
 )
+from test_spec_exit_engine import CLOSE_IDS, OPEN_IDS, SIGNALS, check_exit, pick_delimiter
 
 from specdec import SamplingParams
 from specdec.attention.metadata import cache_slots
 from specdec.config import SpeculativeConfig
+from specdec.models import load_config
+from specdec.models.eagle3_formats import load_eagle3, save_eagle3
+from specdec.models.eagle3_head import Eagle3Head
 from specdec.spec.acceptance import UniformAcceptance, greedy_accept_batch, greedy_accept_uniform
+from specdec.spec.spec_exit import SpecExitParams
 from specdec.spec.tree import ChainShape, DraftTree, StaticTreeShape
 
 PICKED = [0, 3, 5, 7, 9, 12]  # six prompts of varied length
@@ -297,3 +303,57 @@ def test_accepted_kv_moves_in_one_launch_as_per_layer_copies(smollm2_dir, tmp_pa
     flat = before.view(-1, *before.shape[2:])
     for src, dst in [(19, 18), (22, 19), (26, 20)]:
         assert torch.equal(after[2 * 16 + dst - 16], flat[2 * 16 + src - 16])
+
+
+@pytest.fixture(scope="module")
+def exit_trained_head_dir(tmp_path_factory, smollm2_dir, trained_head_dir):
+    """The trained head plus constant SpecExit channels (zero weights; biases read
+    confidence = progress = 0.95, remaining = 10): its drafts are accepted, so cuts land
+    inside accepted drafts and at bonus tokens while steps are in flight."""
+    trained = load_eagle3(trained_head_dir, target_config=load_config(str(smollm2_dir)))
+    config = dataclasses.replace(trained.config, exit_signals=SIGNALS)
+    head = Eagle3Head(config, trained.attention, max_positions=trained.rotary.num_positions)
+    missing, unexpected = head.load_state_dict(trained.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("spec_exit.") for k in missing)
+    with torch.no_grad():
+        head.spec_exit.weight.zero_()
+        head.spec_exit.bias.copy_(torch.tensor([math.log(19.0), math.log(19.0), math.log(11.0)]))
+    return save_eagle3(head, tmp_path_factory.mktemp("exit_trained_head"))
+
+
+def test_pipelined_spec_exit_cuts_as_the_synchronous_step(
+    smollm2_dir, exit_trained_head_dir, chats
+) -> None:
+    """SpecExit requests pipeline (the read-back carries the signals) and exit exactly as
+    in the synchronous step: plain greedy tokens through the delimiter, the think-end
+    marker, then plain decoding of the cut sequence; the step in flight's row for a cut
+    request is dropped; a request in the same batch that did not opt in stays plain. A
+    dynamic tree: accepted K/V moves, then the cut rolls some back."""
+    plain = make_llm(smollm2_dir)
+    prompts = [chats[i] + OPEN_IDS for i in (0, 5, 9)]  # "<think>" opens a span
+    expected = token_ids(plain.generate(prompts, greedy(48), use_tqdm=False))
+    params, cuts = [], []
+    for i, tokens in enumerate(expected):
+        if i == 2:  # does not opt in
+            params.append(greedy(48))
+            continue
+        k, delim = pick_delimiter(plain, tokens, first=12)  # after a few pipelined steps
+        cuts.append(k)
+        exit_params = SpecExitParams(delimiters=(delim,))
+        params.append(dataclasses.replace(greedy(48), spec_exit=exit_params))
+    outputs = {}
+    for pipelined in (True, False):
+        spec = SpeculativeConfig(method="eagle3", model=str(exit_trained_head_dir),
+                                 pipelined=pipelined, **DYNAMIC)  # fmt: skip
+        llm = make_llm(smollm2_dir, speculative=spec)
+        outputs[pipelined] = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        engine = llm.engine
+        assert engine.spec_exit.stats.exits == 2
+        assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
+        if pipelined:
+            assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0
+            assert not engine.proposer._states and engine._spec_in_flight is None
+    assert outputs[True] == outputs[False]
+    for i, k in enumerate(cuts):
+        check_exit(plain, prompts[i], outputs[True][i], expected[i], k, end=CLOSE_IDS)
+    assert outputs[True][2] == expected[2]

@@ -85,11 +85,16 @@ class SpecExitSection:
     progress_weight: float = 1.0
     remaining_weight: float = 1.0
     remaining_loss: str = "huber"  # huber | mse, on log1p(tokens)
+    # Which probe's label a token between probes takes (spec_exit_labels.CONFIDENCE_HOLDS):
+    # next_probe (that of the boundary closing its step, what serving decides on) or
+    # previous_probe (session 16's head: exits one step late).
+    confidence_hold: str = "next_probe"
     # Train only the channels, on top of a trained head (model.init_head), frozen.
     freeze_draft: bool = False
 
     def __post_init__(self) -> None:
         from specdec.models.exit_signals import canonical_signals
+        from specdec.train.spec_exit_labels import CONFIDENCE_HOLDS
 
         try:
             self.signals = canonical_signals(self.signals)
@@ -98,6 +103,8 @@ class SpecExitSection:
         _at_least("spec_exit", self, 0, "confidence_weight", "progress_weight",
                   "remaining_weight")  # fmt: skip
         _choice("spec_exit", "remaining_loss", self.remaining_loss, ("huber", "mse"))
+        _choice("spec_exit", "confidence_hold", self.confidence_hold,
+                tuple(CONFIDENCE_HOLDS))  # fmt: skip
         _require(not self.freeze_draft or bool(self.signals),
                  "spec_exit.freeze_draft=true trains only the exit channels; set "
                  "spec_exit.signals too")  # fmt: skip

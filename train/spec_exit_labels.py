@@ -12,28 +12,38 @@ read the whole start marker, the end marker is still to come):
 - ``progress[t] = (t - start) / L``: thinking written so far (0 after the start marker,
   1 when the end marker comes next);
 - ``remaining[t] = end - 1 - t``: thinking tokens still to come (``L`` .. 0);
-- ``confidence[t]``: the label of the latest *probe* at or before ``t`` in the span. The
-  caller gives labels at probe positions (e.g. 1 if an answer forced after ``x[p]``
+- ``confidence[t]``: the label of a *probe*, chosen by a hold rule (``CONFIDENCE_HOLDS``).
+  The caller gives labels at probe positions (e.g. 1 if an answer forced after ``x[p]``
   already equals the trace's final answer, or the fraction of several forced answers that
-  do; NaN elsewhere), and each holds until the next probe: "an answer forced at the last
-  probe would be settled" is what the head can know at ``t``.
+  do; NaN elsewhere); the default rule, ``next_probe``, gives each position the label of
+  the first probe at or after it, i.e. of the step boundary that closes the step it is in
+  (after the last probe: the last probe's label).
 
-Why hold rather than label the probes alone: serving averages each signal over the tokens
-of a step (the catch-up rows, ``DraftTree.exit_signals``), and a step's tokens are mostly
-not probe positions. A channel trained only at probes is unconstrained between them; the
-first head trained so (session 15, BENCHMARKS.md) read 0.8-0.98 at settled probes but
-0.1-0.2 averaged over a step, so its smoothed confidence never passed 0.5 and no exit
-fired on 500 items.
+Why hold at all: serving averages each signal over the tokens of a step (the catch-up
+rows, ``DraftTree.exit_signals``), and a step's tokens are mostly not probe positions. A
+channel trained only at probes is unconstrained between them; the first head trained so
+(session 15, BENCHMARKS.md) read 0.8-0.98 at settled probes but 0.1-0.2 averaged over a
+step, so its smoothed confidence never passed 0.5 and no exit fired on 500 items.
 
-Positions outside the span, before its first probe, spans without thinking (``L = 0``)
-and spans without confidence labels have no label (NaN): the loss skips them. A trace
+Why the *next* probe: serving decides at a delimiter ``x[b]`` (a probe position) from the
+signals its step's proposal read, which are the tokens the target verified the step
+before, i.e. the last tokens of the step that ``x[b]`` closes. The question asked there
+is "is an answer forced after ``x[b]`` settled", which is probe ``b``'s label. Holding the
+*previous* probe's label (``previous_probe``, session 16's head) taught those tokens
+whether the answer was settled when their step began, so every exit came one step late:
+on the session-16 traces the earliest settled boundary would cut 57.9% of the thinking,
+the boundary after it 38.3%, and that head cut 36.3% (BENCHMARKS.md, session 16).
+
+Positions outside the span, spans without thinking (``L = 0``) and spans without
+confidence labels have no label (NaN): the loss skips them (``previous_probe`` also leaves
+the span's tokens before its first probe unlabelled). A trace
 without a closed span has no labels.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,10 +113,36 @@ def hold_forward(values: np.ndarray) -> np.ndarray:  # [m] float, NaN = none -> 
     return np.where(last >= 0, values[np.maximum(last, 0)], np.nan)
 
 
-def exit_targets(record: ReasoningRecord, signals: Sequence[str]) -> np.ndarray:
+def hold_to_next(values: np.ndarray) -> np.ndarray:  # [m] float, NaN = none -> [m]
+    """Each NaN replaced by the first non-NaN value after it; NaNs after the last known
+    value take that value (all NaN stays all NaN)."""
+    backward = hold_forward(values[::-1])[::-1]
+    return np.where(np.isnan(backward), hold_forward(values), backward)
+
+
+# How probe labels fill a span's other positions (module docstring: why ``next_probe``).
+CONFIDENCE_HOLDS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "next_probe": hold_to_next,
+    "previous_probe": hold_forward,
+}
+
+
+def check_hold(hold: str) -> str:
+    if hold not in CONFIDENCE_HOLDS:
+        raise ValueError(
+            f"spec_exit.confidence_hold={hold!r}; choose one of {' | '.join(CONFIDENCE_HOLDS)}"
+        )
+    return hold
+
+
+def exit_targets(
+    record: ReasoningRecord, signals: Sequence[str], hold: str = "next_probe"
+) -> np.ndarray:
     """Labels [n, len(signals)] float32 in ``signals``' order (canonical, see
-    ``exit_signals``), NaN where a position has none (module docstring)."""
+    ``exit_signals``), NaN where a position has none; confidence filled between probes by
+    ``CONFIDENCE_HOLDS[hold]`` (module docstring)."""
     signals = canonical_signals(signals)
+    fill = CONFIDENCE_HOLDS[check_hold(hold)]
     n = len(record.token_ids)
     out = np.full((n, len(signals)), np.nan, dtype=np.float32)
     span = record.think_span
@@ -117,7 +153,7 @@ def exit_targets(record: ReasoningRecord, signals: Sequence[str]) -> np.ndarray:
         "progress": (t - span.start) / span.num_thinking,
         "remaining": (span.end - 1 - t).astype(np.float64),
         "confidence": (
-            hold_forward(record.confidence[span.start : span.end])
+            fill(record.confidence[span.start : span.end])
             if record.confidence is not None
             else np.full(t.shape, np.nan)
         ),
@@ -135,8 +171,10 @@ class ExitLabeler:
     signals: tuple[str, ...]
     think_start: Marker  # ids (one int is accepted for a one-token marker)
     think_end: Marker
+    confidence_hold: str = "next_probe"  # a CONFIDENCE_HOLDS key
 
     def __post_init__(self) -> None:
+        check_hold(self.confidence_hold)
         object.__setattr__(self, "think_start", as_marker(self.think_start, "think_start"))
         object.__setattr__(self, "think_end", as_marker(self.think_end, "think_end"))
         check_markers(self.think_start, self.think_end, ("think_start", "think_end"))
@@ -148,12 +186,13 @@ class ExitLabeler:
         signals: Sequence[str],
         think_start: str | Sequence[int],
         think_end: str | Sequence[int],
+        confidence_hold: str = "next_probe",
     ) -> ExitLabeler:
         """Resolve the think markers (text or ids) as serving does
         (``think_markers.resolve_marker``)."""
         start = resolve_marker(tokenizer, think_start, "spec_exit.think_start")
         end = resolve_marker(tokenizer, think_end, "spec_exit.think_end")
-        return cls(canonical_signals(signals), start, end)
+        return cls(canonical_signals(signals), start, end, confidence_hold)
 
     def targets(
         self,
@@ -166,7 +205,8 @@ class ExitLabeler:
             ids = input_ids[lo:hi]
             span = find_think_span(ids, self.think_start, self.think_end)
             conf = confidence[lo:hi] if confidence is not None else None
-            parts.append(exit_targets(ReasoningRecord(ids, span, conf), self.signals))
+            record = ReasoningRecord(ids, span, conf)
+            parts.append(exit_targets(record, self.signals, self.confidence_hold))
         if not parts:
             return np.zeros((0, len(self.signals)), dtype=np.float32)
         return np.concatenate(parts)

@@ -254,7 +254,9 @@ def _exit_labeler(config: TrainConfig) -> ExitLabeler | None:
     from specdec.models import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(config.model.target))
-    return ExitLabeler.for_tokenizer(tokenizer, cfg.signals, cfg.think_start, cfg.think_end)
+    return ExitLabeler.for_tokenizer(
+        tokenizer, cfg.signals, cfg.think_start, cfg.think_end, cfg.confidence_hold
+    )
 
 
 def _source(config: TrainConfig, target: TargetIO, device: torch.device) -> Source:

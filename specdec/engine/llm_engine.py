@@ -38,7 +38,7 @@ from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.spec.acceptance import accept_batch, greedy_accept_batch
 from specdec.spec.metrics import SpecStats
 from specdec.spec.proposer import make_proposer
-from specdec.spec.spec_exit import SpecExitState
+from specdec.spec.spec_exit import ExitCut, SpecExitState
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
 from specdec.spec.tree import DraftTree, root_only_tree
 
@@ -60,6 +60,9 @@ class _RequestState:
     num_sent_tokens: int = 0  # output tokens already carried by a DELTA output
     spec_stats: SpecStats = field(default_factory=SpecStats)
     spec_exit: SpecExitState | None = None  # the request opted into SpecExit
+    # A pipelined step launched from an outcome that SpecExit then cut: its row for this
+    # request is stale and dropped when read.
+    stale_launch: SpecLaunch | None = None
 
 
 class _InFlight:
@@ -353,7 +356,7 @@ class LLMEngine:
     def _can_pipeline(self) -> bool:
         """Whether the next step can be pipelined (spec_pipeline.py): nothing waits, every
         running request decodes greedily with drafts (no prefill chunk, no pending plain
-        token, no SpecExit), continues the step in flight (or, with none, can start from
+        or forced token), continues the step in flight (or, with none, can start from
         the host state), and the worst-case slots of two steps fit its context and the
         free blocks, so scheduling preempts nobody."""
         scheduler = self.scheduler
@@ -375,7 +378,6 @@ class LLMEngine:
                 or request.num_computed_tokens + 1 != request.num_tokens
                 or not request.sampling_params.is_greedy
                 or _decodes_plainly(request)
-                or self._states[request.request_id].spec_exit is not None
                 or request.num_computed_tokens + reserve > self.max_model_len
             ):
                 return False
@@ -402,21 +404,31 @@ class LLMEngine:
 
     def _finish_spec(self, done: SpecLaunch) -> list[RequestOutput]:
         """Append a pipelined step's tokens (its host sync); each request's computed tokens
-        move past the step's root and accepted nodes, and the proposer resumes from them."""
+        move past the step's root and accepted nodes, and the proposer resumes from them.
+        SpecExit judges the step here (``_exit_cut``); a cut also marks the request's row
+        of the step in flight stale (module docstring of spec_pipeline.py)."""
         emitted = done.read()
+        signals = done.read_signals() if self.spec_exit is not None else None
         now = time.monotonic()
         outputs = []
         for row, (request, tokens) in enumerate(zip(done.requests, emitted, strict=True)):
             state = self._states.get(request.request_id)
-            if state is None or request.status.is_finished:
-                self.num_dropped_tokens += len(tokens)  # stopped after this step launched
+            if state is None or request.status.is_finished or state.stale_launch is done:
+                self.num_dropped_tokens += len(tokens)  # stopped or cut after it launched
+                if state is not None and state.stale_launch is done:
+                    state.stale_launch = None
                 continue
             num_accepted = len(tokens) - 1
+            self.spec_stats.record(done.num_draft_tokens, num_accepted)
+            state.spec_stats.record(done.num_draft_tokens, num_accepted)
+            cut = self._exit_cut(state, tokens, signals[row] if signals else None)
+            if cut is not None:
+                tokens = [*tokens[: cut.keep], *cut.tokens]
+                num_accepted = min(num_accepted, cut.keep)  # the bonus has no K/V yet
+                state.stale_launch = self._spec_in_flight
             root = request.num_computed_tokens  # one step behind: this step's root
             request.num_computed_tokens = root + 1 + num_accepted
             self.proposer.resume(request, root, done.catch_up_aux(row, num_accepted + 1))
-            self.spec_stats.record(done.num_draft_tokens, num_accepted)
-            state.spec_stats.record(done.num_draft_tokens, num_accepted)
             for token_id in tokens:
                 self._append_token(state, token_id, None, now)
                 if request.is_finished:
@@ -640,7 +652,7 @@ class LLMEngine:
         for i, step_values in zip(rows, values, strict=True):
             state = self._state_of(sched, inputs, i)
             request, row = state.request, inputs.sampled_rows[i]
-            cut = state.spec_exit.step(request.output_token_ids, emitted[i], step_values)
+            cut = self._exit_cut(state, emitted[i], step_values)
             if cut is None:
                 continue
             root = request.num_computed_tokens - 1 - len(accepted[row])  # its cache index
@@ -649,7 +661,18 @@ class LLMEngine:
             # tokens are then all uncomputed, and the next step computes them together.
             accepted[row] = accepted[row][: cut.keep]
             request.num_computed_tokens = root + 1 + len(accepted[row])
+
+    def _exit_cut(
+        self, state: _RequestState, emitted: list[int], values: list[float] | None
+    ) -> ExitCut | None:
+        """The SpecExit policy's verdict on a step of an opted-in request (None: keep
+        every token; a request without SpecExit never exits), counted when it cuts."""
+        if state.spec_exit is None:
+            return None
+        cut = state.spec_exit.step(state.request.output_token_ids, emitted, values)
+        if cut is not None:
             self.spec_exit.stats.record(cut)
+        return cut
 
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Rows below ``min_tokens`` must not produce EOS or a stop token id: mask them

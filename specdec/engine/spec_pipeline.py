@@ -25,9 +25,15 @@ step N then appends its tokens, checks stops and records ``r_{N+1}``; a request 
 stopped has N+1's work dropped, whose K/V lands in its own freed slots before any later
 step can reuse them (the device runs steps in order).
 
+SpecExit rides along: the read-back row carries each tree's exit signals, and the host
+judges step N when it reads it, as a synchronous step would. A cut at N keeps N's tokens
+through the delimiter and forces the think-end marker; the request's row of N+1 (drafted
+from the uncut outcome) is dropped when read, like a stopped request's, and the forced
+tokens make the next step synchronous.
+
 Greedy requests of an EAGLE-3-style proposer only (``Proposer.pipelines``): sampled
-acceptance, SpecExit, logprobs, prefills and admissions run the synchronous step, after
-the step in flight is read (``LLMEngine`` decides per step).
+acceptance, logprobs, prefills, forced tokens and admissions run the synchronous step,
+after the step in flight is read (``LLMEngine`` decides per step).
 """
 
 from __future__ import annotations
@@ -96,23 +102,54 @@ class CatchUpState:
 class SpecLaunch:
     """A launched speculative step whose outcome the host has not read. Row ``b`` is
     ``requests[b]``; the pipeline's ``CatchUpState`` rows hold its device outcome until
-    the next launch, the host copy feeds ``read``."""
+    the next launch, the host copy feeds ``read`` and ``read_signals``."""
 
     requests: list[Request]
     num_draft_tokens: int  # per tree (all trees have one shape)
     state: CatchUpState
-    _host: HostCopy  # [batch, depth + 2]: num_accepted, then the emitted tokens
+    # [batch, depth + 2 + num_signals] int64: num_accepted, the emitted tokens, then the
+    # tree's SpecExit signals as float32 bit patterns (``pack_signals``).
+    _host: HostCopy
+    num_signals: int = 0
+    _rows: list[list[int]] | None = None
+
+    def _read(self) -> list[list[int]]:
+        if self._rows is None:  # the pinned buffer is reused later: read it once
+            self._rows = self._host.tolist()
+        return self._rows
 
     def read(self) -> list[list[int]]:
         """Per row: the tokens the step emitted (accepted, then the bonus). Waits for this
         step only (its copy was queued behind it)."""
-        return [row[1 : row[0] + 2] for row in self._host.tolist()]
+        return [row[1 : row[0] + 2] for row in self._read()]
+
+    def read_signals(self) -> list[list[float]] | None:
+        """Per row: the SpecExit signals the step's proposal read (the mean over the
+        catch-up rows, as a synchronous step's ``DraftTree.exit_signals``); None when the
+        head has no exit channels."""
+        if not self.num_signals:
+            return None
+        bits = np.array([row[-self.num_signals :] for row in self._read()], dtype=np.int64)
+        return bits.astype(np.int32).view(np.float32).tolist()
 
     def catch_up_aux(self, row: int, num_rows: int) -> torch.Tensor:  # [num_rows, aux width]
         """Row ``row``'s aux states at its root and accepted nodes (``num_rows`` = accepted
         + 1). A view, valid until the next launch: the engine reads the step in flight
         (and so resumes the proposer from the newest launch) before any synchronous step."""
         return self.state.aux[row, :num_rows]
+
+
+def pack_signals(
+    packed: torch.Tensor,  # [batch, depth + 2] int64: the read-back row
+    signals: torch.Tensor | None,  # [batch, k] float: a tree's exit signals
+) -> torch.Tensor:  # [batch, depth + 2 (+ k)] int64
+    """Append the signals' float32 bit patterns (sign-extended to int64) to the read-back
+    row, so one device-to-host copy per step carries them (``SpecLaunch.read_signals``
+    narrows them back, exactly)."""
+    if signals is None:
+        return packed
+    bits = signals.float().contiguous().view(torch.int32).to(torch.int64)
+    return torch.cat([packed, bits], dim=1)
 
 
 def verify_inputs(
@@ -231,6 +268,7 @@ class SpecPipeline:
             num_draft_tokens=self.shape.max_draft_tokens,
             state=self.state,
             _host=to_host(packed),
+            num_signals=len(self.proposer.exit_signals),
         )
 
     def _step(
@@ -238,7 +276,7 @@ class SpecPipeline:
         src: torch.Tensor,  # [batch] int: each row's catch-up state row (padding: pad_row)
         tables: torch.Tensor,  # [batch, width] int32: block tables
         captured: bool = False,  # inside a graph: the head's and the target's graph paths
-    ) -> torch.Tensor:  # [batch, depth + 2] int64: num_accepted, then the emitted tokens
+    ) -> torch.Tensor:  # [batch, depth + 2 + k] int64: num_accepted, emitted tokens, signals
         """One pipelined step, device ops only (capturable); rows ``0 .. batch`` of the
         catch-up state then hold its outcome."""
         runner = self.runner
@@ -282,7 +320,7 @@ class SpecPipeline:
         )
         if not tree.is_chain:  # a chain's accepted nodes already sit next to the root
             runner.move_accepted_kv(acceptance, slots)
-        return packed
+        return pack_signals(packed, tree.exit_signals)
 
 
 class SpecStepGraphs:
