@@ -14,6 +14,8 @@ from specdec.models import ALIASES, resolve_model
 from specdec.models.aliases import TARGETS_DIR, PackagedModel
 
 ALIAS = "smollm2-135m-reasoning"
+# The SpecExit setting measured with the shipped head (BENCHMARKS.md, session 16).
+SHIPPED_SETTING = {"smoothing": "window", "window": 2}
 
 
 def test_the_alias_resolves_to_the_shipped_adapter_on_smollm2(smollm2_dir):
@@ -57,3 +59,27 @@ def test_the_shipped_target_thinks_and_answers_held_out_items(tmp_path, smollm2_
         assert item["opened"] and item["closed"], item
         assert item["correct"], item
         assert 0 < item["think_tokens"] < item["output_tokens"]
+
+
+def test_the_shipped_head_ends_thinking_early_and_keeps_the_answers(tmp_path, smollm2_tokenizer):
+    """The reasoning alias ships an EAGLE-3 head with SpecExit channels (specdec/heads/,
+    BENCHMARKS.md session 16): it is the alias's default speculation, a chain of 3, and
+    with SpecExit on it ends each held-out item's thinking early while every reply keeps
+    EAGLE-3's answer (the exit lands once the answer is settled)."""
+    pytest.importorskip("reasoning_gym")
+    from specdec.models.packaged_heads import default_speculative
+
+    spec = default_speculative(ALIAS)
+    assert spec is not None and (spec.tree, spec.num_speculative_tokens) == ("chain", 3)
+    traces = write_eval_items(tmp_path / "eval.jsonl", smollm2_tokenizer,
+                              ("chain_sum", "leg_counting"), num_per_task=1)  # fmt: skip
+    engine = {"device": "cpu", "dtype": "float32", "max_model_len": 1024, "speculative": spec}
+    runs = {}
+    for name, sampling in [("eagle3", {}), ("spec_exit", {"spec_exit": SHIPPED_SETTING})]:
+        config = EvalConfig(model=ALIAS, traces=str(traces), max_tokens=600, sampling=sampling,
+                            engine=engine)  # fmt: skip
+        runs[name] = run_eval(config)
+    assert runs["spec_exit"]["spec_exit"]["exits"] == 2
+    for base, cut in zip(runs["eagle3"]["items"], runs["spec_exit"]["items"], strict=True):
+        assert cut["closed"] and cut["answer"] == base["answer"], (base, cut)
+        assert cut["think_tokens"] < 0.8 * base["think_tokens"], (base, cut)
