@@ -175,9 +175,10 @@ def test_labels_on_a_multi_token_span():
     nan = np.nan
     np.testing.assert_allclose(labels[:, 1], [nan] * 3 + [0, 1 / 3, 2 / 3, 1] + [nan] * 4)
     np.testing.assert_allclose(labels[:, 2], [nan] * 3 + [3, 2, 1, 0] + [nan] * 4)
-    # held from the probe at 5 through the span's last thinking position (6), never into
-    # the end marker
-    np.testing.assert_allclose(labels[:, 0], [nan] * 5 + [1.0, 1.0] + [nan] * 4)
+    # the one probe (5) labels the whole span, from the start marker's last token (3) to
+    # the last thinking position (6): never the start marker's first tokens nor the end
+    # marker
+    np.testing.assert_allclose(labels[:, 0], [nan] * 3 + [1.0] * 4 + [nan] * 4)
     assert find_think_span(np.array([*OPEN, 4, 9617, 17400]), OPEN, CLOSE) is None  # unclosed
     assert find_think_span(np.array([44, 17400, 4, *CLOSE]), OPEN, CLOSE) is None  # no start
 
