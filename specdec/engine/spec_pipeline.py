@@ -268,7 +268,7 @@ class SpecPipeline:
             num_draft_tokens=self.shape.max_draft_tokens,
             state=self.state,
             _host=to_host(packed),
-            num_signals=len(self.proposer.exit_signals),
+            num_signals=packed.shape[1] - (self.depth + 2),  # what pack_signals appended
         )
 
     def _step(
