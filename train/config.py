@@ -87,7 +87,7 @@ class SpecExitSection:
     remaining_loss: str = "huber"  # huber | mse, on log1p(tokens)
     # Which probe's label a token between probes takes (spec_exit_labels.CONFIDENCE_HOLDS):
     # next_probe (that of the boundary closing its step, what serving decides on) or
-    # previous_probe (session 16's head: exits one step late).
+    # previous_probe (session 16's first head: its exits came one step late).
     confidence_hold: str = "next_probe"
     # Train only the channels, on top of a trained head (model.init_head), frozen.
     freeze_draft: bool = False

@@ -29,7 +29,7 @@ Why the *next* probe: serving decides at a delimiter ``x[b]`` (a probe position)
 signals its step's proposal read, which are the tokens the target verified the step
 before, i.e. the last tokens of the step that ``x[b]`` closes. The question asked there
 is "is an answer forced after ``x[b]`` settled", which is probe ``b``'s label. Holding the
-*previous* probe's label (``previous_probe``, session 16's head) taught those tokens
+*previous* probe's label (``previous_probe``, session 16's first head) taught those tokens
 whether the answer was settled when their step began, so every exit came one step late:
 on the session-16 traces the earliest settled boundary would cut 57.9% of the thinking,
 the boundary after it 38.3%, and that head cut 36.3% (BENCHMARKS.md, session 16).
