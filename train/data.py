@@ -297,9 +297,9 @@ class OnlineRecords:
                 f"data.eval_records={eval_records} leaves none of {len(records)} records for "
                 "training; lower it"
             )
-        held = set(evenly_spaced(len(records), eval_records))
-        self.train = [r for i, r in enumerate(records) if i not in held]
-        self.eval = [records[i] for i in sorted(held)]
+        held = evenly_spaced(len(records), eval_records)
+        self.eval = [records[i] for i in held]
+        self.train = [r for i, r in enumerate(records) if i not in set(held)]
         self.max_tokens, self.max_seq_len, self.seed = max_tokens, max_seq_len, seed
         self.labeler = labeler
         self._lock = threading.Lock()

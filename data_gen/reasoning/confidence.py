@@ -26,9 +26,9 @@ config's ``target`` (``JUDGES``):
   earliest exit that keeps the answer saves ~70% of the thinking under ``final``, ~50%
   under ``correct`` (no exit ever fires on a wrong trace).
 
-Other positions have no label here; training holds each probe's label until the next probe
-(``train.spec_exit_labels``), so the probe at the span's start labels the first step's
-tokens, which serving's smoothing reads first.
+Other positions have no label here; training fills them from the probes
+(``train.spec_exit_labels.CONFIDENCE_HOLDS``: by default each token takes the label of the
+boundary that closes its step, the one serving decides at).
 
 Spans and boundaries are serving's and training's: the span is train-draft's
 ``find_think_span`` (markers as token sequences, ``specdec.spec.think_markers``), a

@@ -408,7 +408,6 @@ class LLMEngine:
         SpecExit judges the step here (``_exit_cut``); a cut also marks the request's row
         of the step in flight stale (module docstring of spec_pipeline.py)."""
         emitted = done.read()
-        signals = done.read_signals() if self.spec_exit is not None else None
         now = time.monotonic()
         outputs = []
         for row, (request, tokens) in enumerate(zip(done.requests, emitted, strict=True)):
@@ -421,7 +420,9 @@ class LLMEngine:
             num_accepted = len(tokens) - 1
             self.spec_stats.record(done.num_draft_tokens, num_accepted)
             state.spec_stats.record(done.num_draft_tokens, num_accepted)
-            cut = self._exit_cut(state, tokens, signals[row] if signals else None)
+            cut = None
+            if state.spec_exit is not None:
+                cut = self._exit_cut(state, tokens, done.exit_signals(row))
             if cut is not None:
                 tokens = [*tokens[: cut.keep], *cut.tokens]
                 num_accepted = min(num_accepted, cut.keep)  # the bonus has no K/V yet

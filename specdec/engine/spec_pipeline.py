@@ -102,7 +102,7 @@ class CatchUpState:
 class SpecLaunch:
     """A launched speculative step whose outcome the host has not read. Row ``b`` is
     ``requests[b]``; the pipeline's ``CatchUpState`` rows hold its device outcome until
-    the next launch, the host copy feeds ``read`` and ``read_signals``."""
+    the next launch, the host copy feeds ``read`` and ``exit_signals``."""
 
     requests: list[Request]
     num_draft_tokens: int  # per tree (all trees have one shape)
@@ -123,13 +123,13 @@ class SpecLaunch:
         step only (its copy was queued behind it)."""
         return [row[1 : row[0] + 2] for row in self._read()]
 
-    def read_signals(self) -> list[list[float]] | None:
-        """Per row: the SpecExit signals the step's proposal read (the mean over the
+    def exit_signals(self, row: int) -> list[float] | None:
+        """Row ``row``'s SpecExit signals, those the step's proposal read (the mean over the
         catch-up rows, as a synchronous step's ``DraftTree.exit_signals``); None when the
-        head has no exit channels."""
+        head has no exit channels. Decoded per row: only opted-in requests ask."""
         if not self.num_signals:
             return None
-        bits = np.array([row[-self.num_signals :] for row in self._read()], dtype=np.int64)
+        bits = np.array(self._read()[row][-self.num_signals :], dtype=np.int64)
         return bits.astype(np.int32).view(np.float32).tolist()
 
     def catch_up_aux(self, row: int, num_rows: int) -> torch.Tensor:  # [num_rows, aux width]
@@ -144,7 +144,7 @@ def pack_signals(
     signals: torch.Tensor | None,  # [batch, k] float: a tree's exit signals
 ) -> torch.Tensor:  # [batch, depth + 2 (+ k)] int64
     """Append the signals' float32 bit patterns (sign-extended to int64) to the read-back
-    row, so one device-to-host copy per step carries them (``SpecLaunch.read_signals``
+    row, so one device-to-host copy per step carries them (``SpecLaunch.exit_signals``
     narrows them back, exactly)."""
     if signals is None:
         return packed
