@@ -46,7 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=0, help="labelled records to skip first")
     p.add_argument("--records", type=int, default=None, help="labelled records to replay")
     p.add_argument("--settings", nargs="+", default=["{}"],
-                   help="SpecExitParams as JSON objects ('{}': the defaults)")  # fmt: skip
+                   help="SpecExitParams fields as JSON objects over the head's recorded "
+                   "setting, as serving layers them ('{}': the head's, else the "
+                   "defaults)")  # fmt: skip
     p.add_argument("--step-tokens", type=int, default=4, help="tokens per replayed step (~τ)")
     p.add_argument("--judge", choices=["stored", "final"], default="stored",
                    help="stored labels, or stored answers vs each trace's own answer")  # fmt: skip
@@ -96,16 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.models import load_config
     from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
     from specdec.models.loader import load_tokenizer
-    from specdec.spec.spec_exit import SpecExitParams
+    from specdec.spec.spec_exit import spec_exit_params
     from specdec.spec.spec_exit_replay import replay_exit
     from specdec.spec.spec_exit_runtime import SpecExitRuntime
     from specdec.spec.think_markers import resolve_marker
     from specdec.train.spec_exit_labels import find_think_span
 
     args = parse_args(argv)
-    settings = [SpecExitParams.from_dict(json.loads(s)) for s in args.settings]
-    records = load_records(args)
     head_config = read_eagle3_config(args.head, load_config(args.model))
+    base = head_config.spec_exit_defaults  # each setting overrides it, as in serving
+    settings = [spec_exit_params(base, json.loads(s)) for s in args.settings]
+    records = load_records(args)
     target = TargetForward(args.model, device=args.device or "auto",
                            aux_layer_ids=head_config.aux_layer_ids)  # fmt: skip
     head = load_eagle3(args.head, target_config=target.model.config, device=target.device)

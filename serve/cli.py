@@ -89,7 +89,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--spec-exit",
         help="SpecExit settings as JSON or a .yaml/.json file of SpecExitParams fields "
         "(confidence_above, progress_above, remaining_below, smoothing, alpha, think_start, "
-        "think_end, delimiters, ...): the defaults a request's spec_exit overrides",
+        "think_end, delimiters, ...): they override the draft head's recorded setting, and "
+        "a request's spec_exit overrides them",
     )
     g.add_argument(
         "--spec-exit-by-default",
@@ -118,7 +119,7 @@ def serve_config_from_args(args: argparse.Namespace):
     from specdec.engine.llm import build_engine_config
     from specdec.models.packaged_heads import packaged_head
     from specdec.serve.config import ServeConfig, default_speculative
-    from specdec.spec.spec_exit import SpecExitParams
+    from specdec.spec.spec_exit import spec_exit_fields
 
     given = {d for d in args.serve_flags if getattr(args, d) is not None}
     base = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
@@ -170,8 +171,8 @@ def serve_config_from_args(args: argparse.Namespace):
     if "api_key" not in given and os.environ.get("SPECDEC_API_KEY"):
         server["api_key"] = os.environ["SPECDEC_API_KEY"]
     if "spec_exit" in given:
-        settings = _json_or_file(args.spec_exit, "--spec-exit")
-        server["spec_exit"] = SpecExitParams.from_dict(settings, base=server["spec_exit"])
+        settings = spec_exit_fields(_json_or_file(args.spec_exit, "--spec-exit"))
+        server["spec_exit"] = {**server["spec_exit"], **settings}  # the flag's over the file's
     return ServeConfig(engine=engine, **server)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.spec.spec_exit import SpecExitParams
+from specdec.spec.spec_exit import spec_exit_fields
 
 if TYPE_CHECKING:  # specdec.config imports torch; the CLI parser must stay light
     from specdec.config import EngineConfig, SpeculativeConfig
@@ -58,9 +58,12 @@ class ServeConfig:
     are in flight (running or queued); one more is refused with 429 and ``Retry-After:
     retry_after_s`` instead of queueing without bound.
 
-    SpecExit (docs/spec_exit.md): ``spec_exit`` holds the settings a request's
-    ``"spec_exit"`` field overrides; with ``spec_exit_by_default`` a request that leaves
-    the field out opts in too (the draft head must have exit channels).
+    SpecExit (docs/spec_exit.md): ``spec_exit`` holds the server's settings, some
+    ``SpecExitParams`` fields (canonical as ``spec_exit_fields`` makes them): they override
+    the draft head's recorded setting field by field, and a request's ``"spec_exit"``
+    fields override them (``spec_exit_params`` layers the three over the library
+    defaults). With ``spec_exit_by_default`` a request that leaves the field out opts in
+    too (the draft head must have exit channels).
     """
 
     engine: EngineConfig = field(default_factory=default_engine_config)
@@ -76,7 +79,7 @@ class ServeConfig:
     # Largest ``max_tokens`` one request may ask for (None: only the context limits it);
     # also the default for chat requests that leave max_tokens out.
     max_tokens_limit: int | None = None
-    spec_exit: SpecExitParams = field(default_factory=SpecExitParams)
+    spec_exit: dict[str, Any] = field(default_factory=dict)  # SpecExitParams fields
     spec_exit_by_default: bool = False
 
     def __post_init__(self) -> None:
@@ -105,8 +108,12 @@ class ServeConfig:
             raise ValueError(
                 f"max_tokens_limit={self.max_tokens_limit} must be >= 1, or None for no limit"
             )
-        if not isinstance(self.spec_exit, SpecExitParams):
-            raise TypeError(f"spec_exit={self.spec_exit!r} is invalid; pass SpecExitParams")
+        if not isinstance(self.spec_exit, dict):
+            raise TypeError(
+                f"spec_exit={self.spec_exit!r} is invalid; pass a mapping of SpecExitParams "
+                "fields (the ones the server sets)"
+            )
+        self.spec_exit = spec_exit_fields(self.spec_exit)
 
     @property
     def model_names(self) -> list[str]:
@@ -133,8 +140,6 @@ class ServeConfig:
             )
         if isinstance(data.get("served_model_name"), str):  # one name needs no list in YAML
             data["served_model_name"] = [data["served_model_name"]]
-        if isinstance(data.get("spec_exit"), dict):
-            data["spec_exit"] = SpecExitParams.from_dict(data["spec_exit"])
         engine = data.pop("engine", None)
         if engine is None:
             return cls(**data)

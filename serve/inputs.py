@@ -9,6 +9,8 @@ Every client mistake raises ``APIError(400)`` naming the field and the fix.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -20,7 +22,7 @@ from specdec.serve.protocol import (
     SamplingFields,
     SpecExitBody,
 )
-from specdec.spec.spec_exit import SpecExitParams
+from specdec.spec.spec_exit import SpecExitParams, spec_exit_params
 
 logger = logging.getLogger(__name__)
 
@@ -135,16 +137,21 @@ def resolve_max_tokens(
 
 
 def resolve_spec_exit(
-    asked: bool | SpecExitBody | None, defaults: SpecExitParams, by_default: bool
+    asked: bool | SpecExitBody | None,
+    base: Sequence[dict[str, Any] | None],
+    by_default: bool,
 ) -> SpecExitParams | None:
-    """A request's SpecExit settings: ``true`` takes the server's, an object overrides
-    them field by field, ``false`` opts out, absent follows ``by_default``."""
+    """A request's SpecExit settings: ``base`` holds the partial settings under the
+    request's, lowest precedence first (the head's record, then the server's); ``true``
+    takes them, an object overrides them field by field (``spec_exit_params``), ``false``
+    opts out, absent follows ``by_default``."""
     if asked is None:
-        return defaults if by_default else None
-    if isinstance(asked, bool):
-        return defaults if asked else None
+        asked = by_default
+    if asked is False:
+        return None
+    fields = {} if asked is True else asked.model_dump(exclude_unset=True)
     try:
-        return SpecExitParams.from_dict(asked.model_dump(exclude_unset=True), base=defaults)
+        return spec_exit_params(*base, fields)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param="spec_exit") from None
 

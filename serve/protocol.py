@@ -41,7 +41,8 @@ class StreamOptions(BaseModel):
 
 class SpecExitBody(BaseModel):
     """A request's SpecExit overrides (``SpecExitParams`` fields; unset ones keep the
-    server's). Unknown keys are errors: a typo must not silently change the policy."""
+    server's, else the draft head's recorded ones, else the library defaults). Unknown keys
+    are errors: a typo must not silently change the policy."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -85,7 +86,9 @@ class SamplingFields(_Request):
         True, description="false: decode this request without speculation (specdec extension)"
     )
     spec_exit: bool | SpecExitBody | None = Field(
-        None, description="SpecExit: true, false, or settings (default: the server's)"
+        None,
+        description="SpecExit: true, false, or settings overriding the server's, which "
+        "override the draft head's recorded ones (default: the server's choice)",
     )
 
 

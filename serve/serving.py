@@ -56,6 +56,7 @@ from specdec.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from specdec.spec.spec_exit import spec_exit_params
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with this floor.
 _MIN_LOGPROB = -9999.0
@@ -77,6 +78,18 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_model_len = engine.engine.max_model_len
+        # SpecExit settings under each request's, lowest precedence first: the draft head's
+        # record, then the server's (docs/spec_exit.md); checked once here.
+        runtime = engine.engine.spec_exit
+        head = runtime.head_defaults if runtime is not None else None
+        self.spec_exit_base = (head, config.spec_exit)
+        try:
+            spec_exit_params(*self.spec_exit_base)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"the server's spec_exit {config.spec_exit} over the draft head's recorded "
+                f"{head}: {e}"
+            ) from None
 
     # ---- shared steps -------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -105,7 +118,7 @@ class OpenAIServing:
         limit = self.config.max_tokens_limit
         resolved = resolve_max_tokens(asked, default, len(prompt_ids), self.max_model_len, limit)
         cfg = self.config
-        spec_exit = resolve_spec_exit(body.spec_exit, cfg.spec_exit, cfg.spec_exit_by_default)
+        spec_exit = resolve_spec_exit(body.spec_exit, self.spec_exit_base, cfg.spec_exit_by_default)
         params = sampling_params(body, resolved, logprobs, spec_exit)
         try:
             return await self.engine.add_request(request_id, prompt_ids, params)

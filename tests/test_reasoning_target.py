@@ -61,11 +61,24 @@ def test_the_shipped_target_thinks_and_answers_held_out_items(tmp_path, smollm2_
         assert 0 < item["think_tokens"] < item["output_tokens"]
 
 
+def test_the_shipped_head_records_its_measured_spec_exit_setting():
+    """The reasoning alias's head records the SpecExit setting measured best for it
+    (``spec_exit_defaults``), valid for its channels, so ``"spec_exit": true`` gets it."""
+    from specdec.models import load_config
+    from specdec.models.eagle3_formats import read_eagle3_config
+    from specdec.models.packaged_heads import packaged_head
+
+    config = read_eagle3_config(packaged_head(ALIAS), load_config(ALIAS))
+    assert config.exit_signals == ("confidence", "progress", "remaining")
+    assert config.spec_exit_defaults == SHIPPED_SETTING
+
+
 def test_the_shipped_head_ends_thinking_early_and_keeps_the_answers(tmp_path, smollm2_tokenizer):
     """The reasoning alias ships an EAGLE-3 head with SpecExit channels (specdec/heads/,
     BENCHMARKS.md session 16): it is the alias's default speculation, a chain of 3, and
-    with SpecExit on it ends each held-out item's thinking early while every reply keeps
-    EAGLE-3's answer (the exit lands once the answer is settled)."""
+    with SpecExit on in its recorded setting (``"spec_exit": {}``) it ends each held-out
+    item's thinking early while every reply keeps EAGLE-3's answer (the exit lands once
+    the answer is settled)."""
     pytest.importorskip("reasoning_gym")
     from specdec.models.packaged_heads import default_speculative
 
@@ -75,11 +88,13 @@ def test_the_shipped_head_ends_thinking_early_and_keeps_the_answers(tmp_path, sm
                               ("chain_sum", "leg_counting"), num_per_task=1)  # fmt: skip
     engine = {"device": "cpu", "dtype": "float32", "max_model_len": 1024, "speculative": spec}
     runs = {}
-    for name, sampling in [("eagle3", {}), ("spec_exit", {"spec_exit": SHIPPED_SETTING})]:
+    for name, sampling in [("eagle3", {}), ("spec_exit", {"spec_exit": {}})]:
         config = EvalConfig(model=ALIAS, traces=str(traces), max_tokens=600, sampling=sampling,
                             engine=engine)  # fmt: skip
         runs[name] = run_eval(config)
     assert runs["spec_exit"]["spec_exit"]["exits"] == 2
+    ran = runs["spec_exit"]["sampling"]["spec_exit"]
+    assert {k: ran[k] for k in SHIPPED_SETTING} == SHIPPED_SETTING  # the head's record
     for base, cut in zip(runs["eagle3"]["items"], runs["spec_exit"]["items"], strict=True):
         assert cut["closed"] and cut["answer"] == base["answer"], (base, cut)
         assert cut["think_tokens"] < 0.8 * base["think_tokens"], (base, cut)

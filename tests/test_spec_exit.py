@@ -14,6 +14,8 @@ from specdec.spec.spec_exit import (
     SMOOTHERS,
     SpecExitParams,
     SpecExitState,
+    spec_exit_fields,
+    spec_exit_params,
 )
 
 START, END = 1, 2  # think markers
@@ -148,6 +150,36 @@ def test_params_are_validated_with_the_fix_named():
     base = SpecExitParams(alpha=0.3)
     merged = SpecExitParams.from_dict({"delimiters": ["\n\n", ".\n"]}, base=base)
     assert merged.alpha == 0.3 and merged.delimiters == ("\n\n", ".\n")
+
+
+def test_layers_override_field_by_field_lowest_first():
+    """Head record < server < request: a later layer's field wins, even one that repeats a
+    library default (an explicit ``"smoothing": "ewma"`` undoes the head's ``window``)."""
+    head = {"smoothing": "window", "window": 2, "confidence_above": 0.7}
+    server = {"confidence_above": 0.9, "think_end": "</t>"}
+    assert spec_exit_params() == SpecExitParams() == spec_exit_params(None, {})
+    assert spec_exit_params(head) == SpecExitParams(smoothing="window", window=2,
+                                                    confidence_above=0.7)  # fmt: skip
+    both = spec_exit_params(head, server)
+    assert (both.smoothing, both.window, both.confidence_above, both.think_end) == (
+        "window", 2, 0.9, "</t>"
+    )  # fmt: skip
+    request = spec_exit_params(head, server, {"smoothing": "ewma", "confidence_above": 0.95})
+    assert (request.smoothing, request.window, request.confidence_above) == ("ewma", 2, 0.95)
+    # Validated once, after merging: a layer may swap both markers.
+    swapped = spec_exit_params(head, {"think_start": "</think>", "think_end": "<think>"})
+    assert (swapped.think_start, swapped.think_end) == ("</think>", "<think>")
+    with pytest.raises(ValueError, match=r"spec_exit\.window=0 must be an int >= 1"):
+        spec_exit_params(head, {"window": 0})
+    with pytest.raises(ValueError, match="must be a mapping"):
+        spec_exit_params(head, ["window", 2])
+    # A partial setting, canonical: field order, JSON values; bad ones named.
+    assert list(spec_exit_fields({"window": 2, "smoothing": "window"})) == ["smoothing", "window"]
+    assert spec_exit_fields({"delimiters": ("\n\n",)}) == {"delimiters": ["\n\n"]}
+    with pytest.raises(ValueError, match=r"unknown spec_exit keys \['alfa'\]"):
+        spec_exit_fields({"alfa": 0.2})
+    with pytest.raises(ValueError, match="wrong type"):
+        spec_exit_fields({"alpha": "0.2"})
 
 
 # ---------------------------------------------------------------- labels and loss
@@ -339,17 +371,26 @@ def test_request_field_merges_with_the_server_defaults():
     from specdec.serve.inputs import resolve_spec_exit
     from specdec.serve.protocol import CompletionRequest
 
-    defaults = SpecExitParams(confidence_above=0.9, think_start="<t>", think_end="</t>")
+    server = {"confidence_above": 0.9, "think_start": "<t>", "think_end": "</t>"}
+    defaults = SpecExitParams(**server)
 
-    def resolve(field, by_default=False):
+    def resolve(field, by_default=False, head=None):
         body = CompletionRequest.model_validate({"prompt": "x", **field})
-        return resolve_spec_exit(body.spec_exit, defaults, by_default)
+        return resolve_spec_exit(body.spec_exit, (head, server), by_default)
 
     assert resolve({}) is None and resolve({}, by_default=True) == defaults
     assert resolve({"spec_exit": True}) == defaults
     assert resolve({"spec_exit": False}, by_default=True) is None
     merged = resolve({"spec_exit": {"progress_above": 0.5, "smoothing": "window"}})
     assert (merged.progress_above, merged.smoothing, merged.think_start) == (0.5, "window", "<t>")
+    # The draft head's record is the base: the server's fields, then the request's, win.
+    head = {"smoothing": "window", "window": 2, "confidence_above": 0.7}
+    opted = resolve({"spec_exit": True}, head=head)
+    assert (opted.smoothing, opted.window, opted.confidence_above) == ("window", 2, 0.9)
+    assert resolve({}, by_default=True, head=head) == opted
+    asked = resolve({"spec_exit": {"window": 4, "confidence_above": 0.95}}, head=head)
+    assert (asked.smoothing, asked.window, asked.confidence_above) == ("window", 4, 0.95)
+    assert resolve({"spec_exit": {"smoothing": "ewma"}}, head=head).smoothing == "ewma"
     assert resolve({"spec_exit": {"remaining_below": None}}).remaining_below is None
     with pytest.raises(APIError, match="must be in"):
         resolve({"spec_exit": {"confidence_above": 2}})
@@ -369,19 +410,47 @@ def test_server_config_and_flags(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump({"spec_exit": {"alpha": 0.2, "delimiters": ["\n\n", ".\n"]}}))
     config = ServeConfig.from_yaml(path)
-    assert config.spec_exit == SpecExitParams(alpha=0.2, delimiters=("\n\n", ".\n"))
+    assert config.spec_exit == {"alpha": 0.2, "delimiters": ["\n\n", ".\n"]}  # only those set
     assert not config.spec_exit_by_default
     args = build_parser().parse_args(
         ["serve", "--config", str(path), "--spec-exit", '{"think_end": "</reason>"}',
          "--spec-exit-by-default"]
     )  # fmt: skip
     config = serve_config_from_args(args)
-    assert config.spec_exit == SpecExitParams(
-        alpha=0.2, delimiters=("\n\n", ".\n"), think_end="</reason>"
-    )
+    assert config.spec_exit == {
+        "alpha": 0.2, "think_end": "</reason>", "delimiters": ["\n\n", ".\n"]
+    }  # fmt: skip
     assert config.spec_exit_by_default
     with pytest.raises(ValueError, match="unknown spec_exit keys"):
         ServeConfig.from_dict({"spec_exit": {"alfa": 0.2}})
+    with pytest.raises(ValueError, match=r"spec_exit\.window=0"):
+        ServeConfig(spec_exit={"window": 0})
+
+
+def test_the_server_layers_its_settings_over_the_heads_record():
+    """``OpenAIServing`` reads the draft head's record from the engine (``SpecExitRuntime``)
+    and puts the server's settings over it; a combination no request could use fails at
+    start-up, naming both."""
+    from types import SimpleNamespace
+
+    from specdec.serve.config import ServeConfig
+    from specdec.serve.inputs import resolve_spec_exit
+    from specdec.serve.serving import OpenAIServing
+
+    def serving(head, server):
+        runtime = SimpleNamespace(head_defaults=head) if head is not None else None
+        engine = SimpleNamespace(engine=SimpleNamespace(max_model_len=256, spec_exit=runtime))
+        return OpenAIServing(engine, ServeConfig(spec_exit=server), None, None)
+
+    head = {"smoothing": "window", "window": 2}
+    s = serving(head, {"window": 3, "alpha": 0.5})
+    assert s.spec_exit_base == (head, {"alpha": 0.5, "window": 3})
+    params = resolve_spec_exit(True, s.spec_exit_base, False)
+    assert (params.smoothing, params.window, params.alpha) == ("window", 3, 0.5)
+    assert resolve_spec_exit(True, serving(head, {}).spec_exit_base, False).window == 2
+    assert resolve_spec_exit(True, serving(None, {}).spec_exit_base, False) == SpecExitParams()
+    with pytest.raises(ValueError, match="over the draft head's recorded"):
+        serving({"think_end": "</t>"}, {"think_start": "</t>"})
 
 
 def test_usage_and_metrics_report_exits():

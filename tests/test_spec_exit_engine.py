@@ -308,6 +308,49 @@ def test_eval_reasoning_accepts_spec_exit_for_the_smollm2_markers(
     assert report["spec_exit"]["exits"] >= 0
 
 
+def test_eval_reasoning_layers_spec_exit_over_the_heads_record(
+    target_dir, exit_head_dir, tmp_path, smollm2_tokenizer
+):
+    """A head that records a SpecExit setting (``spec_exit_defaults``) is the base of
+    ``eval-reasoning --spec-exit``: the engine hands the record on (``SpecExitRuntime``), the
+    given fields override it, and the report holds the settings that ran."""
+    pytest.importorskip("reasoning_gym")
+    import shutil
+
+    from specdec.cli import main
+    from specdec.data_gen.decontam import Decontaminator
+    from specdec.data_gen.reasoning.generate import TracesConfig, run_traces
+
+    head = shutil.copytree(exit_head_dir, tmp_path / "head")
+    config = json.loads((head / "config.json").read_text())
+    record = {"confidence_above": 0.6, "smoothing": "window", "window": 2}
+    (head / "config.json").write_text(json.dumps({**config, "spec_exit_defaults": record}))
+    items = tmp_path / "eval.jsonl"
+    run_traces(
+        TracesConfig(output=str(items), split="eval", tasks=("gcd",), num_per_task=1),
+        decontaminator=Decontaminator({"none": ["nothing to match here at all"]}),
+        tokenizer=smollm2_tokenizer,
+    )
+
+    def ran(spec_exit: str) -> dict:
+        out = tmp_path / f"report{len(list(tmp_path.iterdir()))}"
+        args = ["eval-reasoning", "--model", str(target_dir), "--traces", str(items),
+                "--out", str(out), "--max-tokens", "4", "--spec-exit", spec_exit,
+                "--draft", "eagle3", "--draft-model", str(head),
+                "--num-speculative-tokens", "2", "--device", "cpu", "--dtype", "float32",
+                "--kv-cache-memory", str(16 << 20), "--max-model-len", "256"]  # fmt: skip
+        assert main(args) == 0
+        return json.loads((out / "report.json").read_text())["sampling"]["spec_exit"]
+
+    head_only = ran("{}")
+    assert (head_only["smoothing"], head_only["window"], head_only["confidence_above"]) == (
+        "window", 2, 0.6
+    )  # fmt: skip
+    assert head_only["alpha"] == SpecExitParams().alpha  # fields the record leaves out
+    given = ran('{"confidence_above": 0.9, "window": 3}')
+    assert (given["smoothing"], given["window"], given["confidence_above"]) == ("window", 3, 0.9)
+
+
 def test_offline_replay_judges_settings_and_chooses(target_dir, exit_head_dir, tmp_path):
     """benchmarks/spec_exit_offline.py on one labelled trace in the reasoning format: the
     head's constant channels pass the defaults, so the replay cuts at a step boundary

@@ -5,6 +5,7 @@ and EAGLE drop the channels, say so, validate, and draft exactly like the origin
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,70 @@ def test_validator_names_unexported_channels(target, tmp_path: Path):
     report = validate_head(head_dir, "vllm", target=target, target_name=SMOLLM2)
     assert not report.ok and "specdec export --to vllm" in report.render()
     assert "SpecExit channels" in report.render()
+
+
+# ---------------------------------------------------------------- the recorded setting
+
+SETTING = {"smoothing": "window", "window": 2}
+
+
+def test_import_records_the_spec_exit_setting_and_it_round_trips(target, tmp_path: Path, capsys):
+    """``specdec import ... --spec-exit JSON`` records the setting measured best for a head
+    (``spec_exit_defaults``, canonical field order); it survives load and save, and a
+    re-import without the flag keeps it."""
+    source = save_eagle3(head_with_channels(target), tmp_path / "trained")
+    assert "spec_exit_defaults" not in json.loads((source / "config.json").read_text())
+    out = tmp_path / "shipped"
+    given = {"window": 2, "smoothing": "window"}
+    argv = ["import", str(source), str(out), "--target", SMOLLM2, "--spec-exit", json.dumps(given)]
+    assert main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert list(config["spec_exit_defaults"].items()) == list(SETTING.items())
+    loaded = load_eagle3(out, target_config=target)
+    assert loaded.config.spec_exit_defaults == SETTING
+    again = load_eagle3(save_eagle3(loaded, tmp_path / "saved"), target_config=target)
+    assert again.config == loaded.config
+    assert main(["import", str(out), str(tmp_path / "kept"), "--target", SMOLLM2]) == 0
+    kept = json.loads((tmp_path / "kept" / "config.json").read_text())
+    assert kept["spec_exit_defaults"] == SETTING
+    # Other engines' formats have no place for it (nor for the channels).
+    assert main(["export", "--to", "vllm", str(out), str(tmp_path / "vllm")]) == 0
+    assert "spec_exit_defaults" not in (tmp_path / "vllm" / "config.json").read_text()
+    capsys.readouterr()
+
+
+def test_a_bad_or_misplaced_setting_is_refused_with_the_fix(target, tmp_path: Path, capsys):
+    source = save_eagle3(head_with_channels(target), tmp_path / "trained")
+    plain = save_eagle3(plain_head(target), tmp_path / "plain")
+
+    def run(head: Path, setting: str) -> str:
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        assert (
+            main(["import", str(head), str(out), "--target", SMOLLM2, "--spec-exit", setting]) == 2
+        )
+        assert not out.exists() or not any(out.iterdir())  # nothing half-written
+        return capsys.readouterr().err
+
+    assert "no SpecExit channels" in run(plain, json.dumps(SETTING))
+    assert "spec_exit.window=0 must be an int >= 1" in run(source, '{"window": 0}')
+    assert "unknown spec_exit keys ['windw']" in run(source, '{"windw": 2}')
+    assert "give a JSON object" in run(source, "[2]")
+    # A bad record in config.json: loading names the file, the value and the fix.
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(
+        json.dumps({**config, "spec_exit_defaults": {"smoothing": "median"}})
+    )
+    with pytest.raises(WeightLoadError) as err:
+        load_eagle3(source, target_config=target)
+    message = str(err.value)
+    assert str(source / "config.json") in message and "'median'" in message
+    assert "choose one of ewma | momentum | window" in message and "fix the record" in message
+    # ...and so does a record on a head without channels, or one that thresholds none of
+    # the head's signals.
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**config, "spec_exit_defaults": SETTING}))
+    with pytest.raises(WeightLoadError, match="no SpecExit channels"):
+        load_eagle3(plain, target_config=target)
+    only_progress = Eagle3Config.for_target(target, 512, exit_signals=("progress",))
+    with pytest.raises(ValueError, match="thresholds none of this head's signals"):
+        replace(only_progress, spec_exit_defaults={"progress_above": None})

@@ -208,7 +208,7 @@ def test_serve_body_takes_marker_ids():
     body = CompletionRequest.model_validate(
         {"prompt": "x", "spec_exit": {"think_start": "<think>", "think_end": [9617, 17400, 46]}}
     )
-    params = resolve_spec_exit(body.spec_exit, SpecExitParams(), False)
+    params = resolve_spec_exit(body.spec_exit, (), False)
     assert (params.think_start, params.think_end) == ("<think>", CLOSE)
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"prompt": "x", "spec_exit": {"think_end": []}})

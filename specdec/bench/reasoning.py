@@ -13,7 +13,9 @@ Definitions (per item): ``correct`` = verifier score 1.0; ``think_tokens`` = gen
 tokens through ``</think>`` (all of them when unclosed, 0 without a think span);
 ``latency_s`` = seconds from submitting the request to its last token, with at most
 ``concurrency`` requests in flight. The same items, options and engine with SpecExit on
-and off (``--spec-exit``) give the comparison SpecExit is judged by.
+and off (``--spec-exit``) give the comparison SpecExit is judged by; the settings given
+override the draft head's recorded ones (``spec_exit_defaults``), which override the
+library defaults, and the report's ``sampling.spec_exit`` holds the settings that ran.
 """
 
 from __future__ import annotations
@@ -131,12 +133,14 @@ def tokens_through(tokenizer, token_ids: list[int], chars: int) -> int:
     return lo
 
 
-def sampling_params(config: EvalConfig):
+def sampling_params(config: EvalConfig, head_spec_exit: dict[str, Any] | None = None):
     """Greedy ``SamplingParams`` with ``config.sampling`` on top; an unknown field is an
     error naming the known ones. ``spec_exit`` may be a mapping of ``SpecExitParams``
-    fields (what ``--spec-exit JSON`` gives); ``{}`` takes the defaults."""
+    fields (what ``--spec-exit JSON`` gives), layered over ``head_spec_exit`` (the draft
+    head's recorded setting) by ``spec_exit_params``: ``{}`` takes the head's setting, else
+    the library defaults."""
     from specdec.sampling_params import RequestOutputKind, SamplingParams
-    from specdec.spec.spec_exit import SpecExitParams
+    from specdec.spec.spec_exit import spec_exit_params
 
     known = {f.name for f in fields(SamplingParams)}
     unknown = sorted(set(config.sampling) - known)
@@ -148,7 +152,7 @@ def sampling_params(config: EvalConfig):
     base = {"temperature": 0.0, "max_tokens": config.max_tokens}
     sampling = dict(config.sampling)
     if isinstance(sampling.get("spec_exit"), dict):
-        sampling["spec_exit"] = SpecExitParams.from_dict(sampling["spec_exit"])
+        sampling["spec_exit"] = spec_exit_params(head_spec_exit, sampling["spec_exit"])
     return SamplingParams(**{**base, **sampling, "output_kind": RequestOutputKind.FINAL_ONLY})
 
 
@@ -181,7 +185,7 @@ def run_eval(config: EvalConfig, llm=None) -> dict[str, Any]:
     """Generate, score and summarise (module docstring); writes the report files when
     ``config.output`` is set."""
     items = load_items(config.traces, config.per_task)
-    params = sampling_params(config)
+    sampling_params(config)  # fail on bad options before the model loads
     scorer = Scorer()
     for rec in items:  # fail on a bad item before any generation
         scorer.task(rec)
@@ -189,6 +193,8 @@ def run_eval(config: EvalConfig, llm=None) -> dict[str, Any]:
         from specdec.engine.llm import LLM
 
         llm = LLM(config.model, **config.engine)
+    runtime = llm.engine.spec_exit  # the draft head's recorded setting is the base
+    params = sampling_params(config, runtime.head_defaults if runtime is not None else None)
     prompts = [
         llm.apply_chat_template([{"role": "user", "content": r["conversations"][0]["content"]}])
         for r in items

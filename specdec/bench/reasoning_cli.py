@@ -46,7 +46,9 @@ def _args(p: argparse.ArgumentParser) -> None:
         "--spec-exit",
         type=_json_object,
         default=None,
-        help="SpecExit settings (SamplingParams.spec_exit) as a JSON object",
+        help="SpecExit settings (SamplingParams.spec_exit) as a JSON object of "
+        "SpecExitParams fields; they override the draft head's recorded setting "
+        "(spec_exit_defaults), which overrides the defaults ('{}': the head's)",
     )
     _add_engine_args(p)
 

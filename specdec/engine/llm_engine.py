@@ -110,7 +110,11 @@ class LLMEngine:
             self.runner.aux_layer_ids = self.proposer.aux_layer_ids
         # SpecExit (docs/spec_exit.md) needs a proposer whose trees carry exit signals.
         signals = self.proposer.exit_signals if self.proposer is not None else ()
-        self.spec_exit = SpecExitRuntime(self.tokenizer, signals) if signals else None
+        self.spec_exit = (
+            SpecExitRuntime(self.tokenizer, signals, self.proposer.spec_exit_defaults)
+            if signals
+            else None
+        )
         self.runner.warm_up_kernels(trees=self.proposer is not None)
         # Pipelined speculative steps (spec_pipeline.py), on by default where steps replay
         # CUDA graphs; the one in flight.

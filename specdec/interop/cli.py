@@ -101,6 +101,15 @@ def _import_args(p: argparse.ArgumentParser) -> None:
         '\'{"tree": "dynamic", "num_speculative_tokens": 5, "top_k": 8, "total_tokens": 48}\' '
         "(default: the one it records, if any)",
     )
+    p.add_argument(
+        "--spec-exit",
+        type=json.loads,
+        default=None,
+        help="the SpecExit setting to record as the head's default (it needs SpecExit "
+        'channels), SpecExitParams fields as JSON: \'{"smoothing": "window", '
+        "\"window\": 2}'; a server's or a request's settings override it (default: the "
+        "one it records, if any)",
+    )
 
 
 def _tree_defaults(value):
@@ -126,7 +135,19 @@ def cmd_import(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     with _new_dir_errors():
         tree = _tree_defaults(args.tree) if args.tree is not None else None
-        result = import_head(args.src, args.out_dir, target=args.target, dtype=dtype, tree=tree)
+        if args.spec_exit is not None and not isinstance(args.spec_exit, dict):
+            raise ValueError(
+                f"--spec-exit {json.dumps(args.spec_exit)}: give a JSON object of "
+                "SpecExitParams fields"
+            )
+        result = import_head(
+            args.src,
+            args.out_dir,
+            target=args.target,
+            dtype=dtype,
+            tree=tree,
+            spec_exit=args.spec_exit,
+        )
     print(
         f"imported {args.src} ({FORMAT_NAMES[result.source_format]} format, "
         f"{str(result.dtype).removeprefix('torch.')}) for {result.target} to {result.out_dir}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,11 +56,14 @@ def import_head(
     target: str | None = None,
     dtype: torch.dtype | None = None,
     tree: TreeDefaults | None = None,
+    spec_exit: dict[str, Any] | None = None,
 ) -> ImportResult:
     """Convert the head at ``src`` (a directory, or a hub name in the local HF cache) into a
     new specdec-format ``out_dir``. ``target`` names the model it drafts for (needed for
     the research format, which does not record it); ``dtype`` defaults to the stored one;
-    ``tree`` replaces the draft tree recorded as the head's default (kept if None)."""
+    ``tree`` replaces the draft tree recorded as the head's default and ``spec_exit`` its
+    SpecExit setting (``Eagle3Config.spec_exit_defaults``; only for a head with SpecExit
+    channels); None keeps the recorded one."""
     path = source_dir(src)
     resolved = resolve_target(path, target)
     report = validate_head(path, None, target=resolved.config, target_name=resolved.name)
@@ -68,7 +72,18 @@ def import_head(
     fmt = detect_format(path)
     dtype = dtype or stored_dtype(path)
     head = load_eagle3(path, target_config=resolved.config, dtype=dtype)
-    head.config = replace(head.config, target_name=resolved.name, tree=tree or head.config.tree)
+    if spec_exit is not None and not head.config.exit_signals:
+        raise HeadImportError(
+            f"cannot record SpecExit settings {json.dumps(spec_exit)} on {src}: it has no "
+            "SpecExit channels (its config.json lists no spec_exit_signals); leave them out, "
+            "or import a head trained with spec_exit.signals"
+        )
+    head.config = replace(
+        head.config,
+        target_name=resolved.name,
+        tree=tree or head.config.tree,
+        spec_exit_defaults=head.config.spec_exit_defaults if spec_exit is None else spec_exit,
+    )
     out = save_eagle3(head, out_dir, "specdec")
     return ImportResult(
         out_dir=out,

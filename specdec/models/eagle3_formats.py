@@ -49,8 +49,10 @@ Formats here:
 
 SpecExit channels (``Eagle3Config.exit_signals``) exist only in ours: config.json lists
 them as ``spec_exit_signals`` and the weights add ``spec_exit.weight`` [k, 3H] and
-``spec_exit.bias`` [k]. ``"eagle"`` and ``"speculators"`` have no place for them, so
-``save_eagle3`` drops them there (``dropped_keys`` says which) and records that in the
+``spec_exit.bias`` [k]; the SpecExit setting measured best for the head, if recorded, is
+``spec_exit_defaults`` (``Eagle3Config.spec_exit_defaults``: some ``SpecExitParams``
+fields, written only when set). ``"eagle"`` and ``"speculators"`` have no place for them,
+so ``save_eagle3`` drops them there (``dropped_keys`` says which) and records that in the
 safetensors metadata (``specdec_dropped``), which every reader ignores.
 
 The token embedding is never written; a stored ``embed_tokens.weight`` (the frozen target
@@ -298,6 +300,8 @@ def _research_config(c: Eagle3Config, dtype: str, *, ours: bool) -> dict[str, An
         config["tree_defaults"] = asdict(c.tree) if c.tree else None
         if c.exit_signals:
             config["spec_exit_signals"] = list(c.exit_signals)
+        if c.spec_exit_defaults:
+            config["spec_exit_defaults"] = dict(c.spec_exit_defaults)
     return config
 
 
@@ -465,6 +469,7 @@ def _research_to_config(hf: dict[str, Any], target: ModelConfig, path: Path) -> 
         target_name=hf.get("target_model") or "",
         tree=tree,
         exit_signals=tuple(hf.get("spec_exit_signals") or ()),
+        spec_exit_defaults=hf.get("spec_exit_defaults"),
     )
 
 
@@ -500,6 +505,7 @@ def _layer_to_config(
     target_name: str,
     tree: TreeDefaults | None,
     exit_signals: tuple[str, ...] = (),
+    spec_exit_defaults: dict[str, Any] | None = None,
 ) -> Eagle3Config:
     """An ``Eagle3Config`` from HF Llama fields (``layer``) and EAGLE-3 fields (``top``),
     checked against ``target``; ``ids`` None means the target's default aux layers."""
@@ -549,6 +555,7 @@ def _layer_to_config(
             tree=tree,
             norm_before_residual=bool(top.get("norm_before_residual", False)),
             exit_signals=exit_signals,
+            spec_exit_defaults=spec_exit_defaults,
         )
     except KeyError as err:
         raise fail(f"missing field {err}") from err

@@ -104,7 +104,11 @@ class Eagle3Config:
     complete variant from ``rope.ROPE_TYPES`` or None. ``norm_before_residual`` (a
     speculators option, off in EAGLE-3 proper) makes the residual ``hidden_norm(h)``.
     ``exit_signals`` names the SpecExit channels (``exit_signals.SIGNAL_ORDER`` order,
-    normalised on construction; empty: none).
+    normalised on construction; empty: none). ``spec_exit_defaults`` is the SpecExit
+    setting measured best for the head (some ``SpecExitParams`` fields, canonical as
+    ``spec_exit_fields`` makes them; None: no record), the base that a server's or a
+    request's settings override (``spec_exit_params``); only a head with channels records
+    one, and it must threshold at least one of the head's signals.
     """
 
     hidden_size: int
@@ -123,10 +127,13 @@ class Eagle3Config:
     tree: TreeDefaults | None = None
     norm_before_residual: bool = False
     exit_signals: tuple[str, ...] = ()
+    spec_exit_defaults: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         validate_decoder_shape(self, ("draft_vocab_size",))
         object.__setattr__(self, "exit_signals", canonical_signals(self.exit_signals))
+        if self.spec_exit_defaults is not None:
+            object.__setattr__(self, "spec_exit_defaults", self._checked_spec_exit())
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} exceeds the target vocab_size="
@@ -138,6 +145,32 @@ class Eagle3Config:
                 f"aux_layer_ids={ids!r} must be {NUM_AUX_LAYERS} non-negative target layer "
                 "ids (the residual stream entering each; low, mid, high)"
             )
+
+    def _checked_spec_exit(self) -> dict[str, Any] | None:
+        """``spec_exit_defaults`` made canonical ({} records nothing: None); raises naming
+        the record and the fix."""
+        from specdec.spec.spec_exit import spec_exit_fields, spec_exit_params
+
+        record = self.spec_exit_defaults
+        if not self.exit_signals:
+            raise ValueError(
+                f"spec_exit_defaults={record!r}: this head has no SpecExit channels "
+                "(spec_exit_signals), so no request could use them; drop the record, or "
+                "record it on a head trained with spec_exit.signals"
+            )
+        try:
+            record = spec_exit_fields(record)
+            enabled = spec_exit_params(record).enabled(self.exit_signals)
+        except ValueError as e:
+            raise ValueError(
+                f"spec_exit_defaults={record!r}: {e}; fix the record or drop it"
+            ) from None
+        if not enabled:
+            raise ValueError(
+                f"spec_exit_defaults={record!r} thresholds none of this head's signals "
+                f"({', '.join(self.exit_signals)}); set a threshold for one of them"
+            )
+        return record or None
 
     @property
     def max_context_len(self) -> int:

@@ -3,7 +3,10 @@
 A shipped head is its model's default speculation: ``specdec generate``, ``serve`` and
 ``bench`` draft with it unless told otherwise (``--draft none`` or another proposer), in
 the tree shape recorded in its config (``tree_defaults``), which explicit ``--spec-*``
-flags override. A model without a shipped head keeps each command's own default.
+flags override. A head with SpecExit channels may also record its exit setting
+(``spec_exit_defaults``); that one reaches requests through the loaded head
+(``SpecExitRuntime.head_defaults``, docs/spec_exit.md). A model without a shipped head
+keeps each command's own default.
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ class Eagle3Proposer(Proposer):
         self.head.eval().requires_grad_(False)  # drafting only; see load_model
         self.aux_layer_ids = tuple(self.head.config.aux_layer_ids)
         self.exit_signals = self.head.config.exit_signals
+        self.spec_exit_defaults = self.head.config.spec_exit_defaults
         c = self.head.config
         shape = (runner.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         self.kv_cache = (

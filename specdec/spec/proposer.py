@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,6 +54,9 @@ class Proposer(ABC):
     # SpecExit signals its trees carry in ``DraftTree.exit_signals`` (an EAGLE-3 head with
     # exit channels; specdec.spec.spec_exit); empty: none, and requests cannot opt in.
     exit_signals: tuple[str, ...] = ()
+    # The SpecExit setting the head records as measured best for it (some SpecExitParams
+    # fields, ``Eagle3Config.spec_exit_defaults``): the base requests' settings override.
+    spec_exit_defaults: dict[str, Any] | None = None
 
     # Whether this proposer runs pipelined speculative steps (engine/spec_pipeline.py):
     # it then has ``pipeline_ready``, ``pipeline_inputs``, ``grow_pipelined`` and

@@ -143,6 +143,37 @@ class SpecExitParams:
         return threshold.compare(value, getattr(self, threshold.param))
 
 
+def spec_exit_fields(data: Any) -> dict[str, Any]:
+    """A partial SpecExit setting (some ``SpecExitParams`` fields), checked and made
+    canonical: the fields must be known and valid on top of the defaults; they come back in
+    field order with JSON values (lists, not tuples), so a setting round-trips through
+    config.json and YAML unchanged."""
+    try:
+        SpecExitParams.from_dict(data)
+    except TypeError as e:  # a value of the wrong type, e.g. alpha="0.1"
+        raise ValueError(f"a spec_exit value has the wrong type ({e})") from None
+    return {
+        f.name: list(data[f.name]) if isinstance(data[f.name], tuple) else data[f.name]
+        for f in fields(SpecExitParams)
+        if f.name in data
+    }
+
+
+def spec_exit_params(*layers: dict[str, Any] | None) -> SpecExitParams:
+    """The one place SpecExit settings are layered: partial settings (``SpecExitParams``
+    fields), lowest precedence first, over the library defaults. Everywhere the order is:
+    the draft head's record (``Eagle3Config.spec_exit_defaults``), then the server's or the
+    command's settings, then the request's own fields; a later layer's field replaces an
+    earlier one's, and None or {} adds nothing. The merge is validated once, so a layer may
+    change related fields together (both think markers, say)."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        if layer is not None and not isinstance(layer, dict):
+            raise ValueError(f"spec_exit must be a mapping of settings, got {layer!r}")
+        merged.update(layer or {})
+    return SpecExitParams.from_dict(merged)
+
+
 # ---------------------------------------------------------------- smoothing
 
 

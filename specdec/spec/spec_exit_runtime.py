@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -22,13 +23,20 @@ _MAX_CACHED_MARKERS = 64
 
 class SpecExitRuntime:
     """Per engine: the tokenizer (think markers resolved to ids and token texts, both
-    cached), the head's signal names, and ``stats``."""
+    cached), the head's signal names, its recorded setting (``head_defaults``, the lowest
+    layer of every request's settings; None: none) and ``stats``."""
 
-    def __init__(self, tokenizer, signals: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        signals: tuple[str, ...],
+        head_defaults: dict[str, Any] | None = None,
+    ) -> None:
         if not signals:
             raise ValueError("SpecExitRuntime needs a proposer whose trees carry exit signals")
         self.tokenizer = tokenizer
         self.signals = signals
+        self.head_defaults = head_defaults
         self.stats = SpecExitStats()
         self._texts: dict[int, str] = {}
         self._markers: dict[tuple[str, str | Marker], Marker] = {}
