@@ -37,6 +37,8 @@ BENCH_MAX_TOKENS=${BENCH_MAX_TOKENS:-256}
 EXTRA_TRAIN=${EXTRA_TRAIN:-}          # more train-draft overrides, e.g. "optim.lr=2e-4"
 INIT_HEAD=${INIT_HEAD:-}              # continue from this head (and its draft vocabulary), e.g.
                                       # specdec/heads/smollm2-135m-instruct (the shipped head)
+NEW_VOCAB=${NEW_VOCAB:-0}             # 1: continue INIT_HEAD under the vocab stage's vocabulary
+                                      # (rows of shared tokens carried, new ones from the target)
 DEVICE_ARGS=()
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the whole chain on CPU, tiny: checks the recipe runs
@@ -71,9 +73,13 @@ stage_vocab() {
 }
 
 stage_train() {
-    # A head to continue brings its own draft vocabulary (its lm_head rows are tied to it).
+    # A head to continue brings its own draft vocabulary (its lm_head rows are tied to it),
+    # unless NEW_VOCAB=1 moves its rows to the vocab stage's one by target token.
     local vocab=(model.vocab="$DATA/vocab/vocab.safetensors")
-    [ -n "$INIT_HEAD" ] && vocab=(model.init_head="$INIT_HEAD")
+    if [ -n "$INIT_HEAD" ]; then
+        [ "$NEW_VOCAB" = 1 ] || vocab=()
+        vocab+=(model.init_head="$INIT_HEAD")
+    fi
     # shellcheck disable=SC2086  # EXTRA_TRAIN is a list of key=value overrides
     specdec train-draft --config configs/train/smollm2.yaml \
         model.target="$MODEL" "${vocab[@]}" \

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from prompts import QUESTIONS, document
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from specdec import LLM, SamplingParams
 from specdec.config import SpeculativeConfig
@@ -269,8 +269,7 @@ def test_time_limit_saves_head_and_checkpoint_and_the_rerun_continues(data, tmp_
 def test_init_head_continues_with_its_own_draft_vocabulary(trained, data, tmp_path):
     """A head's lm_head rows belong to its draft vocabulary: model.init_head alone trains
     on under the head's own d2t/t2d, even where another vocab file sits beside the data
-    (e.g. rebuilt from new answers); an explicit model.vocab mapping other tokens is
-    refused."""
+    (e.g. rebuilt from new answers)."""
     head_dir = trained[0] / "head"
     init = {"init_head": str(head_dir)}
     beside = tmp_path / "data"  # the same dump, with a 256-token vocab file beside it
@@ -283,8 +282,40 @@ def test_init_head_continues_with_its_own_draft_vocabulary(trained, data, tmp_pa
     assert train(cfg)["step"] == 1
     saved, original = _head_tensors(tmp_path / "a" / "head"), _head_tensors(head_dir)
     assert torch.equal(saved["d2t"], original["d2t"]) and torch.equal(saved["t2d"], original["t2d"])
-    with pytest.raises(ValueError, match=r"drafts another vocabulary than model\.vocab="):
-        train(config(data, tmp_path / "b", model={**init, "vocab": str(other)}))
+
+
+def test_init_head_under_another_vocabulary_carries_rows_by_token(trained, data, tmp_path):
+    """model.init_head with an explicit model.vocab that keeps other tokens: the run
+    drafts the new vocabulary; every target token both keep brings its trained lm_head row
+    along (whatever its draft id now), and tokens new to the vocabulary start from the
+    target's lm_head rows, as in a fresh head. (A learning rate of 1e-12 leaves the one
+    step's update far below the tolerance.)"""
+    from specdec.train.model import TargetIO
+
+    head_dir = trained[0] / "head"
+    original = _head_tensors(head_dir)
+    old_kept = torch.arange(original["d2t"].shape[0]) + original["d2t"]  # [512] target ids
+    outside = (~original["t2d"]).nonzero().squeeze(1)[-56:]  # 56 tokens the head never drafts
+    kept = torch.cat([old_kept[::2][:200], outside]).sort().values  # [256]: 200 shared
+    t2d = torch.zeros_like(original["t2d"])
+    t2d[kept] = True
+    other = tmp_path / "other.safetensors"
+    save_file({"d2t": kept - torch.arange(kept.shape[0]), "t2d": t2d}, str(other))
+    cfg = config(data, tmp_path / "run", model={"init_head": str(head_dir), "vocab": str(other)},
+                 optim={"max_steps": 1, "grad_accum": 1, "lr": 1e-12})  # fmt: skip
+    assert train(cfg)["step"] == 1
+    saved = _head_tensors(tmp_path / "run" / "head")
+    assert torch.equal(saved["d2t"], kept - torch.arange(kept.shape[0]))
+    old_row = {int(t): i for i, t in enumerate(old_kept)}
+    shared = [(j, old_row[int(t)]) for j, t in enumerate(kept) if int(t) in old_row]
+    new = [j for j, t in enumerate(kept) if int(t) not in old_row]
+    assert len(shared) == 200 and len(new) == 56
+    rows, old_rows = saved["lm_head.weight"].float(), original["lm_head.weight"].float()
+    assert any(j != i for j, i in shared)  # rows moved to other draft ids
+    for j, i in shared:
+        torch.testing.assert_close(rows[j], old_rows[i], atol=1e-6, rtol=0)
+    target_rows = TargetIO.load(cfg.model.target).lm_head.float()
+    torch.testing.assert_close(rows[new], target_rows[kept[new]], atol=1e-6, rtol=0)
 
 
 def _head_tensors(head_dir: Path) -> dict[str, torch.Tensor]:

@@ -37,7 +37,8 @@ class ModelSection:
     # None: vocab.safetensors next to data.path or in it
     draft_vocab_size: int | None = None  # checked against the vocab file when both are set
     aux_layer_ids: list[int] | None = None  # None: the dump's (offline) or EAGLE-3's default
-    init_head: str | None = None  # start from this head directory instead of a fresh one
+    init_head: str | None = None  # start from this head directory instead of a fresh one;
+    # it keeps its own draft vocabulary unless `vocab` is set too (then rows move by token)
 
 
 @dataclass

@@ -111,6 +111,27 @@ def build_head(
     return head
 
 
+def carry_vocab_rows(
+    head: Eagle3Head, rows: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor
+) -> int:
+    """Move a trained head's lm_head ``rows`` [old_draft_vocab, hidden], drafted under
+    (``d2t``, ``t2d``), into ``head``, which drafts another vocabulary: each target token
+    that both vocabularies keep takes its trained row; tokens new to ``head`` keep the rows
+    they have (a fresh head's: the target's lm_head rows, ``build_head``). Returns how many
+    rows were carried. A row belongs to its target token, not to its draft id, so rows
+    move by token: no row is ever trained toward another token than the one it had."""
+    old_kept = torch.arange(d2t.shape[0]) + d2t.cpu()  # [old_draft_vocab] target ids
+    new_kept = torch.arange(head.d2t.shape[0]) + head.d2t.cpu()  # [draft_vocab] target ids
+    old_index = torch.full((t2d.shape[0],), -1, dtype=torch.long)  # target id -> old draft id
+    old_index[old_kept] = torch.arange(old_kept.shape[0])
+    source = old_index[new_kept]  # [draft_vocab]: old draft id, or -1 for a new token
+    shared = source >= 0
+    with torch.no_grad():
+        weight = head.lm_head.weight
+        weight[shared.to(weight.device)] = rows[source[shared]].to(weight.device, weight.dtype)
+    return int(shared.sum())
+
+
 class TTTModel(nn.Module):
     """``forward(batch) -> TTTOutput``: the whole unrolled objective in one module call,
     as DDP and DeepSpeed want (one forward per backward). With ``exit_loss`` the SpecExit

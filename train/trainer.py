@@ -34,7 +34,14 @@ from specdec.train.loop import (
     lr_schedule,
     optimizer_step,
 )
-from specdec.train.model import TargetIO, TTTModel, attention_backend, build_head, load_vocab
+from specdec.train.model import (
+    TargetIO,
+    TTTModel,
+    attention_backend,
+    build_head,
+    carry_vocab_rows,
+    load_vocab,
+)
 from specdec.train.spec_exit_labels import ExitLabeler
 from specdec.train.spec_exit_loss import SpecExitLoss
 from specdec.train.ttt import TTTOutput
@@ -139,10 +146,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     init = _read_init_head(config.model.init_head, target) if config.model.init_head else None
     if init is not None and not config.model.vocab:
         d2t, t2d = init.d2t.cpu(), init.t2d.cpu()  # a head continues with its own vocabulary
-    else:
+    else:  # a head continued under another vocabulary keeps the rows of shared tokens
         d2t, t2d = load_vocab(_vocab_path(config))
-        if init is not None:
-            _check_same_vocab(init, d2t, t2d, config.model)
     if config.model.draft_vocab_size not in (None, d2t.shape[0]):
         raise ValueError(
             f"model.draft_vocab_size={config.model.draft_vocab_size} but the draft vocabulary "
@@ -308,21 +313,6 @@ def _read_init_head(directory: str, target: TargetIO):
     return load_eagle3(directory, target_config=target.config)
 
 
-def _check_same_vocab(init, d2t: torch.Tensor, t2d: torch.Tensor, model) -> None:
-    """A head's lm_head rows are tied to its draft vocabulary (draft id -> target token):
-    continuing it under another mapping would train each row toward a different token."""
-    have_d2t, have_t2d = init.d2t.cpu(), init.t2d.cpu()
-    comparable = have_d2t.shape == d2t.shape
-    if comparable and torch.equal(have_d2t, d2t) and torch.equal(have_t2d, t2d):
-        return
-    moved = int((have_d2t != d2t).sum()) if comparable else d2t.shape[0]
-    raise ValueError(
-        f"model.init_head={model.init_head} drafts another vocabulary than model.vocab="
-        f"{model.vocab} ({moved} of {d2t.shape[0]} draft ids map to other target tokens); "
-        "drop model.vocab to continue with the head's own vocabulary"
-    )
-
-
 def _load_init_head(head, init) -> None:
     have, want = init.config.exit_signals, head.config.exit_signals
     if have and have != want:
@@ -330,10 +320,33 @@ def _load_init_head(head, init) -> None:
             f"model.init_head has SpecExit channels {list(have)}; set spec_exit.signals="
             f"{list(have)} to keep training them (the run asks for {list(want)})"
         )
+    state = init.state_dict()
+    vocab_keys = ("lm_head.weight", "d2t", "t2d")
+    same_vocab = init.d2t.shape == head.d2t.shape and torch.equal(init.d2t.cpu(), head.d2t.cpu())
+    if not same_vocab:  # model.vocab names another draft vocabulary: rows move by token
+        rows = state["lm_head.weight"]
+        for key in vocab_keys:
+            state.pop(key)
     # A trained head without channels: its weights, and fresh channels on top.
-    missing, _ = head.load_state_dict(init.state_dict(), strict=not (want and not have))
-    if any(not k.startswith("spec_exit.") for k in missing):
-        raise ValueError(f"model.init_head lacks {missing}; it is not a head for this run")
+    fresh_channels = bool(want) and not have
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    lacking = [k for k in missing
+               if not (fresh_channels and k.startswith("spec_exit."))
+               and not (not same_vocab and k in vocab_keys)]  # fmt: skip
+    if lacking or unexpected:
+        raise ValueError(
+            f"model.init_head lacks {lacking} and has extra {unexpected}; it is not a head "
+            "for this run"
+        )
+    if not same_vocab:
+        carried = carry_vocab_rows(head, rows, init.d2t, init.t2d)
+        logger.info(
+            "model.init_head drafts another vocabulary than model.vocab: %d of %d lm_head "
+            "rows carried by target token, %d new tokens start from the target's lm_head",
+            carried,
+            head.d2t.shape[0],
+            head.d2t.shape[0] - carried,
+        )
 
 
 def _save_head(accelerator, model, out_dir: Path) -> Path:
