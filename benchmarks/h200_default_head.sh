@@ -23,26 +23,13 @@ set -uo pipefail
 export DATA=${DATA:-/tmp/default-head} RUN=${RUN:-/tmp/default-head-run}
 OUT=${OUT:-/tmp/default-head-out}
 mkdir -p "$DATA" "$OUT"
-deadline=$(($(date +%s) + ${BUDGET_S:-570}))
-left() { echo $((deadline - $(date +%s))); }
+RECIPE=scripts/default_head.sh
+source benchmarks/h200_budget.sh  # left, run_stage
 
 archive=$(compgen -G ".gpu/*/prompts.tar.xz" | head -1)
 if [ ! -f "$DATA/prompts/manifest.json" ] && [ -n "$archive" ]; then
     tar xJf "$archive" -C "$DATA"
 fi
-
-run_stage() {  # stage [extra env...]: under the call's remaining time
-    local stage=$1 t
-    t=$(left)
-    if [ "$t" -lt 45 ]; then echo "--- $stage: not started (${t}s left)"; return 1; fi
-    echo "--- $stage: ${t}s left ($(date -u +%H:%M:%S))"
-    shift
-    env "$@" timeout "$t" scripts/default_head.sh "$stage" > "$OUT/$stage.log" 2>&1
-    local rc=$?
-    echo "--- $stage: rc=$rc, $(($(left)))s left"
-    grep -v "it/s\]\|rec/s\]\|conv/s\|item/s\]\|s/it\]\|step/s\]" "$OUT/$stage.log" | tail -8
-    return $rc
-}
 
 for stage in ${STAGES:-regenerate train bench}; do
     case $stage in

@@ -19,27 +19,14 @@ set -uo pipefail
 export DATA=${DATA:-/tmp/spec-exit} RUN=${RUN:-/tmp/spec-exit-run}
 OUT=${OUT:-/tmp/spec-exit-out}
 mkdir -p "$DATA" "$OUT"
-deadline=$(($(date +%s) + ${BUDGET_S:-570}))
-left() { echo $((deadline - $(date +%s))); }
+RECIPE=scripts/spec_exit_head.sh
+source benchmarks/h200_budget.sh  # left, run_stage
 
 for f in prompts eval; do
     if [ ! -s "$DATA/$f.jsonl" ] && [ -f ".gpu/data/$f.jsonl.gz" ]; then
         gunzip -c ".gpu/data/$f.jsonl.gz" > "$DATA/$f.jsonl"
     fi
 done
-
-run_stage() {  # stage [extra env...]: under the call's remaining time
-    local stage=$1 t
-    t=$(left)
-    if [ "$t" -lt 45 ]; then echo "--- $stage: not started (${t}s left)"; return 1; fi
-    echo "--- $stage: ${t}s left ($(date -u +%H:%M:%S))"
-    shift
-    env "$@" timeout "$t" scripts/spec_exit_head.sh "$stage" > "$OUT/$stage.log" 2>&1
-    local rc=$?
-    echo "--- $stage: rc=$rc, $(($(left)))s left"
-    grep -v "it/s\]\|rec/s\]\|conv/s\|item/s\]\|s/it\]" "$OUT/$stage.log" | tail -6
-    return $rc
-}
 
 for stage in ${STAGES:-regenerate labels vocab train offline eval latency}; do
     case $stage in
