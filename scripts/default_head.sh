@@ -16,14 +16,15 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-smollm2-135m-instruct}
 DATA=${DATA:-data/smollm2}
 RUN=${RUN:-runs/smollm2-eagle3}
-NUM_PROMPTS=${NUM_PROMPTS:-60000}     # the issue's floor is 50,000 answered prompts
-PROMPT_SOURCES=${PROMPT_SOURCES:-mix} # data-gen prompts --source values (space-separated)
+NUM_PROMPTS=${NUM_PROMPTS:-70000}     # the issue's floor is 50,000 answered prompts
+# data-gen prompts --source values (space-separated); session 17's data (docs/default_head.md)
+PROMPT_SOURCES=${PROMPT_SOURCES:-mix writing}
 # The mix's defaults (100 per BIG-bench task and per reasoning-gym generator) gave 37,161
 # prompts after deduplication and decontamination; larger caps let it reach NUM_PROMPTS
 # (the prompts stage prints the manifest's record count: check it).
 BIGBENCH_PER_TASK=${BIGBENCH_PER_TASK:-300}
 RG_PER_GENERATOR=${RG_PER_GENERATOR:-200}
-WRITING_PROMPTS=${WRITING_PROMPTS:-5000}  # with PROMPT_SOURCES="mix writing": long-form requests
+WRITING_PROMPTS=${WRITING_PROMPTS:-20000} # long-form requests (~21% of the prompts after sampling)
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
 SEED=${SEED:-0}                       # sampling seed: another seed answers the same prompts anew
