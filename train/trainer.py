@@ -146,7 +146,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     init = _read_init_head(config.model.init_head, target) if config.model.init_head else None
     if init is not None and not config.model.vocab:
         d2t, t2d = init.d2t.cpu(), init.t2d.cpu()  # a head continues with its own vocabulary
-    else:  # a head continued under another vocabulary keeps the rows of shared tokens
+    else:  # a fresh head, or one continued under model.vocab (_load_init_head moves its rows)
         d2t, t2d = load_vocab(_vocab_path(config))
     if config.model.draft_vocab_size not in (None, d2t.shape[0]):
         raise ValueError(
