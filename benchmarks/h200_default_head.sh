@@ -18,7 +18,8 @@
 # BUDGET_S: this call's seconds (default 570). The recipe's own settings (SEED, STEPS,
 # INIT_HEAD, EXTRA_TRAIN, ...) pass through to scripts/default_head.sh. The bench is
 # benchmarks/h200_spec_speed.sh on the three sets (BENCH_SETS; exported prompts in
-# .gpu/bench_sets): chain K=3 and the t8-d5-n32 tree, batch 1 and 16, the head compiled.
+# .gpu/bench_sets, which is git-ignored: carry it in the call that runs the bench): chain
+# K=3 and the t8-d5-n32 tree, batch 1 and 16, the head compiled.
 set -uo pipefail
 export DATA=${DATA:-/tmp/default-head} RUN=${RUN:-/tmp/default-head-run}
 OUT=${OUT:-/tmp/default-head-out}

@@ -299,7 +299,8 @@ class OnlineRecords:
             )
         held = evenly_spaced(len(records), eval_records)
         self.eval = [records[i] for i in held]
-        self.train = [r for i, r in enumerate(records) if i not in set(held)]
+        held_set = set(held)  # once: the membership test runs for every record
+        self.train = [r for i, r in enumerate(records) if i not in held_set]
         self.max_tokens, self.max_seq_len, self.seed = max_tokens, max_seq_len, seed
         self.labeler = labeler
         self._lock = threading.Lock()
