@@ -349,6 +349,13 @@ def test_eval_reasoning_layers_spec_exit_over_the_heads_record(
     assert head_only["alpha"] == SpecExitParams().alpha  # fields the record leaves out
     given = ran('{"confidence_above": 0.9, "window": 3}')
     assert (given["smoothing"], given["window"], given["confidence_above"]) == ("window", 3, 0.9)
+    # The check before the model loads layers over the record too: these markers clash
+    # over the defaults (think_start "<think>" twice) but not over the record's.
+    (head / "config.json").write_text(json.dumps(
+        {**config, "spec_exit_defaults": {**record, "think_start": "<reason>"}}
+    ))  # fmt: skip
+    markers = ran('{"think_end": "<think>"}')
+    assert (markers["think_start"], markers["think_end"]) == ("<reason>", "<think>")
 
 
 def test_offline_replay_judges_settings_and_chooses(target_dir, exit_head_dir, tmp_path):

@@ -156,6 +156,24 @@ def sampling_params(config: EvalConfig, head_spec_exit: dict[str, Any] | None = 
     return SamplingParams(**{**base, **sampling, "output_kind": RequestOutputKind.FINAL_ONLY})
 
 
+def recorded_spec_exit(config: EvalConfig) -> dict[str, Any] | None:
+    """The draft head's recorded SpecExit setting (``Eagle3Config.spec_exit_defaults``),
+    read from its config.json without loading the model, so the early check of
+    ``sampling_params`` layers ``--spec-exit`` over what the engine will (it hands the
+    same record on once loaded). None: no ``spec_exit`` fields given, no EAGLE-3 head, or
+    no record."""
+    if not isinstance(config.sampling.get("spec_exit"), dict):
+        return None
+    from specdec.engine.llm import build_engine_config
+    from specdec.models.eagle3_formats import read_eagle3_config
+    from specdec.models.loader import load_config
+
+    spec = build_engine_config(config.model, **config.engine).speculative
+    if spec is None or spec.method != "eagle3" or spec.model is None:
+        return None
+    return read_eagle3_config(spec.model, load_config(config.model)).spec_exit_defaults
+
+
 def generate(llm, prompts: list[list[int]], params, concurrency: int | None):
     """(output, latency seconds) per prompt, in order, with at most ``concurrency``
     requests in flight."""
@@ -185,7 +203,8 @@ def run_eval(config: EvalConfig, llm=None) -> dict[str, Any]:
     """Generate, score and summarise (module docstring); writes the report files when
     ``config.output`` is set."""
     items = load_items(config.traces, config.per_task)
-    sampling_params(config)  # fail on bad options before the model loads
+    # Fail on bad options before the model loads, over the head's record as they will run.
+    sampling_params(config, recorded_spec_exit(config))
     scorer = Scorer()
     for rec in items:  # fail on a bad item before any generation
         scorer.task(rec)
