@@ -17,6 +17,7 @@ MODEL=${MODEL:-smollm2-135m-instruct}
 DATA=${DATA:-data/smollm2}
 RUN=${RUN:-runs/smollm2-eagle3}
 NUM_PROMPTS=${NUM_PROMPTS:-70000}     # the issue's floor is 50,000 answered prompts
+PROMPTS=${PROMPTS:-}                  # what regenerate answers (default $DATA/prompts), or a JSONL
 # data-gen prompts --source values (space-separated); session 17's data (docs/default_head.md)
 PROMPT_SOURCES=${PROMPT_SOURCES:-mix writing}
 # The mix's defaults (100 per BIG-bench task and per reasoning-gym generator) gave 37,161
@@ -62,7 +63,7 @@ stage_prompts() {
 
 stage_regenerate() {
     # The target answers every prompt on specdec's engine (CUDA graphs, continuous batching).
-    specdec data-gen regenerate -i "$DATA/prompts" -o "$DATA/regen" --model "$MODEL" \
+    specdec data-gen regenerate -i "${PROMPTS:-$DATA/prompts}" -o "$DATA/regen" --model "$MODEL" \
         --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" --seed "$SEED" \
         --max-num-seqs "$MAX_NUM_SEQS" "${DEVICE_ARGS[@]}"
 }
