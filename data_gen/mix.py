@@ -1,12 +1,12 @@
 """The offline training sources: BIG-bench task inputs, reasoning-gym generators (not
-gsm_symbolic, a benchmark set), chatterbot dialogs (together the default mix, ``mix``) and
-composed long-form writing requests (``writing``, writing.py; opt-in), deduplicated and
-decontaminated.
+gsm_symbolic, a benchmark set), chatterbot dialogs (together the default mix, ``mix``),
+composed long-form writing requests (``writing``, writing.py; opt-in) and composed
+programming requests (``code``, coding.py; opt-in), deduplicated and decontaminated.
 
 Everything here is seeded and ordered: the same config gives the same conversations in
 the same order, which is what lets the prompts stage resume byte-identically. Each source
 yields ``Conversation``s with stable ids (``bigbench/<task>#<example>``,
-``reasoning_gym/<generator>#<i>``, ``chatterbot/<lang>/<file>#<i>``, ``writing/<i>``).
+``reasoning_gym/<generator>#<i>``, ``chatterbot/<lang>/<file>#<i>``, ``writing/<i>``, ``code/<i>``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 from tqdm.auto import tqdm
 
+from specdec.data_gen.coding import code_conversations
 from specdec.data_gen.decontam import Decontaminator
 from specdec.data_gen.package_files import (
     BIGBENCH,
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # What ``mix`` means: the sources the shipped head was trained on (docs/default_head.md).
 MIX_SOURCES = ("bigbench", "reasoning_gym", "chatterbot")
-BUILTIN_SOURCES = (*MIX_SOURCES, "writing")
+BUILTIN_SOURCES = (*MIX_SOURCES, "writing", "code")
 # Benchmark sets (never training data) and meta-generators that need other generators.
 REASONING_GYM_EXCLUDED = frozenset({"gsm_symbolic", "composite"})
 
@@ -58,6 +59,7 @@ class MixConfig:
     reasoning_gym_generators: tuple[str, ...] | None = None
     chatterbot_languages: tuple[str, ...] = ("english",)
     writing_prompts: int = 5000
+    code_prompts: int = 5000
     min_chars: int = 4
     max_chars: int = 16000
     cache_dir: str | None = None
@@ -69,6 +71,8 @@ class MixConfig:
             raise ValueError(f"unknown built-in sources {unknown}; choose from {BUILTIN_SOURCES}")
         if self.writing_prompts < 0:
             raise ValueError(f"writing_prompts={self.writing_prompts} must be >= 0")
+        if self.code_prompts < 0:
+            raise ValueError(f"code_prompts={self.code_prompts} must be >= 0")
         if self.reasoning_gym_generators:
             bad = REASONING_GYM_EXCLUDED & set(self.reasoning_gym_generators)
             if bad:
@@ -194,11 +198,17 @@ def composed_writing_conversations(
     return writing_conversations(config.writing_prompts, config.seed)
 
 
+def composed_code_conversations(config: MixConfig, skipped: SkipCounts) -> Iterator[Conversation]:
+    """``code_prompts`` programming requests (coding.py), seeded by the mix."""
+    return code_conversations(config.code_prompts, config.seed)
+
+
 BUILDERS = {
     "bigbench": bigbench_conversations,
     "reasoning_gym": reasoning_gym_conversations,
     "chatterbot": chatterbot_conversations,
     "writing": composed_writing_conversations,
+    "code": composed_code_conversations,
 }
 
 
