@@ -357,3 +357,20 @@ def test_pipelined_spec_exit_cuts_as_the_synchronous_step(
     for i, k in enumerate(cuts):
         check_exit(plain, prompts[i], outputs[True][i], expected[i], k, end=CLOSE_IDS)
     assert outputs[True][2] == expected[2]
+
+
+def test_resumed_aux_rows_read_what_a_view_would() -> None:
+    """``Eagle3Proposer.resume`` keeps (buffer, row, count) and slices only when a
+    synchronous step takes the catch-up: the rows equal a view taken at resume time
+    (memory written in between included), followed by the rows observed since."""
+    from specdec.spec.eagle3 import _HeadState
+
+    aux = torch.randn(4, 5, 6)  # [rows, catch_up_width, aux width]
+    state = _HeadState(0, 10, [], (aux, 2, 3))
+    view = aux[2, :3]
+    observed = torch.randn(2, 6)
+    state.pending.append(observed)
+    assert state.num_pending == 5
+    aux[2, 1] += 1.0  # e.g. a device write before the read: a view sees it too
+    assert torch.equal(torch.cat(state.take_rows()), torch.cat([view, observed]))
+    assert _HeadState(0, 10, [observed]).take_rows() == [observed]

@@ -433,7 +433,7 @@ class LLMEngine:
                 state.stale_launch = self._spec_in_flight
             root = request.num_computed_tokens  # one step behind: this step's root
             request.num_computed_tokens = root + 1 + num_accepted
-            self.proposer.resume(request, root, done.catch_up_aux(row, num_accepted + 1))
+            self.proposer.resume(request, root, done.state.aux, row, num_accepted + 1)
             for token_id in tokens:
                 self._append_token(state, token_id, None, now)
                 if request.is_finished:

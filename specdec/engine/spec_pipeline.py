@@ -102,7 +102,8 @@ class CatchUpState:
 class SpecLaunch:
     """A launched speculative step whose outcome the host has not read. Row ``b`` is
     ``requests[b]``; the pipeline's ``CatchUpState`` rows hold its device outcome until
-    the next launch, the host copy feeds ``read`` and ``exit_signals``."""
+    the next launch (``state.aux[b, : accepted + 1]``: the aux rows the proposer resumes
+    from), the host copy feeds ``read`` and ``exit_signals``."""
 
     requests: list[Request]
     num_draft_tokens: int  # per tree (all trees have one shape)
@@ -131,12 +132,6 @@ class SpecLaunch:
             return None
         bits = np.array(self._read()[row][-self.num_signals :], dtype=np.int64)
         return bits.astype(np.int32).view(np.float32).tolist()
-
-    def catch_up_aux(self, row: int, num_rows: int) -> torch.Tensor:  # [num_rows, aux width]
-        """Row ``row``'s aux states at its root and accepted nodes (``num_rows`` = accepted
-        + 1). A view, valid until the next launch: the engine reads the step in flight
-        (and so resumes the proposer from the newest launch) before any synchronous step."""
-        return self.state.aux[row, :num_rows]
 
 
 def pack_signals(

@@ -48,15 +48,26 @@ from specdec.spec.tree_draft import (
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class _HeadState:
     num_preemptions: int
     head_computed: int  # head positions < this hold catch-up (real) entries
     pending: list[torch.Tensor] = field(default_factory=list)  # aux rows from head_computed
+    # After a pipelined step (``resume``): its aux rows as (buffer, row, count), sliced
+    # only when read. They precede ``pending`` (the rows observed since).
+    resumed: tuple[torch.Tensor, int, int] | None = None
 
     @property
     def num_pending(self) -> int:
-        return sum(p.shape[0] for p in self.pending)
+        n = self.resumed[2] if self.resumed is not None else 0
+        return n + sum(p.shape[0] for p in self.pending)
+
+    def take_rows(self) -> list[torch.Tensor]:
+        """Every pending aux row block, in order (the resumed rows first)."""
+        if self.resumed is None:
+            return self.pending
+        aux, row, count = self.resumed
+        return [aux[row, :count], *self.pending]
 
 
 class Eagle3Proposer(Proposer):
@@ -163,9 +174,10 @@ class Eagle3Proposer(Proposer):
         spans = [
             (st.head_computed, r.num_computed_tokens) for st, r in zip(states, group, strict=True)
         ]
-        aux = [torch.cat(st.pending) for st in states]  # exactly end - start rows (observe)
+        # Exactly end - start rows each (observe, resume).
+        aux = [torch.cat(st.take_rows()) for st in states]
         for st, (_, end) in zip(states, spans, strict=True):
-            st.head_computed, st.pending = end, []
+            st.head_computed, st.pending, st.resumed = end, [], None
         return spans, aux
 
     # ---- the pipelined step (engine/spec_pipeline.py) ----------------------------------
@@ -196,11 +208,23 @@ class Eagle3Proposer(Proposer):
             return self._graph_grow(self.shape, inputs, bound)
         return self.grower.grow(self.shape, inputs, max_seq_len)
 
-    def resume(self, request: Request, start: int, aux: torch.Tensor) -> None:
+    def resume(
+        self,
+        request: Request,
+        start: int,
+        aux: torch.Tensor,  # [rows, catch_up_width, aux width]: a launch's catch-up aux
+        row: int,
+        num_rows: int,
+    ) -> None:
         """After the engine read a pipelined step: the head's next catch-up starts at cache
-        index ``start`` with these aux rows (the step's root and accepted nodes), exactly
-        what ``observe`` would have collected."""
-        self._states[request.request_id] = _HeadState(request.num_preemptions, start, [aux])
+        index ``start`` with ``aux[row, :num_rows]`` (the step's root and accepted nodes,
+        ``SpecLaunch.state.aux``: valid until the next launch, and the engine reads the
+        step in flight before any synchronous step), exactly what ``observe`` would have
+        collected. Sliced only when a synchronous step reads them (a view would read the
+        same memory then), so a run of pipelined steps never pays for it."""
+        self._states[request.request_id] = _HeadState(
+            request.num_preemptions, start, [], (aux, row, num_rows)
+        )
 
     def _padded_inputs(
         self, group: list[Request], spans: list[tuple[int, int]], aux: list[torch.Tensor]
