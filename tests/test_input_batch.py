@@ -8,7 +8,12 @@ import random
 
 import torch
 
-from specdec.engine.input_batch import PendingTokens, build_step_inputs
+from specdec.engine.input_batch import (
+    BlockTables,
+    PendingTokens,
+    block_table_array,
+    build_step_inputs,
+)
 from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.sampling_params import SamplingParams
@@ -112,3 +117,36 @@ def test_staged_inputs_are_the_plain_ones_laid_out_for_their_graph() -> None:
         # Views of the buffers: what the graph's static inputs are.
         assert staged.input_ids.data_ptr() == ids.data_ptr()
         assert staged.meta.seq_lens.data_ptr() == buffers.seq_lens.data_ptr()
+
+
+def test_block_tables_cache_equals_a_rebuilt_table() -> None:
+    """``BlockTables`` rows always equal ``block_table_array``'s over a run of the changes
+    a batch's block lists go through: appends, trims then appends back to the same
+    length with other ids (the row must not be taken as unchanged), preemption (the list
+    emptied and replaced), requests finishing and arriving (rows shift), list objects
+    mutated in place after an update."""
+    rng = random.Random(0)
+    width = 12
+    tables = BlockTables(rows=6, width=width)
+    batch = [[rng.randrange(1, 500) for _ in range(rng.randrange(0, 5))] for _ in range(4)]
+    kinds = set()
+    for _ in range(400):
+        got = tables.update(batch)
+        assert got.shape == (len(batch), width)
+        assert (got == block_table_array(batch, width)).all()
+        kind = rng.choice(["same", "append", "trim-regrow", "preempt", "finish", "arrive"])
+        kinds.add(kind)
+        row = rng.randrange(len(batch)) if batch else 0
+        if kind == "append" and batch and len(batch[row]) < width:
+            batch[row].append(rng.randrange(1, 500))  # in place: the cache held a copy
+        elif kind == "trim-regrow" and batch and batch[row]:
+            n = len(batch[row])
+            del batch[row][rng.randrange(n) :]
+            batch[row].extend(rng.randrange(500, 900) for _ in range(n - len(batch[row])))
+        elif kind == "preempt" and batch:
+            batch[row] = []
+        elif kind == "finish" and len(batch) > 1:
+            del batch[row]
+        elif kind == "arrive" and len(batch) < 6:
+            batch.insert(row, [rng.randrange(1, 500) for _ in range(rng.randrange(0, width))])
+    assert len(kinds) == 6

@@ -61,6 +61,39 @@ def block_table_array(table_rows: list[list[int]], width: int) -> np.ndarray:  #
     return tables
 
 
+class BlockTables:
+    """``block_table_array`` for a batch whose rows change little from step to step (the
+    pipelined step's: the same requests in the same order, a block appended now and
+    then). Each row keeps a copy of the ids it holds; a row whose ids are unchanged costs
+    one list comparison, one that grew writes only its new ids, any other change
+    rewrites the row. So a row always equals what ``block_table_array`` would build,
+    however its request's blocks changed (appends, trims, preemption, a new request)."""
+
+    def __init__(self, rows: int, width: int) -> None:
+        self.width = width
+        self.array = np.zeros((rows, width), dtype=np.int32)  # [rows, width]
+        self._held: list[list[int]] = [[] for _ in range(rows)]  # row i's ids, copied
+
+    def update(self, table_rows: list[list[int]]) -> np.ndarray:  # [len(table_rows), width]
+        """The rows' tables (a view of ``array``, valid until the next update)."""
+        array, held = self.array, self._held
+        for i, ids in enumerate(table_rows):
+            old = held[i]
+            if ids == old:
+                continue
+            n, m = len(old), len(ids)
+            if m > self.width:
+                raise ValueError(f"a block table of {m} blocks exceeds width {self.width}")
+            if m > n and ids[:n] == old:  # blocks appended
+                array[i, n:m] = ids[n:]
+            else:
+                array[i, :m] = ids
+                if n > m:
+                    array[i, m:n] = 0
+            held[i] = list(ids)
+        return array[: len(table_rows)]
+
+
 def _unknown_token(request_id: str, index: int, known: int) -> RuntimeError:
     return RuntimeError(
         f"request {request_id}: step reaches token {index} but only {known} are known and "

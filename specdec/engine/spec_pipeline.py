@@ -46,7 +46,7 @@ import torch
 from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
 from specdec.engine.cuda_graph import capture_graph, tree_graph_batch_sizes
-from specdec.engine.input_batch import StepInputs, block_table_array
+from specdec.engine.input_batch import BlockTables, StepInputs
 from specdec.engine.request import Request
 from specdec.engine.staging import HostCopy, aligned, to_device, to_host
 from specdec.spec.acceptance import greedy_accept_and_stage
@@ -220,6 +220,7 @@ class SpecPipeline:
         self.node_offsets = torch.arange(self.shape.max_draft_tokens + 1, device=runner.device)
         self.graphs: SpecStepGraphs | None = None
         self.num_launches = 0
+        self.block_tables = BlockTables(self.rows, runner.block_table_width)
         # Acceptance, the next catch-up state and the read-back row: one launch on the
         # Triton path (kernels/accept.py), the reference's ~25 torch ops elsewhere.
         self._accept_and_stage = greedy_accept_and_stage
@@ -247,15 +248,15 @@ class SpecPipeline:
         else:
             rows = {r.request_id: i for i, r in enumerate(prev.requests)}
             src = [rows[r.request_id] for r in requests]
-        tables = block_table_array([r.block_ids for r in requests], runner.block_table_width)
+        tables = self.block_tables.update([r.block_ids for r in requests])
         graphs = self.graphs
         bucket = graphs.bucket(b) if graphs is not None else None
         if bucket is not None:
             packed = graphs.run(src, tables, bucket)
         else:
             device = runner.device
-            packed = self._step(
-                to_device(np.array(src, dtype=np.int64), device), to_device(tables, device)
+            packed = self._step(  # off CUDA to_device shares the array: pass a copy
+                to_device(np.array(src, dtype=np.int64), device), to_device(tables.copy(), device)
             )
         self.num_launches += 1
         return SpecLaunch(
