@@ -151,16 +151,21 @@ def test_pipelined_stops_and_arrivals_keep_outputs(
     ids = []
     for prompt, p in pending[:3]:
         ids.append(engine.add_request(prompt, p))
-    step = 0
+    step = shortcuts = 0
     while engine.has_unfinished_requests() or pending[len(ids) :]:
         step += 1
         if step in (4, 9, 15) and len(ids) < len(pending):  # arrivals mid-decode
             prompt, p = pending[len(ids)]
             ids.append(engine.add_request(prompt, p))
+        prev, running = engine._spec_in_flight, engine.scheduler.running
+        if prev is not None and running == prev.requests:  # _can_pipeline's shortcut
+            shortcuts += 1
+            assert engine._may_pipeline(running, prev)  # still holds: skipping it is exact
         for out in engine.step():
             if out.finished:
                 got[out.request_id] = out.outputs[0].token_ids
     assert [got[i] for i in ids] == expected
+    assert shortcuts > 0
     assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
 

@@ -373,26 +373,38 @@ class LLMEngine:
         if len(running) > scheduler.config.max_num_batched_tokens:
             return False
         prev = self._spec_in_flight
-        in_flight = {r.request_id for r in prev.requests} if prev is not None else None
+        # What cannot change for a request after a launch (greedy, drafting, min_tokens
+        # reached) was checked when its step in flight launched: only a batch that is not
+        # exactly the step in flight's rows needs those checks again.
+        if (prev is None or running != prev.requests) and not self._may_pipeline(running, prev):
+            return False
         reserve = 1 + self.lookahead + self.pipeline.extra_lookahead
-        bs, needed = self.block_size, 0
-        for request in running:
+        bs, needed, max_model_len = self.block_size, 0, self.max_model_len
+        for request in running:  # counters read directly: this runs per request and step
+            computed = request.num_computed_tokens
             if (
                 request.num_pending_tokens
-                or request.num_computed_tokens + 1 != request.num_tokens
-                or not request.sampling_params.is_greedy
-                or _decodes_plainly(request)
-                or request.num_computed_tokens + reserve > self.max_model_len
+                or computed + 1 != len(request.prompt_token_ids) + len(request.output_token_ids)
+                or computed + reserve > max_model_len
             ):
+                return False
+            needed += max(0, -(-(computed + reserve) // bs) - len(request.block_ids))
+        return needed <= self.kv_manager.pool.num_free_blocks
+
+    def _may_pipeline(self, requests: list[Request], prev: SpecLaunch | None) -> bool:
+        """``_can_pipeline``'s checks that hold for a request from its first pipelined
+        launch on: greedy with drafts (min_tokens reached), and continuing the step in
+        flight or, with none, ready to start from the host state."""
+        in_flight = {r.request_id for r in prev.requests} if prev is not None else None
+        for request in requests:
+            if not request.sampling_params.is_greedy or _decodes_plainly(request):
                 return False
             if in_flight is not None:
                 if request.request_id not in in_flight:
                     return False
             elif not self.proposer.pipeline_ready(request):
                 return False
-            blocks = cdiv(request.num_computed_tokens + reserve, bs)
-            needed += max(0, blocks - len(request.block_ids))
-        return needed <= self.kv_manager.pool.num_free_blocks
+        return True
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Launch speculative step N+1 from step N's device outcome, then read N and update
