@@ -95,12 +95,10 @@ class KVCacheManager:
         K/V before any attention reads it, so a same-step reader still sees them."""
         if not self.pool.enable_prefix_caching:
             return
-        start = self._num_cached_blocks.get(request.request_id, 0)
-        if num_tokens // self.block_size <= start:  # no block filled up (the usual decode)
-            return
         num_tokens = min(num_tokens, request.num_tokens)
+        start = self._num_cached_blocks.get(request.request_id, 0)
         end = num_tokens // self.block_size
-        if end <= start:  # hashes already cover the first ``start``
+        if end <= start:  # no block filled up (hashes already cover the first ``start``)
             return
         self._extend_hashes(request, num_tokens)
         for i in range(start, end):

@@ -379,16 +379,16 @@ class LLMEngine:
         if (prev is None or running != prev.requests) and not self._may_pipeline(running, prev):
             return False
         reserve = 1 + self.lookahead + self.pipeline.extra_lookahead
-        bs, needed, max_model_len = self.block_size, 0, self.max_model_len
-        for request in running:  # counters read directly: this runs per request and step
+        bs, needed = self.block_size, 0
+        for request in running:
             computed = request.num_computed_tokens
             if (
                 request.num_pending_tokens
-                or computed + 1 != len(request.prompt_token_ids) + len(request.output_token_ids)
-                or computed + reserve > max_model_len
+                or computed + 1 != request.num_tokens
+                or computed + reserve > self.max_model_len
             ):
                 return False
-            needed += max(0, -(-(computed + reserve) // bs) - len(request.block_ids))
+            needed += max(0, cdiv(computed + reserve, bs) - len(request.block_ids))
         return needed <= self.kv_manager.pool.num_free_blocks
 
     def _may_pipeline(self, requests: list[Request], prev: SpecLaunch | None) -> bool:
