@@ -1,11 +1,16 @@
-"""The replay of greedy chain decoding counts the steps and accepted tokens the engine
-counts, on hand-made draft outcomes (K caps, max_tokens cuts, drafts past EOS,
-out-of-vocabulary roots, packed sequences)."""
+"""``specdec eval-draft``: the replay of greedy chain decoding counts the steps and accepted
+tokens the engine counts, on hand-made draft outcomes (K caps, max_tokens cuts, drafts
+past EOS, out-of-vocabulary roots, packed sequences) and on the real SmolLM2 with the
+shipped head, where the engine's own per-request counters are the reference: equal, not
+close."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
+from specdec.cli import main
 from specdec.train.chain_replay import (
     answer_spans,
     chain_leading,
@@ -135,3 +140,95 @@ def test_greedy_agreement_counts_tokens_after_each_answers_first():
     top = np.array([5, 6, 0, 8, 0])  # 7 is not the argmax after 6
     spans = answer_spans(_mask(5, (1, 5)), np.array([0, 5]))
     assert greedy_agreement(ids, top, spans) == (2, 3)
+
+
+# ---- the CLI's checks (no model runs) ---------------------------------------------------
+
+
+def _records_dir(tmp_path, ids: list[int], mask: list[int]):
+    root = tmp_path / "regen"
+    root.mkdir()
+    record = {"id": "r0", "input_ids": ids, "loss_mask": mask}
+    (root / "regen-00000.jsonl").write_text(json.dumps(record) + "\n")
+    shards = [{"file": "regen-00000.jsonl"}]
+    (root / "manifest.json").write_text(json.dumps({"stage": "regenerate", "shards": shards}))
+    return root
+
+
+def test_bad_input_fails_naming_the_value_and_the_fix(tmp_path, capsys, trained_head_dir):
+    head = ["--head", str(trained_head_dir)]
+    assert main(["eval-draft", "--records", f"x={tmp_path / 'none'}", *head]) == 2
+    assert "x=" in capsys.readouterr().err
+    assert main(["eval-draft", "--records", str(tmp_path), "--chain", "2,9", *head]) == 2
+    assert "[9] are outside 1..7" in capsys.readouterr().err
+    other = _records_dir(tmp_path, [1, 2, 60_000], [0, 1, 1])  # SmolLM2 has 49,152 ids
+    assert main(["eval-draft", "--records", str(other), *head]) == 2
+    assert "outside the target's vocabulary" in capsys.readouterr().err
+    assert main(["eval-draft", "--records", str(other), "--model", "smollm2-135m-reasoning",
+                 *head]) == 2  # fmt: skip
+    assert "pass --model smollm2-135m-instruct" in capsys.readouterr().err
+
+
+# ---- the engine as reference ----------------------------------------------------------
+
+PROMPTS = [  # two end with EOS, two are cut at max_tokens (checked below)
+    "What is the capital of Australia?",
+    "Write a haiku about autumn rain.",
+    "Say hello.",
+    "List three uses of a paperclip.",
+]
+
+
+def test_replay_equals_the_engines_counts_per_request(tmp_path, monkeypatch, trained_head_dir):
+    """Greedy answers generated with a chain of 3 drafts by the shipped head, written by
+    regenerate; the replay of those records counts each request's steps and accepted
+    tokens exactly as the engine did."""
+    from specdec import LLM
+    from specdec.config import SpeculativeConfig
+    from specdec.data_gen.regenerate import RegenerateConfig, run_regenerate
+    from specdec.data_gen.shards import RankInfo
+    from specdec.train.head_eval import EvalConfig, evaluate_head, format_report
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    spec = SpeculativeConfig(method="eagle3", model=str(trained_head_dir), tree="chain",
+                             num_speculative_tokens=3)  # fmt: skip
+    llm = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_memory=64 << 20,
+              max_num_seqs=4, speculative=spec)  # fmt: skip
+    engine_counts: dict[str, tuple[int, int, str]] = {}
+    step = llm.engine.step
+
+    def step_and_count():
+        outputs = step()
+        for out in outputs:
+            if out.finished:
+                m = out.metrics
+                engine_counts[out.request_id] = (
+                    m.spec_steps, m.spec_accepted_tokens, out.outputs[0].finish_reason
+                )  # fmt: skip
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", step_and_count)
+    regen = tmp_path / "regen"
+    config = RegenerateConfig(input=str(prompts), output=str(regen), temperature=0.0,
+                              max_tokens=40, record_workers=0)  # fmt: skip
+    run_regenerate(config, RankInfo(), llm=llm)
+    # Request ids are shard/slot/turn: record i is request 0/i/0.
+    engine = [engine_counts[f"0/{i}/0"] for i in range(len(PROMPTS))]
+    assert sorted(reason for *_, reason in engine) == ["length", "length", "stop", "stop"]
+
+    eval_config = EvalConfig(records=(("greedy", str(regen)),), head=str(trained_head_dir),
+                             steps=3, chains=(1, 3), per_answer=True)  # fmt: skip
+    (figures,) = evaluate_head(eval_config, progress=False)
+    assert (figures.sequences, figures.answers, figures.answer_max_tokens) == (4, 4, 40)
+    assert figures.greedy_agreement == 1.0  # the records are the target's greedy answers
+    assert figures.per_answer[3] == [[steps, accepted] for steps, accepted, _ in engine]
+    stats = llm.engine.spec_stats
+    assert (figures.chains[3].steps, figures.chains[3].accepted_tokens) == (
+        stats.steps, stats.accepted_tokens
+    )  # fmt: skip
+    # Drafts were both accepted and rejected, so equality was not trivial.
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    assert figures.chains[1].tau < figures.chains[3].tau
+    report = format_report([figures], eval_config, trained_head_dir)
+    assert "K=3" in report and "note:" not in report
