@@ -21,6 +21,11 @@ The engine's accounting, which ``replay_chain`` reproduces (``LLMEngine._propose
   there (vLLM counts the same way). ``checkable`` lets the replay count them where the
   record shows what the target continues with.
 
+These are the synchronous step's rules (the CPU's). The pipelined step (``spec_pipeline``,
+on by default with CUDA graphs) launches a full chain whatever max_tokens leaves, so it
+counts a max_tokens-cut answer's last step with more drafts, sometimes more accepted and
+one step more, than this replay; the tokens emitted are the same.
+
 Invariants: every answer begins after its sequence's first token (the prefill needs a
 prompt); ``replay_chain`` records exactly one step per verification the engine would run,
 ``accepted <= drafted <= K`` in each; with ``max_tokens`` known, a record whose turn was
@@ -75,8 +80,8 @@ def answer_spans(
     end = np.flatnonzero(edges == -1).astype(np.int64)
     limit = np.full(start.shape, NO_LIMIT if max_tokens is None else max_tokens, np.int64)
     if clipped is not None and clipped.any():
-        seq_end = cu_seqlens[1:][np.searchsorted(cu_seqlens, start, side="right") - 1]
-        cut = clipped[np.searchsorted(cu_seqlens, start, side="right") - 1] & (end == seq_end)
+        seq = np.searchsorted(cu_seqlens, start, side="right") - 1  # [num_answers]
+        cut = clipped[seq] & (end == cu_seqlens[seq + 1])
         limit[cut] = np.minimum(limit[cut], end[cut] - start[cut])
     return AnswerSpans(start, end, limit)
 
