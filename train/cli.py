@@ -1,9 +1,12 @@
-"""``specdec train-draft``: train an EAGLE-3 head; ``specdec train-sft``: fine-tune a target
-on chat records (the reasoning target's recipe). Registered in ``specdec.cli.COMMANDS``.
+"""``specdec train-draft``: train an EAGLE-3 head; ``specdec eval-draft``: judge one on
+record sets as greedy chain decoding would accept it; ``specdec train-sft``: fine-tune a
+target on chat records (the reasoning target's recipe). Registered in
+``specdec.cli.COMMANDS``.
 
     specdec train-draft --config configs/train/smollm2.yaml data.path=out/dump optim.lr=3e-4
     accelerate launch --config_file configs/accelerate/zero2.yaml -m specdec.cli \\
         train-draft --config configs/train/smollm2.yaml
+    specdec eval-draft --head runs/x/head --records humaneval=data/regen_humaneval
     specdec train-sft --config configs/train/smollm2_reasoning_sft.yaml
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from specdec.cli import command
 
@@ -35,6 +39,91 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     result = train(config)
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head", help="EAGLE-3 head directory (default: the head shipped for --model)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the target")
+    p.add_argument(
+        "--records",
+        action="append",
+        required=True,
+        type=_record_set,
+        metavar="NAME=DIR",
+        help="a `specdec data-gen regenerate` directory, named NAME (default: its basename); "
+        "repeatable",
+    )
+    p.add_argument(
+        "--chain",
+        type=_int_list,
+        default=(),
+        metavar="K,K,...",
+        help="chain lengths to replay (default: 1..--steps)",
+    )
+    p.add_argument("--steps", type=int, default=7, help="TTT steps unrolled (acc_i, sim τ)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--max-tokens", type=int, default=4096, help="tokens per packed batch (longer: clipped)"
+    )
+    p.add_argument(
+        "--answer-max-tokens",
+        type=int,
+        default=None,
+        help="the max_tokens the answers were generated with (default: the manifest's)",
+    )
+    p.add_argument("--per-answer", action="store_true", help="--json lists every answer's counts")
+    p.add_argument("--json", dest="json_out", help="write the figures to this file")
+
+
+def _record_set(spec: str) -> tuple[str, str]:
+    """``NAME=DIR`` or ``DIR`` (named by its basename)."""
+    name, sep, path = spec.partition("=")
+    if not sep or Path(spec).exists():
+        return Path(spec).name, spec
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"{spec!r}: use NAME=DIR or DIR")
+    return name, path
+
+
+def _int_list(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: use comma-separated integers") from None
+
+
+@command("eval-draft", _eval_args)
+def cmd_eval_draft(args: argparse.Namespace) -> int:
+    """Judge an EAGLE-3 head on record sets: acc_i, simulated τ, exact chain τ by replay."""
+    from specdec.train.head_eval import EvalConfig, evaluate_head, format_report, resolve_head
+
+    config = EvalConfig(
+        records=tuple(args.records),
+        head=args.head,
+        model=args.model,
+        steps=args.steps,
+        chains=args.chain,
+        device=args.device,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+        answer_max_tokens=args.answer_max_tokens,
+        per_answer=args.per_answer,
+    )
+    head_dir = resolve_head(config.head, config.model)
+    figures = evaluate_head(config)
+    if args.json_out:
+        report = {
+            "head": str(head_dir),
+            "model": config.model,
+            "steps": config.steps,
+            "device": config.device,
+            "dtype": config.dtype,
+            "sets": [f.to_dict() for f in figures],
+        }
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    print(format_report(figures, config, head_dir))
     return 0
 
 

@@ -21,6 +21,11 @@ over the step's valid positions). ``acc_i``: fraction of step ``i``'s valid posi
 the head's argmax equals the target's. With greedy target data, a chain drafted from
 ``x[t+1]`` accepts exactly the leading run of correct steps at ``n``, so ``simulated τ`` =
 1 + the mean leading run over positions valid at step 0.
+
+``ttt_forward(..., trace=True)`` also returns a ``DraftTrace``: each step's *hits* (the
+head's argmax equals the target's at the step's source, whatever the loss mask says) and
+the target's full-vocabulary argmax, for ``specdec eval-draft``'s replay of chain decoding
+(``chain_replay.py``), which counts drafts where the loss mask does not reach.
 """
 
 from __future__ import annotations
@@ -115,6 +120,19 @@ class StepIndex:
 
 
 @dataclass
+class DraftTrace:
+    """Per-position outcomes of one unroll (``ttt_forward(..., trace=True)``).
+
+    ``hits[i, n]`` holds iff ``x[t+1+i]`` exists in the sequence, the target's argmax at
+    ``t+1+i`` is a kept id and the head's step-``i`` argmax equals it: step ``i`` drafted
+    the token greedy decoding emits there. Unlike ``TTTOutput``'s figures it ignores the
+    loss mask, so ``hits & loss_mask[source]`` are the trainer's correct steps."""
+
+    hits: torch.Tensor  # [steps, n] bool
+    target_top: torch.Tensor  # [n] int64: the target's argmax (full vocabulary) at n
+
+
+@dataclass
 class TTTOutput:
     """Per-step figures stay on the device (no host sync in the training step)."""
 
@@ -125,6 +143,7 @@ class TTTOutput:
     leading_correct: torch.Tensor  # [n] int64: correct steps in a row from step 0
     valid0: torch.Tensor  # [n] bool: positions valid at step 0
     exit: ExitLossOutput | None = None  # the SpecExit term, when trained (included in loss)
+    trace: DraftTrace | None = None  # per-position hits, when asked (``ttt_forward``)
 
     @property
     def step_acc(self) -> list[float]:
@@ -177,19 +196,22 @@ def ttt_forward(
     steps: int = 7,
     decay: float = 0.8,
     label_weight: torch.Tensor | None = None,  # [draft_vocab, hidden]: its kept-id rows
+    trace: bool = False,
 ) -> TTTOutput:
     """The TTT objective: weighted loss and per-step accuracy (module docstring).
     ``label_weight`` (``draft_rows(head, target_lm_head)``) saves gathering the kept rows
-    on every call; callers that train for many steps pass it once computed."""
+    on every call; callers that train for many steps pass it once computed. ``trace``
+    keeps each step's hits (``DraftTrace``) for evaluation; training leaves it off."""
     n = batch.num_tokens
     with torch.no_grad():
         target_top = _argmax_logits(batch.target_hidden, target_lm_head)  # [n] target ids
         if label_weight is None:
             label_weight = draft_rows(head, target_lm_head)
-        usable = batch.loss_mask & head.t2d[target_top]  # [n]
+        kept = head.t2d[target_top]  # [n]: the target's argmax is a draft-vocabulary id
+        usable = batch.loss_mask & kept  # [n]
     device = batch.input_ids.device
     total = torch.zeros((), dtype=torch.float32, device=device)
-    losses, corrects, counts = [], [], []
+    losses, corrects, counts, hits = [], [], [], []
     correct_run = torch.ones(n, dtype=torch.bool, device=device)
     leading = torch.zeros(n, dtype=torch.int64, device=device)
     valid0 = torch.zeros(n, dtype=torch.bool, device=device)
@@ -208,15 +230,19 @@ def ttt_forward(
         loss_i = (per_pos * valid).sum() / count.clamp(min=1)
         total = total + decay**out.step * loss_i
         with torch.no_grad():
-            correct = (out.logits.argmax(-1) == label_top[out.source]) & valid
+            match = out.logits.argmax(-1) == label_top[out.source]  # [n]
+            correct = match & valid
             correct_run &= correct
             leading += correct_run.long()
+            if trace:
+                hits.append(match & out.inside & kept[out.source])
         losses.append(loss_i.detach())
         corrects.append(correct.sum())
         counts.append(count)
     return TTTOutput(
-        total, torch.stack(losses), torch.stack(corrects), torch.stack(counts), leading, valid0
-    )
+        total, torch.stack(losses), torch.stack(corrects), torch.stack(counts), leading, valid0,
+        trace=DraftTrace(torch.stack(hits), target_top) if trace else None,
+    )  # fmt: skip
 
 
 def draft_rows(head, target_lm_head: torch.Tensor) -> torch.Tensor:  # [draft_vocab, hidden]
