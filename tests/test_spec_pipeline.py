@@ -170,6 +170,34 @@ def test_pipelined_stops_and_arrivals_keep_outputs(
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
 
 
+def test_pipelined_steps_count_as_synchronous_ones(smollm2_dir, trained_head_dir, chats) -> None:
+    """Near max_tokens a pipelined step has drafted a full chain before its request's
+    length is known; it is counted as the synchronous step would count it (drafts capped
+    at the tokens left, none at the last token), so every request's steps, drafted and
+    accepted tokens, hence τ, do not depend on pipelining."""
+    params = [greedy(n) for n in (40, 7, 33, 21, 2, 1)]
+    prompts = [chats[i] for i in PICKED]
+    chain = {"num_speculative_tokens": 3}
+
+    def counts(llm):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        m = [o.metrics for o in outs]
+        return token_ids(outs), [
+            (x.spec_steps, x.spec_drafted_tokens, x.spec_accepted_tokens) for x in m
+        ]
+
+    synchronous = SpeculativeConfig(
+        method="eagle3", model=str(trained_head_dir), pipelined=False, **chain
+    )
+    want_ids, want = counts(make_llm(smollm2_dir, speculative=synchronous))
+    llm = _pipelined(smollm2_dir, trained_head_dir, chain)
+    got_ids, got = counts(llm)
+    assert got_ids == want_ids
+    assert llm.engine.pipeline.num_launches > 0
+    assert got == want
+    assert sum(a for _, _, a in want) > 0  # drafts accepted
+
+
 @pytest.mark.parametrize("compile_head", [False, True], ids=["eager-head", "compiled-head"])
 def test_pipelined_graph_replays_keep_outputs(
     smollm2_dir, trained_head_dir, chats, reference, monkeypatch, compile_head

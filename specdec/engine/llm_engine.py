@@ -434,8 +434,10 @@ class LLMEngine:
                     state.stale_launch = None
                 continue
             num_accepted = len(tokens) - 1
-            self.spec_stats.record(done.num_draft_tokens, num_accepted)
-            state.spec_stats.record(done.num_draft_tokens, num_accepted)
+            counted = self._counted_as_synchronous(request, done.num_draft_tokens, num_accepted)
+            if counted is not None:
+                self.spec_stats.record(*counted)
+                state.spec_stats.record(*counted)
             cut = None
             if state.spec_exit is not None:
                 cut = self._exit_cut(state, tokens, done.exit_signals(row))
@@ -452,6 +454,23 @@ class LLMEngine:
                     break
             self._report(state, outputs)
         return outputs
+
+    def _counted_as_synchronous(
+        self, request: Request, num_drafted: int, num_accepted: int
+    ) -> tuple[int, int] | None:
+        """(drafted, accepted) of a pipelined step as the synchronous step counts it, or
+        None where that step would not have drafted. A pipelined step launches before the
+        host knows its request's output length, so near ``max_tokens`` it drafts the full
+        shape; the synchronous step drafts at most ``max_tokens - output - 1`` tokens (a
+        chain; ``_propose``) and decodes plainly at 0, which is not a step. Counting the
+        same makes τ independent of pipelining: exact for chains (a shorter chain is the
+        longer one's prefix), the shortened chain's count for trees."""
+        depth_left = request.max_tokens - request.num_output_tokens - 1
+        if depth_left >= self.proposer.shape.depth:
+            return num_drafted, num_accepted
+        if depth_left <= 0:
+            return None
+        return depth_left, min(num_accepted, depth_left)
 
     # ---- async scheduling ---------------------------------------------------------------
     def _step_async(self) -> list[RequestOutput]:
