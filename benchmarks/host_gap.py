@@ -6,7 +6,8 @@ A profiler (``profile_spec_trace.py``) or cProfile adds 10-60 µs to every torch
 so changes what it measures at batch 1, where the step is ~1 ms. Here each wrapped method
 costs two ``perf_counter`` calls. Per engine step it prints:
 
-- ``wall``: the drive's decode time per step (TTFT excluded: first token to finish);
+- ``ms/step``: the drive's wall time per engine step (prefills included), and ``tpot``:
+  decode time per token (TTFT excluded);
 - ``wait``: time blocked in ``Event.synchronize`` (the read-back of the step in flight,
   the staging rings' reuse checks) — the device ahead of the host;
 - each wrapped phase's host time per step (nested phases are included in their parents);
@@ -117,12 +118,10 @@ def run_one(
     decode_s = sum((r.tpot_s or 0.0) * (len(r.output_ids) - 1) for r in records) / max(
         batch, 1
     )  # requests overlap at batch > 1: per-slot time
-    spec_steps = sum(r.spec_steps for r in records)
-    accepted = sum(r.spec_accepted for r in records)
     row = {
         "shape": shape, "batch": batch, "variant": variant, "steps": steps, "tokens": tokens,
         "wall_s": wall, "ttft_ms_mean": 1e3 * ttft / len(records),
-        "tau": 1 + accepted / spec_steps if spec_steps else 1.0,
+        "tau": result.stats.tau if result.stats.steps else 1.0,
         "tpot_ms": 1e3 * decode_s / max(tokens / batch - 1, 1),
         "ms_per_step": 1e3 * wall / max(steps, 1),
         "phases_ms_per_step": {k: 1e3 * v / max(steps, 1) for k, v in timers.seconds.items()},
@@ -148,7 +147,7 @@ def main() -> None:
     p.add_argument(
         "--variants", type=lambda s: s.split(";"), default=["default"],
         help="engine variants, ';'-separated: 'default' or KEY=VALUE[+KEY=VALUE] LLM "
-        "keywords, e.g. 'default;compile_eager_steps=true'",
+        "keywords, e.g. 'default;async_scheduling=false'",
     )  # fmt: skip
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()

@@ -28,7 +28,8 @@ SHORT = (  # substring -> short name, first match wins
     ("memcpy", "memcpy"), ("silu", "silu*mul"), ("ArgMax", "argmax"), ("_accept", "accept"),
     ("indexSelect", "index_select"), ("scatter_gather", "gather"), ("elementwise", "elementwise"),
 )  # fmt: skip
-LAYER_TAIL = 6  # after a layer's attention: combine, copy, o-proj, norm, gate_up, silu, down
+# A layer's kernels after its attention: combine, copy, o-proj, norm, gate_up, silu, down.
+LAYER_TAIL = 7
 
 
 def short(name: str) -> str:
@@ -47,21 +48,22 @@ def replays(trace: dict) -> list[list[dict]]:
     return [r for r in out if r]
 
 
-def regions(kernels: list[dict], target_layers: int, lead: int) -> dict[str, float]:
-    """Microseconds of span per region (draft, verify, tail) of one replay."""
+def regions(kernels: list[dict], target_layers: int, lead: int) -> tuple[dict[str, float], int]:
+    """Microseconds of span per region (draft, verify, tail) of one replay, and the number
+    of kernels before the verify forward ({} and 0 when the replay has too few layers)."""
     attention = [i for i, k in enumerate(kernels) if any(a in k["name"] for a in ATTENTION)]
     if len(attention) < target_layers:
-        return {}
+        return {}, 0
     first = max(attention[-target_layers] - lead, 0)
-    last = min(attention[-1] + LAYER_TAIL + 1, len(kernels) - 1)
+    after = min(attention[-1] + LAYER_TAIL + 1, len(kernels) - 1)  # the tail's first kernel
     t0, t_end = kernels[0]["ts"], kernels[-1]["ts"] + kernels[-1]["dur"]
-    start, stop = kernels[first]["ts"], kernels[last]["ts"]
-    return {
+    start, stop = kernels[first]["ts"], kernels[after]["ts"]
+    spans = {
         "before verify (state, catch-up, drafts)": start - t0,
         "verify forward": stop - start,
         "after verify (logits, argmax, accept)": t_end - stop,
-        "kernels before verify": first,
     }
+    return spans, first
 
 
 def main() -> None:
@@ -83,8 +85,10 @@ def main() -> None:
     print(f"{len(all_replays)} replays; median: span {spans[median]:.1f} us, busy {busy:.1f} us, "
           f"{len(kernels)} kernels (gaps {spans[median] - busy:.1f} us); "
           f"span over replays: median {statistics.median(spans):.1f}")  # fmt: skip
-    for name, value in regions(kernels, a.target_layers, a.lead).items():
-        print(f"  {name}: {value:.1f}" + ("" if name.startswith("kernels") else " us"))
+    spans, before = regions(kernels, a.target_layers, a.lead)
+    for name, us in spans.items():
+        print(f"  {name}: {us:.1f} us")
+    print(f"  kernels before verify: {before}")
     table: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for k in kernels:
         row = table[short(k["name"])]

@@ -21,10 +21,10 @@ The engine's accounting, which ``replay_chain`` reproduces (``LLMEngine._propose
   there (vLLM counts the same way). ``checkable`` lets the replay count them where the
   record shows what the target continues with.
 
-These are the synchronous step's rules (the CPU's). The pipelined step (``spec_pipeline``,
-on by default with CUDA graphs) launches a full chain whatever max_tokens leaves, so it
-counts a max_tokens-cut answer's last step with more drafts, sometimes more accepted and
-one step more, than this replay; the tokens emitted are the same.
+These are the synchronous step's rules. The pipelined step (``spec_pipeline``, on by
+default with CUDA graphs) launches a full chain whatever max_tokens leaves, and the engine
+counts it as the synchronous step would (``LLMEngine._counted_as_synchronous``), so the
+replay holds for both.
 
 Invariants: every answer begins after its sequence's first token (the prefill needs a
 prompt); ``replay_chain`` records exactly one step per verification the engine would run,
