@@ -39,6 +39,7 @@ from common import parse_int_list, parse_str_list
 SHAPES = {
     "chain2": {"num_speculative_tokens": 2},
     "chain3": {"num_speculative_tokens": 3},
+    "chain5": {"num_speculative_tokens": 5},
     "tree": {"tree": "dynamic", "num_speculative_tokens": 5, "top_k": 8, "total_tokens": 32},
 }
 PHASES = ("step", "launch", "draft", "verify", "accept", "move_kv", "continue", "read")

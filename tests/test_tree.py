@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from specdec.spec.topk import CHUNK, chunked_topk
 from specdec.spec.tree import (
     ChainShape,
     DraftTree,
@@ -456,3 +457,38 @@ def test_draft_layout_feeds_each_node_at_its_slot_with_its_ancestors(shape) -> N
 
     grow_trees(shape, inputs.roots, step)
     assert layout.num_fed == shape.num_expanded
+
+
+# ---------------------------------------------------------------- two-pass top-k
+
+
+@pytest.mark.parametrize("k", [1, 8, 40])
+def test_chunked_topk_returns_topks_values_in_order(k: int) -> None:
+    """The two passes return exactly one ``topk``'s values, largest first, with indices
+    that point at them; rows with ties and -inf included (bf16-like logits tie often)."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(3, 5, 4096, generator=gen).mul(4).round()  # many exact ties
+    x[0, 0, 100:3000] = float("-inf")
+    values, indices = chunked_topk(x, k, chunk=512)
+    expected = x.topk(k, dim=-1).values
+    assert torch.equal(values, expected)
+    assert torch.equal(x.gather(-1, indices), values)
+    assert (indices.sort(dim=-1).values.diff(dim=-1) > 0).all()  # no index twice
+    # Distinct values: the very same indices as topk.
+    y = torch.randn(2, 2048, generator=gen)
+    assert torch.equal(chunked_topk(y, k, chunk=256)[1], y.topk(k, dim=-1).indices)
+
+
+def test_chunked_topk_falls_back_to_one_topk() -> None:
+    x = torch.randn(2, 1000)  # not a multiple of the chunk
+    assert torch.equal(chunked_topk(x, 3, chunk=256)[0], x.topk(3).values)
+    assert torch.equal(chunked_topk(x[:, :300], 3, chunk=256)[0], x[:, :300].topk(3).values)
+
+
+def test_dynamic_tree_over_a_chunked_vocabulary_matches_eagle2_reference() -> None:
+    """A draft vocabulary of several ``topk.CHUNK``s takes the two-pass top-k at every
+    level; the kept tree is still EAGLE-2's."""
+    model = PathModel(vocab=4 * CHUNK, seed=11)
+    tree = build_tree(DynamicTreeShape(top_k=4, depth=4, total_tokens=16), ROOT, model)
+    tree.check()
+    assert set(token_paths(tree)[1:]) == _eagle2_reference(model, 4, 4, 16)

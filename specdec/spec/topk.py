@@ -1,0 +1,41 @@
+"""Top-k over a draft vocabulary in two passes, for the GPU's sake.
+
+``torch.topk`` on CUDA gives a row ("slice") of fewer than ~20,000 elements to one thread
+block when there are few rows, and that block runs a radix select over the whole row. A
+dynamic tree at batch 1 asks for the top 8 of 8 rows of 16,384 draft logits per level:
+on the H200 each such call took ~75 µs, 374 µs of a 2.1 ms tree step (BENCHMARKS.md,
+session 20). Cutting each row into chunks gives the GPU many short rows at once: the top
+k of every chunk, then the top k of those ``chunks * k`` survivors.
+
+Exact: an element among its row's k largest is among its chunk's k largest, so the
+second pass sees every winner and returns the same values in the same (descending)
+order as one ``topk``. Among equal values the chosen indices may differ from
+``torch.topk``'s (which promises no order among ties either).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 512
+"""Elements per chunk in the first pass. A row of 16,384 becomes 32 rows of 512, and the
+second pass reads 32 * k values per row: both passes stay short."""
+
+
+def chunked_topk(
+    x: torch.Tensor,  # [..., n]
+    k: int,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:  # values, indices: [..., k] (descending values)
+    """``x.topk(k, dim=-1)`` (sorted, largest first) computed per chunk of ``chunk``
+    elements, then over the chunks' winners. Rows shorter than two chunks, not a multiple
+    of ``chunk`` long, or with ``k > chunk``, take one ``topk``."""
+    n = x.shape[-1]
+    if n < 2 * chunk or n % chunk or k > chunk:
+        top = x.topk(k, dim=-1)
+        return top.values, top.indices
+    lead = x.shape[:-1]
+    parts = x.reshape(*lead, n // chunk, chunk).topk(k, dim=-1)  # [..., chunks, k] each
+    best = parts.values.flatten(-2).topk(k, dim=-1)  # over [..., chunks * k]
+    within = parts.indices.flatten(-2).gather(-1, best.indices)  # index inside its chunk
+    return best.values, within + (best.indices // k) * chunk
