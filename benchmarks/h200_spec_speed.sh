@@ -10,7 +10,8 @@
 #
 # PROMPTS holds the sets' JSONLs (made where the data packages are: `specdec bench
 # --export-prompts DIR`); SETS picks them (default humaneval gsm_symbolic), MODES the head's
-# modes (default eager compiled), CHAINS the chain lengths (default 2,3). Reports go to
+# modes (default eager compiled), CHAINS the chain lengths (default 2,3); EXTRA_ARGS is
+# added to every bench command (e.g. "--triton-gemm-max-tokens 0"). Reports go to
 # $OUT (spec_speed_{eager,compiled}.*).
 set -uo pipefail
 : "${HEAD:?HEAD=<EAGLE-3 head dir>}" "${PROMPTS:?PROMPTS=<dir with the bench set JSONLs>}"
@@ -25,7 +26,7 @@ for mode in ${MODES:-eager compiled}; do
         --draft-model "$HEAD" "${prompts[@]}" --num-prompts "${NP:-16}" --max-tokens 256 \
         --batch-sizes 1,16 --dtype bfloat16 --sweep-chain "${CHAINS:-2,3}" --sweep-top-k 8 \
         --sweep-depth 5 --sweep-total-tokens 32 --spec-pipelined on \
-        --spec-compile-head "$compile" --repeats 1 --no-progress \
+        --spec-compile-head "$compile" --repeats 1 --no-progress ${EXTRA_ARGS:-} \
         --json "$OUT/spec_speed_$mode.json" > "$OUT/spec_speed_$mode.txt" 2>&1
     echo "$mode: rc=$?"
     grep "^|" "$OUT/spec_speed_$mode.txt" | head -20

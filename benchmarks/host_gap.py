@@ -36,6 +36,7 @@ from common import parse_int_list, parse_str_list
 SHAPES = {
     "plain": None,
     "chain3": {"num_speculative_tokens": 3},
+    "chain5": {"num_speculative_tokens": 5},
     "tree": {"tree": "dynamic", "num_speculative_tokens": 5, "top_k": 8, "total_tokens": 32},
 }
 # "module:Class.method" -> label. Nested phases are timed inside their parents.

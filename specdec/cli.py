@@ -62,6 +62,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
+        "--triton-gemm-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="on CUDA, projections of at most N token rows (decode, verify and draft steps) "
+        "run the skinny Triton GEMM instead of cuBLAS; 0: cuBLAS always (default: 64)",
+    )
+    g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -197,7 +205,11 @@ def _engine_kwargs(args: argparse.Namespace, draft_fallback: str | None = None) 
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
-        **_given(max_num_batched_tokens=args.max_num_batched_tokens, admit_batch=args.admit_batch),
+        **_given(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            admit_batch=args.admit_batch,
+            triton_gemm_max_tokens=args.triton_gemm_max_tokens,
+        ),
         seed=args.seed,
         speculative=_speculative(args, draft_fallback),
         async_scheduling=args.async_scheduling,

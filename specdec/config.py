@@ -159,6 +159,11 @@ class EngineConfig:
     synchronously, so with speculation the engine runs plain steps asynchronously while
     more requests run than ``speculative.disable_by_batch_size`` and speculates (in step)
     at or below it.
+
+    ``triton_gemm_max_tokens``: on CUDA, projections of at most this many token rows (the
+    target's and a draft head's: decode and verify steps, draft levels) run the skinny
+    Triton GEMM (``kernels/skinny_gemm.py``) instead of cuBLAS; 0 keeps cuBLAS for all.
+    The CPU path always uses torch's.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -174,9 +179,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     async_scheduling: bool | None = None
+    triton_gemm_max_tokens: int = 64
 
     def __post_init__(self) -> None:
         spec = self.speculative
+        if self.triton_gemm_max_tokens < 0:
+            raise ValueError(
+                f"triton_gemm_max_tokens={self.triton_gemm_max_tokens} must be >= 0 (0: "
+                "every projection on cuBLAS)"
+            )
         if self.async_scheduling and spec is not None and spec.disable_by_batch_size is None:
             raise ValueError(
                 "async_scheduling=True with speculative decoding needs "

@@ -345,6 +345,52 @@ def test_compiled_regions_equal_eager_and_share_one_layer_compilation(
     assert 2 <= len(entries) <= 4, len(entries)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-regions"])
+def test_triton_gemm_steps_equal_torch_linear(tmp_path: Path, monkeypatch, compiled: bool) -> None:
+    """``use_triton_gemm``: steps of at most ``max_rows`` tokens run every projection (the
+    qkv with its bias, o, gate/up with SiLU fused, down, the LM head) on the skinny Triton
+    GEMM, eagerly or as custom ops inside the compiled regions (fullgraph: no break);
+    logits and aux equal torch's. The prefill (more rows) keeps ``F.linear``."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1")
+    from specdec.kernels import skinny_gemm
+    from specdec.models.linear import use_triton_gemm
+
+    launches: list[tuple[int, int, bool]] = []  # (rows, N, silu_mul)
+    launch = skinny_gemm._launch
+
+    def counted(x, weight, bias, n, silu_mul, config):
+        launches.append((x.shape[0], n, silu_mul))
+        return launch(x, weight, bias, n, silu_mul, config)
+
+    monkeypatch.setattr(skinny_gemm, "_launch", counted)
+    save_tiny("qwen2", tmp_path)  # q/k/v biases, untied LM head
+    model = load_model(str(tmp_path))
+    assert use_triton_gemm(model, 4) == 4 * model.config.num_layers + 1
+    reference, ours = PagedDriver(load_model(str(tmp_path))), PagedDriver(model)
+    prefill = [(0, [1, 2, 3, 4, 5]), (1, [6, 7]), (2, [8, 9, 10])]
+    for (want, _), (got, _) in zip(reference.step(prefill), ours.step(prefill), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert launches == []  # 10 rows > 4
+    if compiled:
+        torch._dynamo.reset()
+        model.compile_regions(backend="eager", fullgraph=True)
+        ours.model = _CompiledCall(model)
+    for step, batch in enumerate([[0, 1, 2], [0, 1], [2]]):
+        chunks = [(seq, [11 + step + seq]) for seq in batch]
+        for (want, want_aux), (got, got_aux) in zip(
+            reference.step(chunks, (1, 2)), ours.step(chunks, (1, 2)), strict=True
+        ):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got_aux, want_aux, atol=1e-5, rtol=0)
+    c = model.config
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    per_layer = {(qkv, False), (c.hidden_size, False), (c.intermediate_size, True)}
+    assert {(n, silu) for _, n, silu in launches} == per_layer | {(c.vocab_size, False)}
+    assert len(launches) == 3 * (4 * c.num_layers + 1)
+
+
 @dataclass
 class _CompiledCall:
     """A ``CausalLM`` whose calls run its compiled regions (for ``PagedDriver``)."""

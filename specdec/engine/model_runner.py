@@ -23,6 +23,7 @@ from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.staging import to_device
 from specdec.models import load_config, load_model
 from specdec.models.config import ModelConfig
+from specdec.models.linear import use_triton_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,12 @@ class ModelRunner:
             attention=self.attention,
             max_positions=self.max_model_len,  # RoPE table only as long as needed
         )
+        # Few-row projections on the skinny Triton GEMM where steps replay CUDA graphs (a
+        # Triton launch from eager Python costs more host time than cuBLAS's).
+        self.triton_gemm_max_rows = (
+            config.triton_gemm_max_tokens if self.runtime.use_cuda_graphs else 0
+        )
+        use_triton_gemm(self.model, self.triton_gemm_max_rows)
         self.block_table_width = cdiv(self.max_model_len, self.block_size)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)

@@ -37,6 +37,7 @@ from specdec.attention.metadata import AttentionMetadata
 from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig, validate_decoder_shape
 from specdec.models.exit_signals import activate, canonical_signals
+from specdec.models.linear import Linear
 from specdec.models.llama import MLP, Attention, KVCache, RMSNorm
 from specdec.models.rope import (
     RotaryEmbedding,
@@ -329,10 +330,10 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"max_positions must be positive; got {max_positions}")
         self.config = config
         self.attention = attention
-        self.fc = nn.Linear(NUM_AUX_LAYERS * config.hidden_size, config.hidden_size, bias=False)
+        self.fc = Linear(NUM_AUX_LAYERS * config.hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config, attention)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.spec_exit: nn.Linear | None = None  # SpecExit channels (module docstring)
         if config.exit_signals:
             width = NUM_AUX_LAYERS * config.hidden_size

@@ -24,6 +24,7 @@ from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
 from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig
+from specdec.models.linear import Linear
 from specdec.models.rope import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, kv_heads, head_dim]
@@ -68,10 +69,10 @@ class Attention(nn.Module):
         self.kv_size = num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.backend = backend
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             input_size or hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
         norm = qk_norm_eps is not None
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if norm else nn.Identity()
@@ -123,12 +124,18 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # One launch for gate, up and SiLU on the Triton path (LoRA training wraps the
+        # projection in another module: it runs unfused).
+        gate_up = self.gate_up_proj
+        act = gate_up.gate_up_silu(x) if isinstance(gate_up, Linear) else None
+        if act is None:
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            act = F.silu(gate) * up  # [num_tokens, intermediate]
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -199,7 +206,7 @@ class CausalLM(nn.Module):
             DecoderLayer(config, attention) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding.for_config(config, max_positions or config.max_context_len)
         self.tie_weights()
         # A plain attribute, not submodules: the compiled wrappers share these parameters.

@@ -36,6 +36,7 @@ from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.engine.staging import to_device
 from specdec.models.eagle3_formats import load_eagle3
+from specdec.models.linear import use_triton_gemm
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
 from specdec.spec.tree import DraftTree, TreeBatch, TreeShape, grow_trees
@@ -89,6 +90,7 @@ class Eagle3Proposer(Proposer):
             max_positions=runner.max_model_len,
         )
         self.head.eval().requires_grad_(False)  # drafting only; see load_model
+        use_triton_gemm(self.head, runner.triton_gemm_max_rows)  # as the target's
         self.aux_layer_ids = tuple(self.head.config.aux_layer_ids)
         self.exit_signals = self.head.config.exit_signals
         self.spec_exit_defaults = self.head.config.spec_exit_defaults

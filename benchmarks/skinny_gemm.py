@@ -1,0 +1,150 @@
+"""The skinny Triton GEMM against cuBLAS on SmolLM2-135M's projections (target and EAGLE-3
+head), at the row counts decode, verify and draft steps multiply: device microseconds per
+call, each measured as a CUDA graph of ``--calls`` back-to-back calls (no launch gaps from
+the host, as inside the engine's graphs), median of ``--repeats`` replays.
+
+    python benchmarks/skinny_gemm.py --rows 1,4,6,16,32,64,96 --json $OUT/skinny_gemm.json
+
+``--tune`` also times a grid of tile configs at ``--tune-rows`` rows and prints the best
+per shape (how ``choose_gemm_config``'s defaults were picked). The gate/up rows compare
+cuBLAS + SiLU + multiply (three kernels, as the eager module) against the fused kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import parse_int_list
+
+# name -> (N, K, fused gate/up): SmolLM2-135M (hidden 576, 9 + 2 x 3 heads of 64, MLP
+# 1536, vocabulary 49,152) and its EAGLE-3 head (2H-wide qkv input, fc 3H -> H, 16,384
+# draft ids).
+SHAPES = {
+    "qkv": (960, 576, False),
+    "o_proj": (576, 576, False),
+    "gate_up+silu": (3072, 576, True),
+    "down": (576, 1536, False),
+    "lm_head": (49152, 576, False),
+    "head qkv": (960, 1152, False),
+    "head fc": (576, 1728, False),
+    "head lm_head": (16384, 576, False),
+}
+
+
+def time_graph(fn, calls: int, repeats: int) -> float:
+    """Microseconds per call of ``fn`` replayed as one graph of ``calls`` calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times[1:])
+
+
+def cublas_fn(x, w, fused: bool):
+    if not fused:
+        return lambda: F.linear(x, w)
+
+    def mlp_half():
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    return mlp_half
+
+
+def triton_fn(x, w, fused: bool, config=None):
+    from specdec.kernels.skinny_gemm import gate_up_silu, skinny_linear
+
+    if fused:
+        return lambda: gate_up_silu(x, w, config)
+    return lambda: skinny_linear(x, w, None, config)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=parse_int_list, default=[1, 4, 6, 16, 32, 64, 96])
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--tune", action="store_true", help="time a grid of tile configs too")
+    p.add_argument("--tune-rows", type=parse_int_list, default=[4])
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args()
+    from specdec.kernels.skinny_gemm import GemmConfig, choose_gemm_config
+
+    torch.manual_seed(0)
+    rows_out: list[dict] = []
+    names = [s for s in a.shapes.split(",") if s]
+    for name in names:
+        n, k, fused = SHAPES[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in a.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = cublas_fn(x, w, fused)()
+            got = triton_fn(x, w, fused)()
+            err = (got.float() - ref.float()).abs().max().item()
+            row = {
+                "shape": name,
+                "rows": m,
+                "N": n,
+                "K": k,
+                "cublas_us": time_graph(cublas_fn(x, w, fused), a.calls, a.repeats),
+                "triton_us": time_graph(triton_fn(x, w, fused), a.calls, a.repeats),
+                "config": vars(choose_gemm_config(m, n // 2 if fused else n, k)),
+                "max_abs_diff": err,
+            }
+            if a.tune and m in a.tune_rows:
+                grid = itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 4))
+                best = None
+                for bn, bk, warps, stages in grid:
+                    cfg = GemmConfig(16, bn, bk, warps, stages)
+                    try:
+                        us = time_graph(triton_fn(x, w, fused, cfg), a.calls, 5)
+                    except Exception as e:  # out of shared memory / registers
+                        print(f"  {name} {cfg}: {type(e).__name__}", file=sys.stderr)
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, vars(cfg))
+                if best is not None:
+                    row["tuned_us"], row["tuned_config"] = best
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+    print("| shape | rows | cuBLAS µs | Triton µs | speedup | tuned µs (config) |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in rows_out:
+        tuned = ""
+        if "tuned_us" in r:
+            c = r["tuned_config"]
+            tuned = (
+                f"{r['tuned_us']:.2f} (n{c['block_n']} k{c['block_k']} "
+                f"w{c['num_warps']} s{c['num_stages']})"
+            )
+        print(
+            f"| {r['shape']} | {r['rows']} | {r['cublas_us']:.2f} | {r['triton_us']:.2f} | "
+            f"{r['cublas_us'] / r['triton_us']:.2f}× | {tuned} |"
+        )
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows_out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

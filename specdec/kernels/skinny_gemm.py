@@ -1,0 +1,191 @@
+"""GEMMs of a few token rows against a weight (``x @ W.T``), in Triton, next to their
+PyTorch references.
+
+A decode or verify step of a small model multiplies 1-96 token rows by each projection.
+That is a weight read, ~1-3.5 MB per projection of SmolLM2-135M (well under a
+microsecond of the H200's bandwidth), yet cuBLAS took 3.0-5.1 µs per projection
+(BENCHMARKS.md, session 20): its kernels tile the token dimension for large batches and
+spread a skinny product over few thread blocks. Here every program owns ``BLOCK_N``
+output columns of up to ``BLOCK_M`` rows and reads its slice of the weight once, so even
+a 576-column projection runs ~36 programs at once and a 49,152-row LM head ~770.
+
+``gate_up_silu`` fuses the MLP's first half: ``silu(x @ gate.T) * (x @ up.T)`` from the
+fused ``gate_up`` weight (gate rows first), one launch and no ``[rows, 2 * I]`` round
+trip through memory. Its roundings follow the unfused modules (each product rounded to
+the activation dtype, SiLU computed in float32 and rounded, then the product).
+
+Invariants: float32 accumulation over a ``BLOCK_K`` loop whose tiles depend on the
+weight's shape only, never on the number of rows. Shapes come from host ints, nothing
+synchronises (graph-safe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from specdec.kernels.launch import dot_precision, require_last_dim_contiguous, require_launchable
+
+__all__ = [
+    "GemmConfig",
+    "choose_gemm_config",
+    "gate_up_silu",
+    "gate_up_silu_ref",
+    "skinny_linear",
+    "skinny_linear_ref",
+]
+
+
+@triton.jit(do_not_specialize=["M"])  # one compilation for every row count
+def _skinny_gemm_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K] (SILU_MUL: [2 * N, K], gate rows then up rows)
+    b_ptr,  # [N] or a dummy (HAS_BIAS)
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if SILU_MUL:
+            up = tl.load(w_cols + N * stride_wn + k[:, None], mask=w_mask, other=0.0)
+            acc_up = tl.dot(x, up, acc_up, input_precision=PRECISION)
+    out_ty = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
+        res = (act * acc_up.to(out_ty).to(tl.float32)).to(out_ty)
+    else:
+        res = acc.to(out_ty)
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(out, res, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes of one launch. ``block_k`` depends on the weight's shape only, never on
+    the number of rows, so the rows' results do not either."""
+
+    block_m: int = 16  # tl.dot's smallest tile; 1-16 rows are one row tile
+    block_n: int = 16
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_gemm_config(num_rows: int, n: int, k: int) -> GemmConfig:
+    """Narrow column tiles for narrow projections (enough programs to fill the SMs with a
+    576-column output), wider ones for wide outputs (an LM head: fewer, longer programs).
+    ``num_rows`` sets only how many 16-row tiles run."""
+    del num_rows, k  # the row tile is fixed; K is looped
+    block_n = 16 if n <= 4096 else 64
+    return GemmConfig(block_n=block_n)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+    silu_mul: bool,
+    config: GemmConfig | None,
+) -> torch.Tensor:
+    require_launchable(_skinny_gemm_kernel, x, weight)
+    require_last_dim_contiguous("x", x)
+    require_last_dim_contiguous("weight", weight)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [rows, K] and "
+            "[N, K] with the same K"
+        )
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}; cast one of them")
+    m, k = x.shape
+    cfg = config or choose_gemm_config(m, n, k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _skinny_gemm_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        PRECISION=dot_precision(x.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def skinny_linear(
+    x: torch.Tensor,  # [rows, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    config: GemmConfig | None = None,
+) -> torch.Tensor:  # [rows, N]
+    """``F.linear(x, weight, bias)`` for a few rows (float32 accumulation)."""
+    return _launch(x, weight, bias, weight.shape[0], False, config)
+
+
+def gate_up_silu(
+    x: torch.Tensor,  # [rows, K]
+    weight: torch.Tensor,  # [2 * I, K]: gate rows, then up rows
+    config: GemmConfig | None = None,
+) -> torch.Tensor:  # [rows, I]
+    """``silu(gate) * up`` of ``x @ weight.T`` split in halves, in one launch."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"gate_up weight has {weight.shape[0]} rows; expected 2 * I")
+    return _launch(x, weight, None, weight.shape[0] // 2, True, config)
+
+
+def skinny_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def gate_up_silu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    return F.silu(gate) * up

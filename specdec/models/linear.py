@@ -1,0 +1,95 @@
+"""Projections that take the skinny Triton GEMM for steps of few tokens.
+
+``Linear`` is ``nn.Linear`` (same parameters, same checkpoints) whose forward runs
+``kernels.skinny_gemm`` when the input has at most ``max_rows`` rows, and cuBLAS
+otherwise. ``max_rows`` is 0 (off) until ``use_triton_gemm`` sets it: the engine does so
+on CUDA (``EngineConfig.triton_gemm_max_tokens``), where decode and verify steps are a
+few rows per projection; training, the CPU and prefills keep ``F.linear``.
+
+Under ``torch.compile`` the kernels are custom ops (opaque nodes; dynamo cannot trace a
+Triton launcher's host code), as attention is (``attention/custom_op.py``). Eager callers
+launch them directly: the op dispatcher's host cost would exceed the kernel's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@torch.library.custom_op("specdec::skinny_linear", mutates_args=())
+def skinny_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    from specdec.kernels.skinny_gemm import skinny_linear
+
+    return skinny_linear(x, weight, bias)
+
+
+@skinny_linear_op.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("specdec::gate_up_silu", mutates_args=())
+def gate_up_silu_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from specdec.kernels.skinny_gemm import gate_up_silu
+
+    return gate_up_silu(x, weight)
+
+
+@gate_up_silu_op.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that multiplies inputs of at most ``max_rows`` rows (2-d, contiguous
+    rows, a float dtype) with the skinny Triton GEMM; same results up to float rounding
+    (float32 accumulation either way)."""
+
+    max_rows: int = 0  # off; use_triton_gemm sets it per module
+
+    def takes_triton(self, x: torch.Tensor) -> bool:
+        return (
+            0 < x.shape[0] <= self.max_rows
+            and x.dim() == 2
+            and x.dtype in _FLOATS
+            and x.stride(-1) == 1
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.takes_triton(x):
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            return skinny_linear_op(x, self.weight, self.bias)
+        from specdec.kernels.skinny_gemm import skinny_linear
+
+        return skinny_linear(x, self.weight, self.bias)
+
+    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` in one launch when this is an MLP's fused gate/up projection
+        (no bias) and ``x`` takes the Triton path; None otherwise (run it unfused)."""
+        if self.bias is not None or not self.takes_triton(x):
+            return None
+        if torch.compiler.is_compiling():
+            return gate_up_silu_op(x, self.weight)
+        from specdec.kernels.skinny_gemm import gate_up_silu
+
+        return gate_up_silu(x, self.weight)
+
+
+def use_triton_gemm(module: nn.Module, max_rows: int) -> int:
+    """Route every ``Linear`` in ``module`` with at most ``max_rows`` input rows through
+    the Triton GEMM (0: cuBLAS always). Returns how many modules it set."""
+    if max_rows < 0:
+        raise ValueError(f"max_rows={max_rows} must be >= 0 (0 turns the Triton GEMM off)")
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.max_rows = max_rows
+            count += 1
+    return count
