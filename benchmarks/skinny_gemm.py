@@ -7,7 +7,9 @@ the host, as inside the engine's graphs), median of ``--repeats`` replays.
 
 ``--tune`` also times a grid of tile configs at ``--tune-rows`` rows and prints the best
 per shape (how ``choose_gemm_config``'s defaults were picked). The gate/up rows compare
-cuBLAS + SiLU + multiply (three kernels, as the eager module) against the fused kernel.
+cuBLAS + SiLU + multiply (three kernels, as the eager module) against the fused kernel;
+the add+norm rows time the fused residual add + RMSNorm prologue against cuBLAS's
+projection alone (the compiled layer's add + norm kernel not counted on that side).
 """
 
 from __future__ import annotations
@@ -25,18 +27,20 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import parse_int_list
 
-# name -> (N, K, fused gate/up): SmolLM2-135M (hidden 576, 9 + 2 x 3 heads of 64, MLP
-# 1536, vocabulary 49,152) and its EAGLE-3 head (2H-wide qkv input, fc 3H -> H, 16,384
-# draft ids).
+# name -> (N, K, fused gate/up, residual add + RMSNorm prologue): SmolLM2-135M (hidden
+# 576, 9 + 2 x 3 heads of 64, MLP 1536, vocabulary 49,152) and its EAGLE-3 head (2H-wide
+# qkv input, fc 3H -> H, 16,384 draft ids).
 SHAPES = {
-    "qkv": (960, 576, False),
-    "o_proj": (576, 576, False),
-    "gate_up+silu": (3072, 576, True),
-    "down": (576, 1536, False),
-    "lm_head": (49152, 576, False),
-    "head qkv": (960, 1152, False),
-    "head fc": (576, 1728, False),
-    "head lm_head": (16384, 576, False),
+    "qkv": (960, 576, False, False),
+    "add+norm+qkv": (960, 576, False, True),
+    "o_proj": (576, 576, False, False),
+    "gate_up+silu": (3072, 576, True, False),
+    "add+norm+gate_up+silu": (3072, 576, True, True),
+    "down": (576, 1536, False, False),
+    "lm_head": (49152, 576, False, False),
+    "head qkv": (960, 1152, False, False),
+    "head fc": (576, 1728, False, False),
+    "head lm_head": (16384, 576, False, False),
 }
 
 
@@ -71,12 +75,17 @@ def cublas_fn(x, w, fused: bool):
     return mlp_half
 
 
-def triton_fn(x, w, fused: bool, config=None):
-    from specdec.kernels.skinny_gemm import gate_up_silu, skinny_linear
+def triton_fn(x, w, fused: bool, config=None, norm: bool = False):
+    from specdec.kernels import skinny_gemm as sg
 
+    if norm:
+        res, nw = torch.randn_like(x), torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
+        if fused:
+            return lambda: sg.add_rmsnorm_gate_up_silu(x, res, nw, 1e-5, w, config)
+        return lambda: sg.add_rmsnorm_linear(x, res, nw, 1e-5, w, None, config)
     if fused:
-        return lambda: gate_up_silu(x, w, config)
-    return lambda: skinny_linear(x, w, None, config)
+        return lambda: sg.gate_up_silu(x, w, config)
+    return lambda: sg.skinny_linear(x, w, None, config)
 
 
 def main() -> None:
@@ -95,20 +104,20 @@ def main() -> None:
     rows_out: list[dict] = []
     names = [s for s in a.shapes.split(",") if s]
     for name in names:
-        n, k, fused = SHAPES[name]
+        n, k, fused, norm = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         for m in a.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = cublas_fn(x, w, fused)()
             got = triton_fn(x, w, fused)()
-            err = (got.float() - ref.float()).abs().max().item()
+            err = (got.float() - ref.float()).abs().max().item()  # the plain kernel's
             row = {
                 "shape": name,
                 "rows": m,
                 "N": n,
                 "K": k,
                 "cublas_us": time_graph(cublas_fn(x, w, fused), a.calls, a.repeats),
-                "triton_us": time_graph(triton_fn(x, w, fused), a.calls, a.repeats),
+                "triton_us": time_graph(triton_fn(x, w, fused, None, norm), a.calls, a.repeats),
                 "config": vars(choose_gemm_config(m, n // 2 if fused else n, k)),
                 "max_abs_diff": err,
             }
@@ -118,7 +127,7 @@ def main() -> None:
                 for bn, bk, warps, stages in grid:
                     cfg = GemmConfig(16, bn, bk, warps, stages)
                     try:
-                        us = time_graph(triton_fn(x, w, fused, cfg), a.calls, 5)
+                        us = time_graph(triton_fn(x, w, fused, cfg, norm), a.calls, 5)
                     except Exception as e:  # out of shared memory / registers
                         print(f"  {name} {cfg}: {type(e).__name__}", file=sys.stderr)
                         continue

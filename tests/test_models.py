@@ -347,22 +347,23 @@ def test_compiled_regions_equal_eager_and_share_one_layer_compilation(
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-regions"])
 def test_triton_gemm_steps_equal_torch_linear(tmp_path: Path, monkeypatch, compiled: bool) -> None:
-    """``use_triton_gemm``: steps of at most ``max_rows`` tokens run every projection (the
-    qkv with its bias, o, gate/up with SiLU fused, down, the LM head) on the skinny Triton
-    GEMM, eagerly or as custom ops inside the compiled regions (fullgraph: no break);
-    logits and aux equal torch's. The prefill (more rows) keeps ``F.linear``."""
+    """``use_triton_gemm``: steps of at most ``max_rows`` tokens run every projection on
+    the skinny Triton GEMM, eagerly or as custom ops inside the compiled regions
+    (fullgraph: no break): per layer the residual add + RMSNorm + qkv (with its bias), o,
+    the add + RMSNorm + gate/up + SiLU, down; then the LM head. Logits and aux equal
+    torch's. The prefill (more rows) keeps ``F.linear``."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1")
     from specdec.kernels import skinny_gemm
     from specdec.models.linear import use_triton_gemm
 
-    launches: list[tuple[int, int, bool]] = []  # (rows, N, silu_mul)
+    launches: list[tuple[int, bool, bool]] = []  # (N, silu_mul, norm prologue)
     launch = skinny_gemm._launch
 
-    def counted(x, weight, bias, n, silu_mul, config):
-        launches.append((x.shape[0], n, silu_mul))
-        return launch(x, weight, bias, n, silu_mul, config)
+    def counted(x, weight, bias, n, silu_mul, config, norm=None):
+        launches.append((n, silu_mul, norm is not None))
+        return launch(x, weight, bias, n, silu_mul, config, norm)
 
     monkeypatch.setattr(skinny_gemm, "_launch", counted)
     save_tiny("qwen2", tmp_path)  # q/k/v biases, untied LM head
@@ -386,9 +387,10 @@ def test_triton_gemm_steps_equal_torch_linear(tmp_path: Path, monkeypatch, compi
             torch.testing.assert_close(got_aux, want_aux, atol=1e-5, rtol=0)
     c = model.config
     qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    per_layer = {(qkv, False), (c.hidden_size, False), (c.intermediate_size, True)}
-    assert {(n, silu) for _, n, silu in launches} == per_layer | {(c.vocab_size, False)}
-    assert len(launches) == 3 * (4 * c.num_layers + 1)
+    layer = [(qkv, False, True), (c.hidden_size, False, False), (c.intermediate_size, True, True)]
+    layer.append((c.hidden_size, False, False))
+    step = layer * c.num_layers + [(c.vocab_size, False, False)]
+    assert launches == step * 3
 
 
 @dataclass

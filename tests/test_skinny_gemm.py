@@ -17,6 +17,10 @@ pytest.importorskip("triton")
 
 from specdec.kernels.skinny_gemm import (
     GemmConfig,
+    add_rmsnorm_gate_up_silu,
+    add_rmsnorm_gate_up_silu_ref,
+    add_rmsnorm_linear,
+    add_rmsnorm_linear_ref,
     choose_gemm_config,
     gate_up_silu,
     gate_up_silu_ref,
@@ -54,6 +58,28 @@ def test_gate_up_silu_equals_the_unfused_mlp_half(m: int, n: int, k: int) -> Non
     torch.testing.assert_close(got, gate_up_silu_ref(x, w), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_prologue_equals_add_rmsnorm_then_the_projection(
+    m: int, n: int, k: int, with_residual: bool
+) -> None:
+    """A block's entry in one launch: the stream (x + residual), its RMSNorm and the
+    projection (with a bias), or gate/up with SiLU; the stream comes back too."""
+    x, w = _inputs(m, 2 * n, k, seed=3 * m + k)
+    gen = torch.Generator().manual_seed(n)
+    residual = torch.randn(m, k, generator=gen).to(DEVICE) if with_residual else None
+    norm_w = (torch.rand(k, generator=gen) + 0.5).to(DEVICE)
+    bias = torch.randn(2 * n, generator=gen).to(DEVICE)
+    out, stream = add_rmsnorm_linear(x, residual, norm_w, 1e-5, w, bias)
+    ref_out, ref_stream = add_rmsnorm_linear_ref(x, residual, norm_w, 1e-5, w, bias)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(stream, ref_stream)
+    act, stream = add_rmsnorm_gate_up_silu(x, residual, norm_w, 1e-5, w)
+    ref_act, ref_stream = add_rmsnorm_gate_up_silu_ref(x, residual, norm_w, 1e-5, w)
+    torch.testing.assert_close(act, ref_act, atol=1e-5, rtol=1e-5)
+    assert torch.equal(stream, ref_stream)
+
+
 def test_wide_outputs_take_wide_column_tiles() -> None:
     """An LM-head-sized output (> 4096 columns) uses 64-column tiles: still exact."""
     assert choose_gemm_config(3, 5000, 64).block_n == 64
@@ -71,6 +97,12 @@ def test_bad_inputs_name_the_shapes_and_the_fix() -> None:
         skinny_linear(x, w.t().contiguous().t())
     with pytest.raises(ValueError, match=r"gate_up weight has 7 rows"):
         gate_up_silu(x, w[:7])
+    with pytest.raises(ValueError, match=r"norm weight \(15,\) must be \[16\]"):
+        add_rmsnorm_linear(x, None, torch.ones(15, device=DEVICE), 1e-5, w)
+    with pytest.raises(ValueError, match=r"residual \(3, 16\) .* must match x \(2, 16\)"):
+        add_rmsnorm_linear(
+            x, torch.zeros(3, 16, device=DEVICE), torch.ones(16, device=DEVICE), 1e-5, w
+        )
 
 
 def test_explicit_tiles_are_honoured() -> None:

@@ -32,6 +32,10 @@ from specdec.kernels.launch import dot_precision, require_last_dim_contiguous, r
 
 __all__ = [
     "GemmConfig",
+    "add_rmsnorm_gate_up_silu",
+    "add_rmsnorm_gate_up_silu_ref",
+    "add_rmsnorm_linear",
+    "add_rmsnorm_linear_ref",
     "choose_gemm_config",
     "gate_up_silu",
     "gate_up_silu_ref",
@@ -43,6 +47,9 @@ __all__ = [
 @triton.jit(do_not_specialize=["M"])  # one compilation for every row count
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K]
+    res_ptr,  # [M, K] (ADD) or a dummy
+    nw_ptr,  # [K] RMSNorm weight (NORM) or a dummy
+    stream_ptr,  # out [M, K]: x + residual (ADD; written by the first column tile)
     w_ptr,  # [N, K] (SILU_MUL: [2 * N, K], gate rows then up rows)
     b_ptr,  # [N] or a dummy (HAS_BIAS)
     out_ptr,  # [M, N]
@@ -52,6 +59,9 @@ def _skinny_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    eps,
+    NORM: tl.constexpr,
+    ADD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -59,19 +69,45 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    row_off = rm.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]; residual, stream alike
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
+    in_ty = x_ptr.dtype.element_ty
+    if NORM:
+        # The rows' RMS over all K first (every program reads its rows whole: K is a few
+        # hundred values, the weight slice is what costs).
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            mk = m_ok[:, None] & (k < K)[None, :]
+            s = tl.load(x_ptr + row_off + k[None, :], mask=mk, other=0.0)
+            if ADD:
+                r = tl.load(res_ptr + row_off + k[None, :], mask=mk, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+                if pid_n == 0:
+                    tl.store(stream_ptr + row_off + k[None, :], s, mask=mk)
+            s32 = s.to(tl.float32)
+            sq += tl.sum(s32 * s32, axis=1)
+        rstd = 1.0 / tl.sqrt(sq / K + eps)  # [BLOCK_M]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        mk = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + row_off + k[None, :], mask=mk, other=0.0)
+        if NORM:  # RMSNorm's roundings: the sum, the normed row, then the weight's product
+            if ADD:
+                r = tl.load(res_ptr + row_off + k[None, :], mask=mk, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+            x = (x.to(tl.float32) * rstd[:, None]).to(in_ty)
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = (nw[None, :] * x.to(tl.float32)).to(in_ty)
         w_mask = k_ok[:, None] & n_ok[None, :]
         w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
@@ -112,6 +148,15 @@ def choose_gemm_config(num_rows: int, n: int, k: int) -> GemmConfig:
     return GemmConfig(block_n=block_n)
 
 
+@dataclass(frozen=True)
+class _Norm:
+    """The RMSNorm in front of a projection: ``weight * rmsnorm(x + residual)``."""
+
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual: torch.Tensor | None  # [rows, K]; None: no add
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -119,7 +164,8 @@ def _launch(
     n: int,
     silu_mul: bool,
     config: GemmConfig | None,
-) -> torch.Tensor:
+    norm: _Norm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # out [rows, n], the stream (norm.residual)
     require_launchable(_skinny_gemm_kernel, x, weight)
     require_last_dim_contiguous("x", x)
     require_last_dim_contiguous("weight", weight)
@@ -131,13 +177,28 @@ def _launch(
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}; cast one of them")
     m, k = x.shape
+    residual = norm.residual if norm is not None else None
+    stream = None
+    if norm is not None:
+        if norm.weight.shape != (k,):
+            raise ValueError(f"norm weight {tuple(norm.weight.shape)} must be [{k}]")
+        if residual is not None:
+            if residual.shape != x.shape or residual.stride() != x.stride():
+                raise ValueError(
+                    f"residual {tuple(residual.shape)} (strides {residual.stride()}) must "
+                    f"match x {tuple(x.shape)} (strides {x.stride()})"
+                )
+            stream = torch.empty_like(x)
     cfg = config or choose_gemm_config(m, n, k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return out, stream
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _skinny_gemm_kernel[grid](
         x,
+        residual if residual is not None else x,
+        norm.weight if norm is not None else x,
+        stream if stream is not None else x,
         weight,
         bias if bias is not None else weight,
         out,
@@ -147,6 +208,9 @@ def _launch(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        norm.eps if norm is not None else 0.0,
+        NORM=norm is not None,
+        ADD=residual is not None,
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
         PRECISION=dot_precision(x.dtype),
@@ -156,7 +220,7 @@ def _launch(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return out
+    return out, stream
 
 
 def skinny_linear(
@@ -166,7 +230,7 @@ def skinny_linear(
     config: GemmConfig | None = None,
 ) -> torch.Tensor:  # [rows, N]
     """``F.linear(x, weight, bias)`` for a few rows (float32 accumulation)."""
-    return _launch(x, weight, bias, weight.shape[0], False, config)
+    return _launch(x, weight, bias, weight.shape[0], False, config)[0]
 
 
 def gate_up_silu(
@@ -177,7 +241,40 @@ def gate_up_silu(
     """``silu(gate) * up`` of ``x @ weight.T`` split in halves, in one launch."""
     if weight.shape[0] % 2:
         raise ValueError(f"gate_up weight has {weight.shape[0]} rows; expected 2 * I")
-    return _launch(x, weight, None, weight.shape[0] // 2, True, config)
+    return _launch(x, weight, None, weight.shape[0] // 2, True, config)[0]
+
+
+def add_rmsnorm_linear(
+    x: torch.Tensor,  # [rows, K]
+    residual: torch.Tensor | None,  # [rows, K]; None: x is the stream
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, N], the stream [rows, K]
+    """A pre-norm block's entry in one launch: ``stream = x + residual``, then
+    ``F.linear(norm_weight * rmsnorm(stream), weight, bias)``. Returns both (the stream
+    is ``x`` itself without a residual)."""
+    norm = _Norm(norm_weight, eps, residual)
+    out, stream = _launch(x, weight, bias, weight.shape[0], False, config, norm)
+    return out, x if stream is None else stream
+
+
+def add_rmsnorm_gate_up_silu(
+    x: torch.Tensor,  # [rows, K]
+    residual: torch.Tensor | None,  # [rows, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [2 * I, K]
+    config: GemmConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, I], the stream [rows, K]
+    """The MLP's entry in one launch: the stream, its RMSNorm, gate/up and SiLU."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"gate_up weight has {weight.shape[0]} rows; expected 2 * I")
+    norm = _Norm(norm_weight, eps, residual)
+    out, stream = _launch(x, weight, None, weight.shape[0] // 2, True, config, norm)
+    return out, x if stream is None else stream
 
 
 def skinny_linear_ref(
@@ -189,3 +286,18 @@ def skinny_linear_ref(
 def gate_up_silu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, weight).chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _rmsnorm_ref(stream: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = stream.float()  # models.llama.RMSNorm's order
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(stream.dtype)
+
+
+def add_rmsnorm_linear_ref(x, residual, norm_weight, eps, weight, bias=None):
+    stream = x if residual is None else x + residual
+    return F.linear(_rmsnorm_ref(stream, norm_weight, eps), weight, bias), stream
+
+
+def add_rmsnorm_gate_up_silu_ref(x, residual, norm_weight, eps, weight):
+    stream = x if residual is None else x + residual
+    return gate_up_silu_ref(_rmsnorm_ref(stream, norm_weight, eps), weight), stream

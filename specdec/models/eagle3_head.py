@@ -293,8 +293,9 @@ class Eagle3DecoderLayer(nn.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # [num_tokens, 2H]
-        hidden = residual + self.self_attn(x, cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(x, cos, sin, kv_cache, meta)
+        out, hidden = self.mlp.forward_add_norm(attended, residual, self.post_attention_layernorm)
+        return hidden + out
 
 
 class Eagle3Head(nn.Module):

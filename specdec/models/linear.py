@@ -6,6 +6,10 @@ otherwise. ``max_rows`` is 0 (off) until ``use_triton_gemm`` sets it: the engine
 on CUDA (``EngineConfig.triton_gemm_max_tokens``), where decode and verify steps are a
 few rows per projection; training, the CPU and prefills keep ``F.linear``.
 
+A pre-norm block's entries fuse further on that path (``add_norm_linear``,
+``add_norm_gate_up_silu``): the residual add and the RMSNorm run in the projection's
+prologue, so a decoder layer is four launches besides attention.
+
 Under ``torch.compile`` the kernels are custom ops (opaque nodes; dynamo cannot trace a
 Triton launcher's host code), as attention is (``attention/custom_op.py``). Eager callers
 launch them directly: the op dispatcher's host cost would exceed the kernel's.
@@ -46,6 +50,43 @@ def _(x, weight):
     return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
+@torch.library.custom_op("specdec::add_rmsnorm_linear", mutates_args=())
+def add_rmsnorm_linear_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from specdec.kernels.skinny_gemm import add_rmsnorm_linear
+
+    return add_rmsnorm_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+@add_rmsnorm_linear_op.register_fake
+def _(x, residual, norm_weight, eps, weight, bias=None):
+    return x.new_empty(x.shape[0], weight.shape[0]), torch.empty_like(x)
+
+
+@torch.library.custom_op("specdec::add_rmsnorm_gate_up_silu", mutates_args=())
+def add_rmsnorm_gate_up_silu_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from specdec.kernels.skinny_gemm import add_rmsnorm_gate_up_silu
+
+    return add_rmsnorm_gate_up_silu(x, residual, norm_weight, eps, weight)
+
+
+@add_rmsnorm_gate_up_silu_op.register_fake
+def _(x, residual, norm_weight, eps, weight):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2), torch.empty_like(x)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that multiplies inputs of at most ``max_rows`` rows (2-d, contiguous
     rows, a float dtype) with the skinny Triton GEMM; same results up to float rounding
@@ -80,6 +121,52 @@ class Linear(nn.Linear):
         from specdec.kernels.skinny_gemm import gate_up_silu
 
         return gate_up_silu(x, self.weight)
+
+
+def _fusable(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    return (
+        isinstance(proj, Linear)
+        and proj.takes_triton(x)
+        and residual.shape == x.shape
+        and residual.stride() == x.stride()
+        and residual.dtype == x.dtype
+    )
+
+
+def add_norm_linear(
+    x: torch.Tensor,  # [rows, K]
+    residual: torch.Tensor,  # [rows, K]
+    norm: nn.Module,  # an RMSNorm: ``weight`` [K] and ``eps``
+    proj: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(proj(norm(x + residual)), x + residual)`` in one launch when ``proj`` takes the
+    Triton path for ``x``; None otherwise (the caller runs the modules)."""
+    if not _fusable(proj, x, residual):
+        return None
+    args = (x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+    if torch.compiler.is_compiling():
+        return add_rmsnorm_linear_op(*args)
+    from specdec.kernels.skinny_gemm import add_rmsnorm_linear
+
+    return add_rmsnorm_linear(*args)
+
+
+def add_norm_gate_up_silu(
+    x: torch.Tensor,  # [rows, K]
+    residual: torch.Tensor,  # [rows, K]
+    norm: nn.Module,  # an RMSNorm
+    proj: nn.Module,  # an MLP's fused gate/up projection (no bias)
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(silu(gate) * up of proj(norm(x + residual)), x + residual)`` in one launch on
+    the Triton path; None otherwise."""
+    if not _fusable(proj, x, residual) or proj.bias is not None:
+        return None
+    args = (x, residual, norm.weight, norm.eps, proj.weight)
+    if torch.compiler.is_compiling():
+        return add_rmsnorm_gate_up_silu_op(*args)
+    from specdec.kernels.skinny_gemm import add_rmsnorm_gate_up_silu
+
+    return add_rmsnorm_gate_up_silu(*args)
 
 
 def use_triton_gemm(module: nn.Module, max_rows: int) -> int:

@@ -24,7 +24,7 @@ from specdec.attention.base import AttentionBackend
 from specdec.attention.metadata import AttentionMetadata
 from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig
-from specdec.models.linear import Linear
+from specdec.models.linear import Linear, add_norm_gate_up_silu, add_norm_linear
 from specdec.models.rope import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, kv_heads, head_dim]
@@ -98,8 +98,37 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        n, h, d = x.shape[0], self.num_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        return self.attend(self.qkv_proj(x), cos, sin, kv_cache, meta)
+
+    def forward_add_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor,  # [num_tokens, hidden]
+        norm: RMSNorm,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (attention output, the stream x + residual)
+        """``(self(norm(x + residual)), x + residual)``; on the Triton GEMM path the add,
+        the norm and the qkv projection are one launch."""
+        entry = add_norm_linear(x, residual, norm, self.qkv_proj)
+        if entry is None:
+            stream = x + residual
+            return self(norm(stream), cos, sin, kv_cache, meta), stream
+        qkv, stream = entry
+        return self.attend(qkv, cos, sin, kv_cache, meta), stream
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Everything after the qkv projection: RoPE, the cache write, attention, o_proj."""
+        n, h, d = qkv.shape[0], self.num_heads, self.head_dim
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, d)
         k_cache, v_cache = kv_cache
         if isinstance(self.q_norm, nn.Identity):
@@ -137,6 +166,21 @@ class MLP(nn.Module):
             act = F.silu(gate) * up  # [num_tokens, intermediate]
         return self.down_proj(act)
 
+    def forward_add_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor,  # [num_tokens, hidden]
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, the stream x + residual)
+        """``(self(norm(x + residual)), x + residual)``; on the Triton GEMM path the add,
+        the norm, gate/up and SiLU are one launch."""
+        entry = add_norm_gate_up_silu(x, residual, norm, self.gate_up_proj)
+        if entry is None:
+            stream = x + residual
+            return self(norm(stream)), stream
+        act, stream = entry
+        return self.down_proj(act), stream
+
 
 class DecoderLayer(nn.Module):
     """One pre-norm block. The residual stream travels split in two, ``x + residual``, as
@@ -159,9 +203,12 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (x, residual): the stream leaving, split
-        stream = x + residual  # the residual stream entering the layer (HF hidden_states[i])
-        stream = stream + self.self_attn(self.input_layernorm(stream), cos, sin, kv_cache, meta)
-        return self.mlp(self.post_attention_layernorm(stream)), stream
+        # x + residual is the stream entering the layer (HF hidden_states[i]); each
+        # forward_add_norm returns the stream after its add.
+        h, stream = self.self_attn.forward_add_norm(
+            x, residual, self.input_layernorm, cos, sin, kv_cache, meta
+        )
+        return self.mlp.forward_add_norm(h, stream, self.post_attention_layernorm)
 
 
 @dataclass(frozen=True)
