@@ -72,20 +72,53 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
     return full, spans
 
 
-def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> TokenizedConversation:
-    """Token ids of the rendered conversation and its assistant loss mask (module doc)."""
+def tokenize_conversation(
+    tokenizer,
+    messages: list[dict[str, str]],
+    emitted: list[list[int]] | None = None,
+) -> TokenizedConversation:
+    """Token ids of the rendered conversation and its assistant loss mask (module doc).
+
+    ``emitted``: per assistant message, the token ids the model generated for it (a
+    regenerated answer). A reply's span then takes those ids wherever they decode to
+    the span's start (the rest, e.g. an end-of-turn marker after a length cut, is
+    encoded): the text of an answer re-encoded can tokenise differently from how the
+    model wrote it, and a draft head must learn the model's own sequences. Ids that do
+    not decode to the span are ignored (the span is encoded)."""
     full, spans = assistant_spans(tokenizer, messages)
+    if emitted is not None and len(emitted) != len(spans):
+        raise ValueError(
+            f"emitted holds {len(emitted)} token lists for {len(spans)} assistant messages; "
+            "pass one per assistant message, in order"
+        )
     bounds = [0, *(b for span in spans for b in span), len(full)]
     ids: list[int] = []
     mask: list[int] = []
     for k in range(len(bounds) - 1):
         segment = full[bounds[k] : bounds[k + 1]]
-        seg_ids = tokenizer.encode(segment, add_special_tokens=False) if segment else []
-        if tokenizer.decode(seg_ids) != segment:
-            return _tokenize_by_offsets(tokenizer, full, spans)
+        seg_ids = None
+        if emitted is not None and k % 2:
+            seg_ids = _from_emitted(tokenizer, segment, emitted[k // 2])
+        if seg_ids is None:
+            seg_ids = tokenizer.encode(segment, add_special_tokens=False) if segment else []
+            if tokenizer.decode(seg_ids) != segment:
+                return _tokenize_by_offsets(tokenizer, full, spans)
         ids += seg_ids
         mask += [k % 2] * len(seg_ids)  # odd segments are the assistant spans
     return TokenizedConversation(ids, mask)
+
+
+def _from_emitted(tokenizer, segment: str, emitted: list[int]) -> list[int] | None:
+    """``emitted`` plus the encoded rest of ``segment`` when ``emitted`` decodes to its
+    start; None otherwise."""
+    text = tokenizer.decode(emitted)
+    if not segment.startswith(text):
+        return None
+    rest = segment[len(text) :]
+    rest_ids = tokenizer.encode(rest, add_special_tokens=False) if rest else []
+    if tokenizer.decode(rest_ids) != rest:
+        return None
+    return [*emitted, *rest_ids]
 
 
 def _tokenize_by_offsets(tokenizer, full: str, spans: list[tuple[int, int]]):

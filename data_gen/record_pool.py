@@ -33,9 +33,13 @@ def default_workers() -> int:
     return 0 if cores < 8 else min(4, cores // 4)
 
 
-def build_record(tokenizer, messages: list[dict[str, str]]) -> Built:
+def build_record(
+    tokenizer, messages: list[dict[str, str]], emitted: list[list[int]] | None = None
+) -> Built:
+    """``emitted``: the generated token ids of each assistant message
+    (``chat.tokenize_conversation``)."""
     try:
-        tok = tokenize_conversation(tokenizer, messages)
+        tok = tokenize_conversation(tokenizer, messages, emitted)
     except BadRecord as e:
         return e.reason
     return tok.input_ids, tok.loss_mask
@@ -50,12 +54,12 @@ def _init_worker(tokenizer_dir: str, chat_template: str | None) -> None:
         _worker_tokenizer.chat_template = chat_template
 
 
-def _build_in_worker(messages: list[dict[str, str]]) -> Built:
-    return build_record(_worker_tokenizer, messages)
+def _build_in_worker(messages: list[dict[str, str]], emitted: list[list[int]] | None) -> Built:
+    return build_record(_worker_tokenizer, messages, emitted)
 
 
 class RecordPool:
-    """``build(messages)`` → a future of ``Built``. ``tokenizer`` builds inline; the
+    """``build(messages, emitted)`` → a future of ``Built``. ``tokenizer`` builds inline; the
     workers load the tokenizer saved in ``tokenizer_dir`` and apply ``chat_template``
     (the override the caller applied to ``tokenizer``, if any)."""
 
@@ -74,11 +78,13 @@ class RecordPool:
                 initargs=(str(tokenizer_dir), chat_template),
             )
 
-    def build(self, messages: list[dict[str, str]]) -> Future:
+    def build(
+        self, messages: list[dict[str, str]], emitted: list[list[int]] | None = None
+    ) -> Future:
         if self._executor is not None:
-            return self._executor.submit(_build_in_worker, messages)
+            return self._executor.submit(_build_in_worker, messages, emitted)
         future: Future = Future()
-        future.set_result(build_record(self.tokenizer, messages))
+        future.set_result(build_record(self.tokenizer, messages, emitted))
         return future
 
     def close(self) -> None:

@@ -1,6 +1,8 @@
 """Stage 2, ``data-gen regenerate``: every conversation answered by the target itself,
 turn by turn, on the specdec engine; written as JSONL shards (``regen-00000.jsonl``) of
-records with ``conversations``, ``input_ids`` and ``loss_mask`` (``chat.py``).
+records with ``conversations``, ``input_ids`` and ``loss_mask`` (``chat.py``). An answer's
+tokens in ``input_ids`` are the ids the target generated (re-encoding its text can split
+it differently), followed by the template's end of turn.
 
 Turn by turn: a conversation's original assistant turns are dropped; for each user turn
 the target answers the history so far (system, earlier users, its own earlier answers),
@@ -88,6 +90,7 @@ class _Conv:
     history: list[dict[str, str]]
     users: deque[str]
     turn: int = 0
+    emitted: list[list[int]] = field(default_factory=list)  # per answer: the generated ids
 
 
 @dataclass
@@ -196,7 +199,7 @@ class Regenerator:
         else:
             if c.users:
                 shard.counts.add("turns_truncated")
-            shard.building.append((c, self.records.build(c.history)))
+            shard.building.append((c, self.records.build(c.history, c.emitted)))
         shard.open -= 1
         self.resolved += 1
 
@@ -213,6 +216,7 @@ class Regenerator:
             c = self._inflight.pop(out.request_id)
             completion = out.outputs[0]
             c.history.append({"role": "assistant", "content": completion.text})
+            c.emitted.append(list(completion.token_ids))
             c.users.popleft()
             c.turn += 1
             n = len(completion.token_ids)

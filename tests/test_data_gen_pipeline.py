@@ -172,8 +172,11 @@ def test_regenerate_answers_are_the_targets_own(regen_dir, prompts_file):
     llm = LLM(MODEL, **ENGINE)
     history = record["conversations"][:3]  # user, assistant, user: the second turn
     params = SamplingParams(temperature=0.7, max_tokens=8, seed=request_seed(0, "m2", 1))
-    out = llm.chat([history], params, use_tqdm=False)[0].outputs[0].text
-    assert out == record["conversations"][3]["content"]
+    out = llm.chat([history], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == record["conversations"][3]["content"]
+    # The record holds the ids the engine emitted for that answer, not its text re-encoded.
+    runs = _mask_runs(record["input_ids"], record["loss_mask"])
+    assert runs[1][: len(out.token_ids)] == list(out.token_ids)
 
 
 def test_regenerate_resumes_after_sigkill_byte_identical(regen_dir, prompts_file, tmp_path):

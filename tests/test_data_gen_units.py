@@ -127,6 +127,33 @@ def test_loss_mask_fallback_for_tokenizers_that_change_pieces(smollm2_tokenizer)
     assert sum(fallback.loss_mask) >= sum(exact.loss_mask)
 
 
+def test_emitted_ids_stand_for_the_answers_they_wrote(smollm2_tokenizer):
+    """A regenerated answer keeps the ids the model generated, even where they split the
+    text differently from encoding it (here "Blue, like" written as "Bl" + "ue, like"); a
+    length-cut answer (no end-of-turn id) gets the marker encoded after it; ids that do
+    not write the answer are ignored. The rest of the record is unchanged."""
+    tok = smollm2_tokenizer
+    canonical = tokenize_conversation(tok, MULTI)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    first = enc("Bl") + enc("ue, like the sky.") + [eot]  # generated, EOS included
+    assert first[:-1] != enc("Blue, like the sky.")
+    second = enc("  Green \n")  # cut by max_tokens: no end-of-turn id
+    third = [*enc("something else"), eot]  # not this answer: encoded instead
+    out = tokenize_conversation(tok, MULTI, [first, second, third])
+    runs = _runs(out.input_ids, out.loss_mask)
+    assert runs[0] == first
+    assert runs[1] == [*second, eot]
+    assert runs[2] == _runs(canonical.input_ids, canonical.loss_mask)[2]
+    assert tok.decode(out.input_ids) == tok.decode(canonical.input_ids)
+    assert len(out.input_ids) == len(canonical.input_ids) + 1  # "Bl" + "ue": one more
+    with pytest.raises(ValueError, match=r"emitted holds 1 token lists for 3 assistant"):
+        tokenize_conversation(tok, MULTI, [first])
+
+
 def test_sources_parse_sharegpt_messages_and_prompts_and_count_bad_lines(tmp_path):
     path = tmp_path / "mixed.jsonl"
     lines = [
