@@ -67,7 +67,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="on CUDA, projections of at most N token rows (decode, verify and draft steps) "
-        "run the skinny Triton GEMM instead of cuBLAS; 0: cuBLAS always (default: 64)",
+        "run the skinny Triton GEMM instead of cuBLAS (experimental: slower than cuBLAS on "
+        "the H200 so far); default 0: cuBLAS always",
     )
     g.add_argument(
         "--async-scheduling",

@@ -162,8 +162,9 @@ class EngineConfig:
 
     ``triton_gemm_max_tokens``: on CUDA, projections of at most this many token rows (the
     target's and a draft head's: decode and verify steps, draft levels) run the skinny
-    Triton GEMM (``kernels/skinny_gemm.py``) instead of cuBLAS; 0 keeps cuBLAS for all.
-    The CPU path always uses torch's.
+    Triton GEMM (``kernels/skinny_gemm.py``) instead of cuBLAS. 0 (the default) keeps
+    cuBLAS for all: on the H200 the Triton path made SmolLM2's batch-1 decode step slower
+    (TPOT 0.86 -> 1.09 ms; BENCHMARKS.md, session 20). The CPU path always uses torch's.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -179,7 +180,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     async_scheduling: bool | None = None
-    triton_gemm_max_tokens: int = 64
+    triton_gemm_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         spec = self.speculative

@@ -3,8 +3,9 @@
 ``Linear`` is ``nn.Linear`` (same parameters, same checkpoints) whose forward runs
 ``kernels.skinny_gemm`` when the input has at most ``max_rows`` rows, and cuBLAS
 otherwise. ``max_rows`` is 0 (off) until ``use_triton_gemm`` sets it: the engine does so
-on CUDA (``EngineConfig.triton_gemm_max_tokens``), where decode and verify steps are a
-few rows per projection; training, the CPU and prefills keep ``F.linear``.
+on CUDA when ``EngineConfig.triton_gemm_max_tokens`` asks (off by default: slower than
+cuBLAS in the engine on the H200 so far, BENCHMARKS.md session 20); training, the CPU and
+prefills keep ``F.linear``.
 
 A pre-norm block's entries fuse further on that path (``add_norm_linear``,
 ``add_norm_gate_up_silu``): the residual add and the RMSNorm run in the projection's
