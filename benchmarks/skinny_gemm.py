@@ -116,6 +116,9 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="weights from HBM, not L2")
     p.add_argument("--cold-mb", type=int, default=256)
     p.add_argument("--json", help="write the rows here")
+    p.add_argument(
+        "--write-tiles", help="write the tuned tile per (N, K) here, for $SPECDEC_GEMM_TILES"
+    )
     a = p.parse_args()
     from specdec.kernels.skinny_gemm import GemmConfig, choose_gemm_config
 
@@ -179,6 +182,16 @@ def main() -> None:
         )
     if a.json:
         Path(a.json).write_text(json.dumps(rows_out, indent=1))
+    if a.write_tiles:  # the fastest tile per (N, K) over the tuned row counts
+        best: dict[str, tuple[float, dict]] = {}
+        for r in rows_out:
+            if "tuned_us" not in r:
+                continue
+            n = r["N"] // 2 if SHAPES[r["shape"]][2] else r["N"]
+            key = f"{n},{r['K']}"
+            if key not in best or r["tuned_us"] < best[key][0]:
+                best[key] = (r["tuned_us"], r["tuned_config"])
+        Path(a.write_tiles).write_text(json.dumps({k: c for k, (_, c) in best.items()}))
 
 
 if __name__ == "__main__":

@@ -111,3 +111,18 @@ def test_explicit_tiles_are_honoured() -> None:
     torch.testing.assert_close(
         skinny_linear(x, w, config=cfg), skinny_linear_ref(x, w), atol=1e-5, rtol=1e-5
     )
+
+
+def test_measured_tiles_override_the_default_rule(tmp_path, monkeypatch) -> None:
+    """``$SPECDEC_GEMM_TILES`` (a tuning run's output) picks the tile per (N, K); other
+    shapes keep the rule, and results stay exact."""
+    from specdec.kernels import skinny_gemm as sg
+
+    path = tmp_path / "tiles.json"
+    path.write_text('{"40,72": {"block_n": 32, "block_k": 32, "num_warps": 2}}')
+    monkeypatch.setenv(sg.TILES_ENV, str(path))
+    sg._measured_tiles.cache_clear()
+    assert choose_gemm_config(5, 40, 72) == GemmConfig(block_n=32, block_k=32, num_warps=2)
+    assert choose_gemm_config(5, 48, 72) == GemmConfig(block_n=16)
+    x, w = _inputs(5, 40, 72, seed=4)
+    torch.testing.assert_close(skinny_linear(x, w), skinny_linear_ref(x, w), atol=1e-5, rtol=1e-5)

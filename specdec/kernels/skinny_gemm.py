@@ -27,7 +27,11 @@ synchronises (graph-safe).
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -145,11 +149,33 @@ class GemmConfig:
     num_stages: int = 3
 
 
+TILES_ENV = "SPECDEC_GEMM_TILES"
+"""A JSON file of measured tiles, ``{"N,K": {GemmConfig fields}}`` (what
+``benchmarks/skinny_gemm.py --tune --write-tiles`` writes), consulted before the default
+rule: for tuning experiments on a GPU, never needed for correctness."""
+
+
+@functools.cache
+def _measured_tiles(path: str) -> dict[tuple[int, int], GemmConfig]:
+    data = json.loads(Path(path).read_text())
+    out = {}
+    for key, fields in data.items():
+        n, k = (int(v) for v in key.split(","))
+        out[n, k] = GemmConfig(**fields)
+    return out
+
+
 def choose_gemm_config(num_rows: int, n: int, k: int) -> GemmConfig:
     """Narrow column tiles for narrow projections (enough programs to fill the SMs with a
-    576-column output), wider ones for wide outputs (an LM head: fewer, longer programs).
-    ``num_rows`` sets only how many 16-row tiles run."""
-    del num_rows, k  # the row tile is fixed; K is looped
+    576-column output), wider ones for wide outputs (an LM head: fewer, longer programs);
+    a measured tile from ``$SPECDEC_GEMM_TILES`` first. ``num_rows`` sets only how many
+    16-row tiles run."""
+    del num_rows  # the row tile is fixed
+    path = os.environ.get(TILES_ENV)
+    if path:
+        tile = _measured_tiles(path).get((n, k))
+        if tile is not None:
+            return tile
     block_n = 16 if n <= 4096 else 64
     return GemmConfig(block_n=block_n)
 
