@@ -19,6 +19,10 @@ the engine leaves it off unless asked (``EngineConfig.triton_gemm_max_tokens``).
 fused ``gate_up`` weight (gate rows first), one launch and no ``[rows, 2 * I]`` round
 trip through memory. Its roundings follow the unfused modules (each product rounded to
 the activation dtype, SiLU computed in float32 and rounded, then the product).
+``add_rmsnorm_linear`` and ``add_rmsnorm_gate_up_silu`` also take a pre-norm block's
+entry into the prologue: the residual add and the RMSNorm (each program computes its
+rows' RMS over K first, then normalises as it loads; the first column tile writes the
+stream), with ``models.llama.RMSNorm``'s roundings.
 
 Invariants: float32 accumulation over a ``BLOCK_K`` loop whose tiles depend on the
 weight's shape only, never on the number of rows. Shapes come from host ints, nothing
