@@ -88,6 +88,16 @@ def _(x, residual, norm_weight, eps, weight):
     return x.new_empty(x.shape[0], weight.shape[0] // 2), torch.empty_like(x)
 
 
+def _run(op, launcher: str, *args):
+    """``op`` (the custom op) under ``torch.compile``; ``kernels.skinny_gemm``'s
+    ``launcher`` directly otherwise (imported late: triton loads only when used)."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    from specdec.kernels import skinny_gemm
+
+    return getattr(skinny_gemm, launcher)(*args)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that multiplies inputs of at most ``max_rows`` rows (2-d, contiguous
     rows, a float dtype) with the skinny Triton GEMM; same results up to float rounding
@@ -106,22 +116,14 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.takes_triton(x):
             return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():
-            return skinny_linear_op(x, self.weight, self.bias)
-        from specdec.kernels.skinny_gemm import skinny_linear
-
-        return skinny_linear(x, self.weight, self.bias)
+        return _run(skinny_linear_op, "skinny_linear", x, self.weight, self.bias)
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` in one launch when this is an MLP's fused gate/up projection
         (no bias) and ``x`` takes the Triton path; None otherwise (run it unfused)."""
         if self.bias is not None or not self.takes_triton(x):
             return None
-        if torch.compiler.is_compiling():
-            return gate_up_silu_op(x, self.weight)
-        from specdec.kernels.skinny_gemm import gate_up_silu
-
-        return gate_up_silu(x, self.weight)
+        return _run(gate_up_silu_op, "gate_up_silu", x, self.weight)
 
 
 def _fusable(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -145,11 +147,7 @@ def add_norm_linear(
     if not _fusable(proj, x, residual):
         return None
     args = (x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-    if torch.compiler.is_compiling():
-        return add_rmsnorm_linear_op(*args)
-    from specdec.kernels.skinny_gemm import add_rmsnorm_linear
-
-    return add_rmsnorm_linear(*args)
+    return _run(add_rmsnorm_linear_op, "add_rmsnorm_linear", *args)
 
 
 def add_norm_gate_up_silu(
@@ -163,11 +161,7 @@ def add_norm_gate_up_silu(
     if not _fusable(proj, x, residual) or proj.bias is not None:
         return None
     args = (x, residual, norm.weight, norm.eps, proj.weight)
-    if torch.compiler.is_compiling():
-        return add_rmsnorm_gate_up_silu_op(*args)
-    from specdec.kernels.skinny_gemm import add_rmsnorm_gate_up_silu
-
-    return add_rmsnorm_gate_up_silu(*args)
+    return _run(add_rmsnorm_gate_up_silu_op, "add_rmsnorm_gate_up_silu", *args)
 
 
 def use_triton_gemm(module: nn.Module, max_rows: int) -> int:
