@@ -227,6 +227,21 @@ def test_rope_store_kvcache_rejects_mismatched_tables():
         rope_store_kvcache(q, k, k.clone(), cos, cos, cache, cache.clone(), slots)
 
 
+def test_kv_stores_reject_a_strided_slot_mapping():
+    """Kernels read ``slot_mapping[token]`` densely: a strided view (a one-wide column of
+    a [batch, q] slot table, as draft levels slice it) would write other tokens' slots,
+    so both stores refuse it, naming the fix."""
+    q, k = torch.zeros(2, 3, 64, device=DEVICE), torch.zeros(2, 1, 64, device=DEVICE)
+    cache = torch.zeros(2, 16, 1, 64, device=DEVICE)
+    cos = torch.zeros(2, 1, 32, device=DEVICE)
+    slots = torch.arange(8, device=DEVICE).view(2, 4)[:, 1:2].reshape(-1)  # stride 4
+    assert slots.stride() == (4,)
+    with pytest.raises(ValueError, match=r"slot_mapping must be contiguous.*contiguous\(\)"):
+        rope_store_kvcache(q, k, k.clone(), cos, cos, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match=r"slot_mapping must be contiguous"):
+        store_kvcache(k, k.clone(), cache, cache.clone(), slots)
+
+
 # --- move_kv_slots -----------------------------------------------------------------------
 
 

@@ -437,6 +437,8 @@ def test_draft_layout_feeds_each_node_at_its_slot_with_its_ancestors(shape) -> N
                 for j in range(prev, total)
             ]
             assert x.meta.slot_mapping.tolist() == slots
+            # Kernels index these densely: a strided view would address other entries.
+            assert x.meta.slot_mapping.is_contiguous() and x.positions.is_contiguous()
             positions = [start[b] + depth - 1 for b in range(batch) for _ in range(n)]
             assert x.positions.tolist() == positions
             assert x.meta.seq_lens.tolist() == [s + total for s in start]

@@ -234,6 +234,7 @@ def paged_decode(
     require_launchable(_decode_split_kernel, q, k_cache, meta.seq_lens, meta.block_tables)
     require_last_dim_contiguous("q", q)
     require_last_dim_contiguous("block_tables", meta.block_tables)
+    require_last_dim_contiguous("seq_lens", meta.seq_lens)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_seqs != meta.num_seqs:

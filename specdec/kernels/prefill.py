@@ -446,6 +446,8 @@ def paged_attention(
     require_launchable(_prefill_kernel, q, k_cache, meta.query_start_loc, meta.block_tables)
     require_last_dim_contiguous("q", q)
     require_last_dim_contiguous("block_tables", meta.block_tables)
+    require_last_dim_contiguous("query_start_loc", meta.query_start_loc)
+    require_last_dim_contiguous("seq_lens", meta.seq_lens)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:

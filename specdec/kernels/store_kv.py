@@ -83,6 +83,8 @@ def store_kvcache(
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be [{num_tokens}]")
     require_last_dim_contiguous("k", k)
     require_last_dim_contiguous("v", v)
+    # Slots are read densely (slot_mapping[token]); a strided view would address others.
+    require_last_dim_contiguous("slot_mapping", slot_mapping)
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
@@ -214,7 +216,7 @@ def rope_store_kvcache(
         require_last_dim_contiguous(name, t)
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be [{num_tokens}]")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("slot_mapping", slot_mapping)):
         require_last_dim_contiguous(name, t)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:

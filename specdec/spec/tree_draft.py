@@ -145,7 +145,9 @@ class TreeDraftLayout:
         host = self.inputs.start_cpu
         seq_lens_cpu = [s + total for s in host] if host is not None else None
         meta = AttentionMetadata(
-            slot_mapping=self._slots[:, prev:total].reshape(-1),
+            # contiguous: a level's column slice of [batch, capacity] reshapes to a
+            # strided view when it is one node wide, and kernels index slots densely.
+            slot_mapping=self._slots[:, prev:total].reshape(-1).contiguous(),
             query_start_loc=query_start_loc,
             seq_lens=self._start32 + total,
             block_tables=self.inputs.block_tables,
