@@ -28,6 +28,7 @@ import gzip
 import json
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -57,6 +58,13 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--pipelined", choices=["on", "off"], default="on")
     p.add_argument("--compile-head", choices=["on", "off"], default="off")
+    p.add_argument(
+        "--compile-growth",
+        choices=["on", "off"],
+        default="on",
+        help="with --compile-head on: the whole draft side as one region (off: the head's "
+        "layer and logits only)",
+    )
     p.add_argument("--trace-dir", help="keep each run's Chrome trace here (.json.gz)")
     p.add_argument("--summarize", help="only summarise this Chrome trace (.json or .json.gz)")
     a = p.parse_args()
@@ -69,12 +77,14 @@ def main() -> None:
     if unknown:
         p.error(f"unknown --shapes {unknown[0]!r}; choose from {', '.join(SHAPES)}")
     for shape in a.shapes:
+        t0 = time.perf_counter()
         llm = build(a, shape)
+        print(f"## {shape}: engine built in {time.perf_counter() - t0:.1f} s", flush=True)
         for batch in a.batch:
             trace = profile(llm, prompts(llm, a.prompts, batch), a.max_tokens)
             name = f"{shape}-b{batch}-{'pipelined' if a.pipelined == 'on' else 'sync'}"
             if a.compile_head == "on":
-                name += "-compiled"
+                name += "-compiled" if a.compile_growth == "on" else "-regions"
             if a.trace_dir:
                 path = Path(a.trace_dir) / f"trace_{name}.json.gz"
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,6 +105,7 @@ def build(a: argparse.Namespace, shape: str):
         model=a.head,
         pipelined=a.pipelined == "on",
         compile_head=a.compile_head == "on",
+        compile_growth=a.compile_growth == "on",
         **SHAPES[shape],
     )
     return LLM(

@@ -132,6 +132,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="torch.compile the EAGLE-3 head inside its CUDA graphs (default: on)",
     )
     g.add_argument(
+        "--spec-compile-growth",
+        type=_on_off,
+        default=None,
+        metavar="on|off",
+        help="with --spec-compile-head: compile the whole draft side of a captured step "
+        "(index arithmetic, catch-up, every level, tree building) as one region, not only "
+        "the head's layer and logits (default: on)",
+    )
+    g.add_argument(
         "--spec-choices",
         type=json.loads,
         default=None,
@@ -149,6 +158,7 @@ TREE_FLAGS = {
     "spec_disable_by_batch_size": "disable_by_batch_size",
     "spec_pipelined": "pipelined",
     "spec_compile_head": "compile_head",
+    "spec_compile_growth": "compile_growth",
 }
 
 

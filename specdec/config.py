@@ -105,6 +105,15 @@ class SpeculativeConfig:
     # GPU path with EngineConfig.compile). H200, bf16, chain K=3: 1.39 -> 1.60x at batch 1,
     # 1.22 -> 1.48x at batch 16 (BENCHMARKS.md, session 12).
     compile_head: bool = True
+    # With compile_head: the whole draft side of a captured step (the catch-up state's
+    # index arithmetic, the head's catch-up forward, every draft level, the tree's ranking
+    # and bookkeeping) compiles as one region, so inductor fuses the dozens of small index
+    # kernels between the head's layers. Off: only the head's layer and logits compile.
+    # H200, bf16, same lease: the chain of 3's step before verify 64 kernels, 175 us
+    # (was 117, ~280 us); speedup at batch 1 1.74 -> 1.92x on humaneval, 1.54 -> 1.89x
+    # on gsm_symbolic (BENCHMARKS.md, session 21). The engine then starts in 32 s (chain)
+    # to 42 s (t8-d5-n32 tree) on the H200, compilation included.
+    compile_growth: bool = True
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:

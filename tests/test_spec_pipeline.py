@@ -198,13 +198,19 @@ def test_pipelined_steps_count_as_synchronous_ones(smollm2_dir, trained_head_dir
     assert sum(a for _, _, a in want) > 0  # drafts accepted
 
 
-@pytest.mark.parametrize("compile_head", [False, True], ids=["eager-head", "compiled-head"])
+@pytest.mark.parametrize(
+    ("compile_head", "compile_growth"),
+    [(False, False), (True, False), (True, True)],
+    ids=["eager-head", "compiled-head", "compiled-growth"],
+)
 def test_pipelined_graph_replays_keep_outputs(
-    smollm2_dir, trained_head_dir, chats, reference, monkeypatch, compile_head
+    smollm2_dir, trained_head_dir, chats, reference, monkeypatch, compile_head, compile_growth
 ) -> None:
     """The GPU path's replays (verify graphs fed device-built inputs, captured growth fed
-    the step in flight's outcome, optionally the head's compiled regions) with CPU
-    stand-ins: plain greedy tokens."""
+    the step in flight's outcome, optionally compiled: the head's layer and logits, or the
+    whole draft side as one region without a graph break) with CPU stand-ins: plain
+    greedy tokens."""
+    from specdec.attention.custom_op import OpaqueAttention
     from specdec.engine import model_runner, spec_pipeline
     from specdec.spec import tree_draft
 
@@ -213,6 +219,7 @@ def test_pipelined_graph_replays_keep_outputs(
         model=str(trained_head_dir),
         pipelined=True,
         compile_head=compile_head,
+        compile_growth=compile_growth,
         **DYNAMIC,
     )
     llm = make_llm(smollm2_dir, speculative=spec, max_num_seqs=8, cuda_graph_max_batch_size=8)
@@ -226,7 +233,7 @@ def test_pipelined_graph_replays_keep_outputs(
         real_compile = torch.compile
 
         def counting_compile(fn, **kwargs):
-            compiled = real_compile(fn, backend="eager")
+            compiled = real_compile(fn, backend="eager", fullgraph=kwargs.get("fullgraph", False))
 
             def run(*args, **kw):
                 compiled_calls[0] += 1
@@ -236,7 +243,10 @@ def test_pipelined_graph_replays_keep_outputs(
 
         monkeypatch.setattr(torch, "compile", counting_compile)
         engine.proposer.compile = True  # as on the GPU path with EngineConfig.compile
+        # Compiled code reaches attention through the opaque op (EngineConfig.compile).
+        engine.proposer.head.midlayer.self_attn.backend = OpaqueAttention("torch")
     engine._capture_graphs()
+    assert engine.proposer.compiles_growth == compile_growth
     picked = PICKED[:5]  # the 8-bucket pads three sequences
     outs = llm.generate([chats[i] for i in picked], greedy(48), use_tqdm=False)
     assert token_ids(outs) == [reference[i][:48] for i in picked]

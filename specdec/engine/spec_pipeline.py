@@ -49,6 +49,7 @@ from specdec.engine.cuda_graph import capture_graph, tree_graph_batch_sizes
 from specdec.engine.input_batch import BlockTables, StepInputs
 from specdec.engine.request import Request
 from specdec.engine.staging import HostCopy, aligned, to_device, to_host
+from specdec.models.compiling import compile_region
 from specdec.spec.acceptance import greedy_accept_and_stage
 from specdec.spec.tree import TreeBatch
 from specdec.spec.tree_draft import GrowInputs
@@ -219,6 +220,7 @@ class SpecPipeline:
         # [q] int64: node i of a tree sits at cache index root + i.
         self.node_offsets = torch.arange(self.shape.max_draft_tokens + 1, device=runner.device)
         self.graphs: SpecStepGraphs | None = None
+        self._graph_draft = self._draft  # what the step's graphs run (capture_graphs)
         self.num_launches = 0
         self.block_tables = BlockTables(self.rows, runner.block_table_width)
         # Acceptance, the next catch-up state and the read-back row: one launch on the
@@ -231,7 +233,11 @@ class SpecPipeline:
 
     def capture_graphs(self, max_batch_size: int) -> None:
         """Graphs of the whole step for batches up to ``max_batch_size`` (GPU path, after
-        the runner's and the proposer's own graphs)."""
+        the runner's and the proposer's own graphs). Where the proposer compiles its
+        growth, everything before the verify forward compiles as one region with it: the
+        state's gathers, the slots and the verification inputs fuse into a few kernels."""
+        if self.proposer.compiles_growth:
+            self._graph_draft = compile_region(self._draft, fullgraph=True)
         self.graphs = SpecStepGraphs(self, max_batch_size)
 
     @torch.inference_mode()
@@ -276,26 +282,8 @@ class SpecPipeline:
         """One pipelined step, device ops only (capturable); rows ``0 .. batch`` of the
         catch-up state then hold its outcome."""
         runner = self.runner
-        state = self.state.take(src)  # copies: the writes below overwrite the rows read
-        root_index = state.start + state.last + 1  # [batch]: each tree root's cache index
-        # The slots of the tree's cache indices, looked up once: the head's draft levels,
-        # the verification and the accepted K/V's move all address them.
-        slots = cache_slots(tables, root_index[:, None] + self.node_offsets, runner.block_size)
-        slots = slots.view(root_index.shape[0], -1)  # [batch, q]
-        inputs = GrowInputs(
-            roots=state.tokens.gather(1, state.last[:, None]).squeeze(1),
-            start=root_index,
-            block_tables=tables,
-            root_state=state.fields(),
-            slots=slots,
-        )
-        on_cpu = runner.device.type == "cpu"
-        if on_cpu:  # the reference backend loops over host lengths (free off CUDA)
-            inputs.start_cpu = root_index.tolist()
-        tree = self.proposer.grow_pipelined(inputs, runner.max_model_len, captured=captured)
-        step = verify_inputs(
-            tree, root_index, slots, tables, runner.max_model_len, inputs.start_cpu
-        )
+        draft = self._graph_draft if captured else self._draft
+        tree, step, root_index, slots = draft(src, tables, captured)
         if captured:
             logits, aux = runner.graph_forward(step.input_ids, step.positions, step.meta)
         else:
@@ -317,6 +305,39 @@ class SpecPipeline:
         if not tree.is_chain:  # a chain's accepted nodes already sit next to the root
             runner.move_accepted_kv(acceptance, slots)
         return pack_signals(packed, tree.exit_signals)
+
+    def _draft(
+        self,
+        src: torch.Tensor,  # [batch] int: each row's catch-up state row
+        tables: torch.Tensor,  # [batch, width] int32
+        captured: bool,
+    ) -> tuple[TreeBatch, StepInputs, torch.Tensor, torch.Tensor]:
+        """The step's draft side, device ops only: the catch-up state's rows, the head's
+        catch-up and growth, and the verification inputs of the trees. Returns (trees,
+        verify inputs, root_index [batch], slots [batch, q])."""
+        runner = self.runner
+        state = self.state.take(src)  # copies: the writes below overwrite the rows read
+        root_index = state.start + state.last + 1  # [batch]: each tree root's cache index
+        # The slots of the tree's cache indices, looked up once: the head's draft levels,
+        # the verification and the accepted K/V's move all address them.
+        slots = cache_slots(tables, root_index[:, None] + self.node_offsets, runner.block_size)
+        slots = slots.view(root_index.shape[0], -1)  # [batch, q]
+        inputs = GrowInputs(
+            roots=state.tokens.gather(1, state.last[:, None]).squeeze(1),
+            start=root_index,
+            block_tables=tables,
+            root_state=state.fields(),
+            slots=slots,
+        )
+        # The reference backend loops over host lengths (free off CUDA); compiled code
+        # reaches attention through the opaque op, which needs none.
+        if runner.device.type == "cpu" and not torch.compiler.is_compiling():
+            inputs.start_cpu = root_index.tolist()
+        tree = self.proposer.grow_pipelined(inputs, runner.max_model_len, captured=captured)
+        step = verify_inputs(
+            tree, root_index, slots, tables, runner.max_model_len, inputs.start_cpu
+        )
+        return tree, step, root_index, slots
 
 
 class SpecStepGraphs:

@@ -62,6 +62,10 @@ class Proposer(ABC):
     # it then has ``pipeline_ready``, ``pipeline_inputs``, ``grow_pipelined`` and
     # ``resume`` (Eagle3Proposer).
     pipelines: ClassVar[bool] = False
+    # Whether the growth its captured graphs run is one compiled region
+    # (``SpeculativeConfig.compile_growth``); a pipeline then compiles its own draft
+    # side, which inlines the growth, as one region too. Set by ``capture_graphs``.
+    compiles_growth: bool = False
 
     def group_by_shape(
         self, rows: Sequence[int], max_draft_tokens: Sequence[int], rooms: Sequence[int]

@@ -458,6 +458,17 @@ def grow_trees(
     return _with_mask(batch, shape.depth)
 
 
+def tree_plan(shape: TreeShape, device: torch.device) -> None:
+    """Make ``shape``'s index constants on ``device`` now. ``grow_trees`` makes them on
+    first use; a caller about to trace it (``torch.compile``) calls this first, so the
+    trace reads the cached tensors instead of recording their creation."""
+    device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report
+    if isinstance(shape, DynamicTreeShape):
+        _dynamic_plan(shape, device)
+    else:
+        _static_plan(shape.as_static() if isinstance(shape, ChainShape) else shape, device)
+
+
 def _with_mask(batch: TreeBatch, max_depth: int) -> TreeBatch:
     batch.ancestor_mask = ancestor_closure(batch.parents, max_depth)
     return batch
