@@ -199,12 +199,17 @@ def test_pipelined_steps_count_as_synchronous_ones(smollm2_dir, trained_head_dir
 
 
 @pytest.mark.parametrize(
-    ("compile_head", "compile_growth"),
-    [(False, False), (True, False), (True, True)],
-    ids=["eager-head", "compiled-head", "compiled-growth"],
+    ("compile_head", "compile_growth", "tree"),
+    [
+        (False, False, DYNAMIC),
+        (True, False, DYNAMIC),
+        (True, True, DYNAMIC),
+        (True, True, {"num_speculative_tokens": 3}),
+    ],
+    ids=["eager-head", "compiled-head", "compiled-growth", "compiled-growth-chain"],
 )
 def test_pipelined_graph_replays_keep_outputs(
-    smollm2_dir, trained_head_dir, chats, reference, monkeypatch, compile_head, compile_growth
+    smollm2_dir, trained_head_dir, chats, reference, monkeypatch, compile_head, compile_growth, tree
 ) -> None:
     """The GPU path's replays (verify graphs fed device-built inputs, captured growth fed
     the step in flight's outcome, optionally compiled: the head's layer and logits, or the
@@ -220,7 +225,7 @@ def test_pipelined_graph_replays_keep_outputs(
         pipelined=True,
         compile_head=compile_head,
         compile_growth=compile_growth,
-        **DYNAMIC,
+        **tree,
     )
     llm = make_llm(smollm2_dir, speculative=spec, max_num_seqs=8, cuda_graph_max_batch_size=8)
     engine = llm.engine
