@@ -196,6 +196,16 @@ def write_json(
     out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 
+def union_length(intervals) -> float:
+    """Total length covered by ``(start, end)`` intervals (overlaps counted once): a
+    device's busy time from its kernels' intervals."""
+    covered, last_end = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        covered += max(0.0, end - max(start, last_end))
+        last_end = max(last_end, end)
+    return covered
+
+
 # ---------------------------------------------------------------------------- models
 
 

@@ -11,9 +11,9 @@
 #
 # PROMPTS holds the sets' JSONLs (made where the data packages are: `specdec bench
 # --export-prompts DIR`); SETS picks them (default humaneval gsm_symbolic), MODES the head's
-# modes (eager, regions, compiled; default eager compiled), CHAINS the chain lengths (default 2,3); EXTRA_ARGS is
-# added to every bench command (e.g. "--triton-gemm-max-tokens 0"). Reports go to
-# $OUT (spec_speed_<mode>.*).
+# modes (eager, regions, compiled; default eager compiled), CHAINS the chain lengths
+# (default 2,3); EXTRA_ARGS is added to every bench command (e.g.
+# "--triton-gemm-max-tokens 0"). Reports go to $OUT (spec_speed_<mode>.*).
 set -uo pipefail
 : "${HEAD:?HEAD=<EAGLE-3 head dir>}" "${PROMPTS:?PROMPTS=<dir with the bench set JSONLs>}"
 OUT=${OUT:-/tmp/spec_speed}

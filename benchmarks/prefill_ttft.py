@@ -47,17 +47,12 @@ def timed(llm, prompt: list[int], params) -> float:
 
 def device_busy_us(prof) -> tuple[float, int]:
     """Microseconds of the union of device kernel intervals, and the kernel count."""
-    spans = sorted(
+    spans = [
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    busy, end = 0.0, float("-inf")
-    for start, stop in spans:
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
-    return busy, len(spans)
+    ]
+    return common.union_length(spans), len(spans)
 
 
 def main() -> None:

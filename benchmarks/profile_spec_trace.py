@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parse_int_list, parse_str_list
+from common import parse_int_list, parse_str_list, union_length
 
 SHAPES = {
     "chain2": {"num_speculative_tokens": 2},
@@ -243,11 +243,7 @@ def summarize(trace: dict) -> dict:
     for tid_spans in spans.values():
         for start, end, name in tid_spans:
             host_ms[name] += (end - start) / 1e3
-    busy, last_end = 0.0, float("-inf")  # union of kernel intervals
-    for k in sorted(kernels, key=lambda k: k["ts"]):
-        start, end = k["ts"], k["ts"] + k["dur"]
-        busy += max(0.0, end - max(start, last_end))
-        last_end = max(last_end, end)
+    busy = union_length((k["ts"], k["ts"] + k["dur"]) for k in kernels)
     wall = (steps[-1]["ts"] + steps[-1]["dur"] - steps[0]["ts"]) if steps else 0.0
     graph_launches = sum(1 for e in events if e.get("name") == "cudaGraphLaunch")
     launch_names = ("cudaLaunchKernel", "cuLaunchKernel")

@@ -254,16 +254,17 @@ class Eagle3Proposer(Proposer):
         tokens, last, start = pack_catch_ups([(0, 1)], [[0]], width, self.device)
         aux = torch.zeros(1, width, 3 * self.head.config.hidden_size, dtype=self.kv_cache[0].dtype)
         state_like = (tokens, aux.to(self.device), last, start)
-        if self.config.compile_head and self.compile and self.config.compile_growth:
-            # One region from the catch-up state to the finished tree: inductor fuses the
-            # index arithmetic between the head's layers (slots, positions, gathers, ranks,
-            # the vocabulary map), ~10 launches per level on the GPU otherwise.
-            tree_plan(self.shape, self.device)  # the shape's constants, made outside tracing
-            self._graph_grow = compile_region(self._grow, fullgraph=True)
-            self.compiles_growth = True
-        elif self.config.compile_head and self.compile:  # the head's layer and logits only
-            self.head.compile_regions()
-            self._graph_grow = functools.partial(self._grow, compiled=True)
+        if self.config.compile_head and self.compile:
+            if self.config.compile_growth:
+                # One region from the catch-up state to the finished tree: inductor fuses
+                # the index arithmetic between the head's layers (slots, positions,
+                # gathers, ranks, the vocabulary map), ~10 launches per level otherwise.
+                tree_plan(self.shape, self.device)  # shape constants made outside tracing
+                self._graph_grow = compile_region(self._grow, fullgraph=True)
+                self.compiles_growth = True
+            else:  # the head's layer and logits only
+                self.head.compile_regions()
+                self._graph_grow = functools.partial(self._grow, compiled=True)
         self.grower.capture(
             self.shape,
             max_batch_size,
