@@ -63,7 +63,16 @@ def main() -> None:
     p.add_argument("--n", type=int, default=32, help="requests per case")
     p.add_argument("--length", type=int, default=100, help="first prompt length (tokens)")
     p.add_argument("--pad", type=int, default=64, help="the padded case's length multiple")
+    p.add_argument(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=None,
+        help="EngineConfig.prefill_graph_max_tokens (0: prefills run eagerly; default: the "
+        "engine's)",
+    )
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--trace", help="write the profiled request's Chrome trace here (.json.gz)")
+    p.add_argument("--top", type=int, default=25, help="host ops listed by self CPU time")
     a = p.parse_args()
     if a.n < 2 or a.length < 2 or a.pad < 1:
         p.error("--n and --length must be >= 2, --pad >= 1")
@@ -71,7 +80,13 @@ def main() -> None:
 
     device = common.resolve_device(a.device)
     dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    llm = LLM(a.model, dtype=dtype, device=device.type, enable_prefix_caching=False)
+    extra = {}
+    if a.prefill_graph_max_tokens is not None:
+        extra["prefill_graph_max_tokens"] = a.prefill_graph_max_tokens
+    t0 = time.perf_counter()
+    llm = LLM(a.model, dtype=dtype, device=device.type, enable_prefix_caching=False, **extra)
+    build_s = time.perf_counter() - t0
+    print(f"engine built in {build_s:.1f} s")
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     vocab = llm.engine.runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -101,6 +116,10 @@ def main() -> None:
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = timed(llm, prompt(a.length + a.n + 7), params)
         busy, kernels = device_busy_us(prof)
+        if a.trace:
+            prof.export_chrome_trace(a.trace)
+        # Where the host's time goes when the device is mostly idle.
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top))
         profile = {"wall_ms": wall * 1e3, "device_busy_ms": busy / 1e3, "kernels": kernels}
     print("| case | median ms | first ms | max ms |")
     print("|---|---:|---:|---:|")
@@ -115,7 +134,13 @@ def main() -> None:
         env = common.env_info(device, getattr(torch, dtype))
         out = Path(a.json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"env": env, "args": vars(a), "rows": rows, "profile": profile}
+        payload = {
+            "env": env,
+            "args": vars(a),
+            "build_s": build_s,
+            "rows": rows,
+            "profile": profile,
+        }
         out.write_text(json.dumps(payload, indent=2) + "\n")
 
 

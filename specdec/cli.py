@@ -71,6 +71,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "the H200 so far); default 0: cuBLAS always",
     )
     g.add_argument(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="on CUDA, steps with prompt tokens of at most N tokens replay a CUDA graph per "
+        "(tokens, sequences) bucket instead of launching eagerly (default 2048; 0: eager)",
+    )
+    g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -220,6 +228,7 @@ def _engine_kwargs(args: argparse.Namespace, draft_fallback: str | None = None) 
             max_num_batched_tokens=args.max_num_batched_tokens,
             admit_batch=args.admit_batch,
             triton_gemm_max_tokens=args.triton_gemm_max_tokens,
+            prefill_graph_max_tokens=args.prefill_graph_max_tokens,
         ),
         seed=args.seed,
         speculative=_speculative(args, draft_fallback),

@@ -174,6 +174,13 @@ class EngineConfig:
     Triton GEMM (``kernels/skinny_gemm.py``) instead of cuBLAS. 0 (the default) keeps
     cuBLAS for all: on the H200 the Triton path made SmolLM2's batch-1 decode step slower
     (TPOT 0.86 -> 1.09 ms; BENCHMARKS.md, session 20). The CPU path always uses torch's.
+
+    ``prefill_graph_max_tokens`` / ``prefill_graph_max_seqs``: on the CUDA-graph path, steps
+    with prefill tokens (prompts, prompt chunks, their mix with decodes; no draft tree) of
+    at most this many tokens and sequences replay a CUDA graph per (token, sequence)
+    bucket (``cuda_graph.PrefillGraphs``) instead of launching ~800 kernels from Python:
+    a SmolLM2 prompt's TTFT was ~30 ms of host time for ~2 ms of device time. 0 tokens:
+    such steps run eagerly.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -190,6 +197,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     async_scheduling: bool | None = None
     triton_gemm_max_tokens: int = 0
+    prefill_graph_max_tokens: int = 2048
+    prefill_graph_max_seqs: int = 32
 
     def __post_init__(self) -> None:
         spec = self.speculative
@@ -206,6 +215,12 @@ class EngineConfig:
                 "above that size, which decode plainly, can run asynchronously; set it, or "
                 "leave async_scheduling unset (auto) or False"
             )
+        for name in ("prefill_graph_max_tokens", "prefill_graph_max_seqs"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} must be >= 0 (prefill_graph_max_tokens=0 "
+                    "runs steps with prefill tokens eagerly)"
+                )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid; choose one of {sorted(_DTYPES)}")
         if self.cuda_graph_max_batch_size < 1:

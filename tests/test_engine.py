@@ -13,7 +13,7 @@ from tiny_models import make_tiny_model_dir
 
 from specdec import LLM, SamplingParams
 from specdec.config import EngineConfig, SpeculativeConfig
-from specdec.engine.cuda_graph import StepGraphs
+from specdec.engine.cuda_graph import PrefillGraphs, StepGraphs, prefill_graph_buckets
 from specdec.engine.spec_pipeline import SpecStepGraphs
 from specdec.sampling_params import RequestOutputKind
 from specdec.spec.tree_draft import GrowGraphs
@@ -588,6 +588,18 @@ class EagerStepGraphs(StepGraphs):
             out_aux.copy_(aux)
 
 
+class EagerPrefillGraphs(PrefillGraphs):
+    """The same stand-in for prefill graphs; the forward runs at the first replay (not at
+    capture: dozens of buckets of up to thousands of tokens cost minutes on a CPU)."""
+
+    def _capture(self, key, args):
+        self.__dict__.setdefault("_args", {})[key] = args
+        return None
+
+    def _replay(self, key) -> None:
+        self.outputs[key] = self._forward(*self._args[key])
+
+
 class EagerGrowGraphs(GrowGraphs):
     """The same stand-in for a proposer's captured growth."""
 
@@ -643,6 +655,7 @@ def test_graph_plumbing_keeps_outputs(
     )
     engine = llm.engine
     monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
+    monkeypatch.setattr(model_runner, "PrefillGraphs", EagerPrefillGraphs)
     monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
     engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
     engine._capture_graphs()
@@ -650,6 +663,7 @@ def test_graph_plumbing_keeps_outputs(
     picked = [1, 2, 4, 6, 8, 11]  # 6 requests: the 8-bucket pads two sequences
     outs = llm.generate([chats[i] for i in picked], greedy(), use_tqdm=False)
     assert token_ids(outs) == [reference[i] for i in picked]
+    assert engine.runner.prefill_graphs.num_replays > 0  # the six prompts' prefill
     if spec is None:
         assert engine.runner.graphs.num_replays.get(1, 0) > NEW_TOKENS / 2
         return
@@ -658,3 +672,67 @@ def test_graph_plumbing_keeps_outputs(
     grower = getattr(engine.proposer, "grower", None)
     if grower is not None:
         assert grower.graphs.num_replays > 0
+
+
+def test_prefill_graph_buckets_leave_room_for_a_padding_sequence() -> None:
+    assert prefill_graph_buckets(2048, 32, 8192) == (
+        [64, 128, 256, 512, 1024, 2048],
+        [2, 4, 8, 16, 32, 33],
+    )
+    assert prefill_graph_buckets(300, 4, 256) == ([64, 128, 256], [2, 4, 5])
+    assert prefill_graph_buckets(0, 32, 8192) == ([], [])
+    graphs = EagerPrefillGraphs(None, 4, 256, torch.device("cpu"), [64, 128], [2, 4, 5])
+    assert graphs.bucket(1, 1, 1) == (64, 2)  # one decode row: a padding sequence of 63
+    assert graphs.bucket(63, 1, 1) == (64, 2)
+    assert graphs.bucket(64, 1, 1) == (128, 2)  # no token left for the padding sequence
+    assert graphs.bucket(62, 2, 2) == (64, 4)  # sequence buckets are strictly larger
+    assert graphs.bucket(10, 2, 5) == (64, 5)  # logits rows fit the sequence bucket
+    assert graphs.bucket(127, 4, 4) == (128, 5)
+    assert graphs.bucket(128, 4, 4) is None  # 128 + 1 tokens > 128
+    assert graphs.bucket(10, 5, 5) is None  # 5 sequences leave no room for padding
+
+
+@pytest.mark.parametrize("case", ["arrivals", "chunked-arrivals", "prefix-cached"])
+def test_prefill_graphs_keep_outputs(smollm2_dir, chats, reference, case, monkeypatch) -> None:
+    """Steps with prefill tokens replayed from (stand-in) prefill graphs: prompts arriving
+    while others decode (prefill + decode rows in one step), prompt chunks next to
+    decodes, and prompts whose cached prefix is context: every token as the eager
+    engine's, most such steps from a graph, and padding that fits one bucket only."""
+    from specdec.engine import model_runner
+
+    kwargs = {
+        "arrivals": {},
+        "chunked-arrivals": {"max_num_batched_tokens": 96},
+        "prefix-cached": {"enable_prefix_caching": True},
+    }[case]
+    llm = make_llm(
+        smollm2_dir,
+        max_num_seqs=4,
+        prefill_graph_max_tokens=512,
+        prefill_graph_max_seqs=4,
+        async_scheduling=True,
+        **kwargs,
+    )
+    engine = llm.engine
+    monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
+    monkeypatch.setattr(model_runner, "PrefillGraphs", EagerPrefillGraphs)
+    engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
+    engine._capture_graphs()
+    picked = [0, 3, 5, 7, 9, 12] if case != "prefix-cached" else [3, 3, 5, 5]
+    # Uneven lengths, so requests finish one by one and each arrival joins running ones.
+    lengths = [32 - 6 * i for i in range(len(picked))]
+    waiting = list(range(len(picked)))
+    running: dict[str, int] = {}
+    outs: dict[int, list[int]] = {}
+    while waiting or running:
+        while waiting and len(running) < 3:
+            i = waiting.pop(0)
+            running[engine.add_request(chats[picked[i]], greedy(lengths[i]))] = i
+        for out in engine.step():
+            if out.finished:
+                outs[running.pop(out.request_id)] = list(out.outputs[0].token_ids)
+    expected = [reference[j][:n] for j, n in zip(picked, lengths, strict=True)]
+    assert [outs[i] for i in range(len(picked))] == expected
+    # Every step with an arrival (the first holds three); chunked, some steps are full
+    # (96 tokens leave no room for padding) and run eagerly.
+    assert engine.runner.prefill_graphs.num_replays >= len(picked) - 2

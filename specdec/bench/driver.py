@@ -166,8 +166,7 @@ def generate(llm: LLM, prompts: list[list[int]], run: RunParams) -> Run:
 
 def graph_replays(engine: LLMEngine) -> int:
     """Target forwards replayed from CUDA graphs so far (0 without graphs)."""
-    graphs = engine.runner.graphs
-    return sum(graphs.num_replays.values()) if graphs is not None else 0
+    return engine.runner.num_graph_replays
 
 
 def draft_graph_replays(engine: LLMEngine) -> int:

@@ -16,7 +16,13 @@ from specdec.attention.custom_op import OpaqueAttention
 from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.torch_backend import move_kvcache_ref
 from specdec.config import EngineConfig
-from specdec.engine.cuda_graph import StepGraphs, graph_batch_sizes, tree_graph_batch_sizes
+from specdec.engine.cuda_graph import (
+    PrefillGraphs,
+    StepGraphs,
+    graph_batch_sizes,
+    prefill_graph_buckets,
+    tree_graph_batch_sizes,
+)
 from specdec.engine.input_batch import PendingTokens, StepInputs, build_step_inputs
 from specdec.engine.kv_cache_manager import cdiv
 from specdec.engine.scheduler import ScheduledRequest
@@ -126,6 +132,7 @@ class ModelRunner:
         # engine before ``capture_graphs`` (graphs capture the aux outputs too).
         self.aux_layer_ids: tuple[int, ...] = ()
         self.graphs: StepGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     # ---- memory ------------------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
@@ -223,6 +230,18 @@ class ModelRunner:
         )
         return self.model.compute_logits(hidden), aux
 
+    def rows_forward(
+        self,
+        input_ids: torch.Tensor,  # [n] int64
+        positions: torch.Tensor,  # [n] int64
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [num_logits] int64
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [num_logits, vocab] float32, aux
+        """The forward prefill graphs capture: the eager modules (the kernels an eager
+        step of the same shape runs) and the lm_head on the sampled rows only."""
+        hidden, aux = self.model(input_ids, positions, self.kv_caches, meta, self.aux_layer_ids)
+        return self.model.compute_logits(hidden.index_select(0, logits_indices)), aux
+
     def warm_up_kernels(self, trees: bool) -> None:
         """Compile the Triton attention variants serving could need (kernels/warmup.py)
         now rather than on some request's first token; ``trees``: verify steps may carry
@@ -261,6 +280,29 @@ class ModelRunner:
             sizes = tree_graph_batch_sizes(max_tree_batch)
             logger.info("capturing CUDA graphs for %d-node trees, batch sizes %s", tree_size, sizes)
             self.graphs.capture(tree_size, sizes)
+        tokens, seqs = prefill_graph_buckets(
+            self.config.prefill_graph_max_tokens,
+            min(self.config.prefill_graph_max_seqs, self.config.scheduler.max_num_seqs),
+            min(self.max_model_len, self.config.scheduler.max_num_batched_tokens),
+        )
+        if tokens:
+            t0 = time.perf_counter()
+            self.prefill_graphs = PrefillGraphs(
+                self.rows_forward,
+                self.block_table_width,
+                self.max_model_len,
+                self.device,
+                tokens,
+                seqs,
+            )
+            self.graphs.pool = self.prefill_graphs.capture(self.graphs.pool)
+            logger.info(
+                "captured %d prefill CUDA graphs (tokens %s x sequences %s) in %.1f s",
+                len(self.prefill_graphs.graphs),
+                tokens,
+                seqs,
+                time.perf_counter() - t0,
+            )
 
     def prepare(
         self,
@@ -345,10 +387,28 @@ class ModelRunner:
             and self.graphs.bucket(q, inputs.meta.num_seqs) is not None
         )
 
+    def prefill_graph_key(self, inputs: StepInputs) -> tuple[int, int] | None:
+        """The prefill graph (``cuda_graph.PrefillGraphs``) ``execute`` replays for a step
+        that no uniform-step graph holds; None: none (no tree mask, and a bucket that
+        holds its tokens, sequences and logits rows)."""
+        if self.prefill_graphs is None or inputs.meta.has_tree:
+            return None
+        return self.prefill_graphs.bucket(
+            inputs.input_ids.shape[0], inputs.meta.num_seqs, inputs.logits_indices.shape[0]
+        )
+
+    @property
+    def num_graph_replays(self) -> int:
+        """Target forwards replayed from CUDA graphs so far, of every kind."""
+        steps = sum(self.graphs.num_replays.values()) if self.graphs is not None else 0
+        prefills = self.prefill_graphs.num_replays if self.prefill_graphs is not None else 0
+        return steps + prefills
+
     def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward. Returns float32 logits of the logits rows [num_logits, vocab], and
         the aux residual streams of every token [num_tokens, len(aux_layer_ids) * hidden]
-        when ``aux_layer_ids`` is set (else None)."""
+        when ``aux_layer_ids`` is set (else None). Uniform steps replay a step graph,
+        others a prefill graph where one holds them, the rest run eagerly."""
         if self.replays_graph(inputs):
             logits, aux = self.graphs.run(
                 inputs.uniform_q,
@@ -360,6 +420,11 @@ class ModelRunner:
             if logits.shape[0] != inputs.logits_indices.shape[0]:  # padding, unsampled rows
                 logits = logits.index_select(0, inputs.logits_indices)
             return logits, aux
+        key = self.prefill_graph_key(inputs)
+        if key is not None:
+            return self.prefill_graphs.run(
+                key, inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
+            )
         hidden, aux = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.aux_layer_ids
         )

@@ -131,14 +131,22 @@ def default_prefill_config(
     return prefill_config_for(block_m)
 
 
+# Split programs per SM a small launch aims at (the gate stays one program per SM). A
+# verify step at batch 16 has 48 programs: one wave of long key loops at 1, where more,
+# shorter splits hide each loop's load latency, as the decode kernel's four per SM do.
+SPLIT_PROGRAMS_PER_SM = 1
+
+
 def choose_num_splits(num_programs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
     """Split-K ways for a varlen launch of ``num_programs`` (tiles x KV heads x sequences)
-    programs: none once every SM has a program, else enough to fill the SMs, but not more
-    than gives each split two key tiles at the host bound ``max_seq_len``."""
+    programs: none once every SM has a program, else enough for ``SPLIT_PROGRAMS_PER_SM``
+    programs per SM, but not more than gives each split two key tiles at the host bound
+    ``max_seq_len``."""
     if num_programs >= num_sms:
         return 1
     by_length = triton.cdiv(max(max_seq_len, 1), 2 * block_n)
-    return max(1, min(triton.cdiv(num_sms, num_programs), by_length))
+    wanted = triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, num_programs)
+    return max(1, min(wanted, by_length))
 
 
 @triton.jit
