@@ -76,7 +76,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="on CUDA, steps with prompt tokens of at most N tokens replay a CUDA graph per "
-        "(tokens, sequences) bucket instead of launching eagerly (default 2048; 0: eager)",
+        "(tokens, sequences) bucket instead of launching eagerly (default 8192, capped by "
+        "--max-num-batched-tokens; 0: eager)",
     )
     g.add_argument(
         "--async-scheduling",

@@ -178,9 +178,11 @@ class EngineConfig:
     ``prefill_graph_max_tokens`` / ``prefill_graph_max_seqs``: on the CUDA-graph path, steps
     with prefill tokens (prompts, prompt chunks, their mix with decodes; no draft tree) of
     at most this many tokens and sequences replay a CUDA graph per (token, sequence)
-    bucket (``cuda_graph.PrefillGraphs``) instead of launching ~800 kernels from Python:
-    a SmolLM2 prompt's TTFT was ~30 ms of host time for ~2 ms of device time. 0 tokens:
-    such steps run eagerly.
+    bucket (``cuda_graph.PrefillGraphs``) instead of launching ~800 kernels from Python.
+    On the H200 a 100-token SmolLM2 prompt's TTFT fell from 18 to 3.4 ms; capturing the
+    48 graphs of the defaults takes ~5 s at start-up (BENCHMARKS.md, session 22). The
+    token bound is capped by ``max_num_batched_tokens`` and ``max_model_len``; 0: such
+    steps run eagerly.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -197,7 +199,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     async_scheduling: bool | None = None
     triton_gemm_max_tokens: int = 0
-    prefill_graph_max_tokens: int = 2048
+    prefill_graph_max_tokens: int = 8192
     prefill_graph_max_seqs: int = 32
 
     def __post_init__(self) -> None:

@@ -461,7 +461,9 @@ def test_prefill_tiles_and_splits_fill_the_gpu():
         tiles = -(-q_len // (config.block_m // 3))
         return config.block_m, choose_num_splits(tiles * 3 * num_seqs, max_seq_len, 64, sms)
 
-    assert choose(65, 1, 2048) == (16, 4)  # 13 tiles x 3 heads = 39 programs, x4 splits
+    # 13 tiles x 3 heads = 39 programs, x14 splits: four programs per SM
+    assert choose(65, 1, 2048) == (16, 14)
+    assert choose(4, 16, 4096) == (16, 11)  # a chain-3 verify at batch 16: 48 programs
     assert choose(65, 16, 2048) == (64, 1)
     assert choose(2048, 1, 2048) == (128, 1)
     assert choose(4, 16, 100) == (16, 1)  # 100 keys: two key tiles already

@@ -132,9 +132,11 @@ def default_prefill_config(
 
 
 # Split programs per SM a small launch aims at (the gate stays one program per SM). A
-# verify step at batch 16 has 48 programs: one wave of long key loops at 1, where more,
-# shorter splits hide each loop's load latency, as the decode kernel's four per SM do.
-SPLIT_PROGRAMS_PER_SM = 1
+# verify step at batch 16 has 48 programs: one wave of long key loops at 1 per SM, where
+# more, shorter splits hide each loop's load latency, as the decode kernel's four per SM
+# do. H200, 4-token verify at batch 16 and 4,096 tokens of context: 2.06 ms at 1, 1.58 at
+# 4, 1.72 at 8, against 1.42 for a decode step (BENCHMARKS.md, session 22).
+SPLIT_PROGRAMS_PER_SM = 4
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
