@@ -1,11 +1,11 @@
 """Where a batch-1 prefill's time goes: is TTFT paid per *new prompt length*?
 
-On the H200 a ~130-token prompt waits ~35 ms for its first token (BENCHMARKS.md, sessions
-19 and 21), plain and speculative alike, although its prefill is microseconds of math;
-compiling the prefill's layers cut only 9 ms of it (session 19). One suspect is every new
-prompt length being a new shape: cuBLASLt picks an algorithm for each new GEMM ``M``
-(~120 GEMMs per SmolLM2 prefill) and Triton may specialise on new sizes. This script
-separates the two cases on one plain engine (no draft head needed):
+On the H200 a ~130-token prompt waited ~35 ms for its first token (BENCHMARKS.md, sessions
+19 and 21), plain and speculative alike, although its prefill is ~2 ms of device work.
+Session 22 ran this script: new, repeated and padded lengths waited alike (not a
+per-shape cost), and the host-op table showed ~800 launches from Python. Prefill CUDA
+graphs (``EngineConfig.prefill_graph_max_tokens``; 0 here gives the eager peer) brought
+it to 3.4 ms. The cases, on one plain engine (no draft head needed):
 
 - ``new``: ``--n`` prompts of distinct lengths ``--length``, ``--length`` + 1, ... (each
   length first seen here);
