@@ -147,40 +147,17 @@ class _Buffers:
         )
 
 
-class StepGraphs:
-    """Captures ``forward`` for uniform steps. ``max_seq_len`` is captured as the model's
-    context limit so that one graph serves every context length; the attention kernels stop
-    at each sequence's real length."""
+class _GraphSet:
+    """Graphs keyed by a shape, captured into one shared memory pool, with their outputs:
+    static tensors that every replay of that graph rewrites. Subclasses decide the keys
+    and how a step's inputs reach the static buffers; tests replace ``_capture`` and
+    ``_replay`` with eager stand-ins."""
 
-    def __init__(
-        self,
-        forward: ForwardFn,
-        block_table_width: int,
-        max_seq_len: int,
-        device: torch.device,
-    ) -> None:
-        self.width = block_table_width
-        self.max_seq_len = max_seq_len
-        self.device = device
+    def __init__(self, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]):
         self._forward = forward
-        self._buffers: dict[int, _Buffers] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.batch_sizes: dict[int, list[int]] = {}
-        self.num_replays: dict[int, int] = {}  # per q
         self.pool = None
-
-    def capture(self, q: int, batch_sizes: list[int]) -> None:
-        """Graphs for steps of ``q`` tokens per sequence at each batch size."""
-        sizes = sorted(batch_sizes)
-        buffers = _Buffers(q, sizes[-1], self.width, self.device)
-        self._buffers[q] = buffers
-        self.batch_sizes[q] = sizes
-        # Largest first, so smaller graphs reuse the memory pool the largest one set up.
-        for bs in reversed(sizes):
-            input_ids, positions, _ = buffers.tokens(bs)
-            args = (input_ids, positions, buffers.meta(bs, self.max_seq_len))
-            self.outputs[q, bs] = self._capture((q, bs), args)
 
     def _capture(
         self, key: tuple[int, int], args: tuple
@@ -193,6 +170,39 @@ class StepGraphs:
 
     def _replay(self, key: tuple[int, int]) -> None:
         self.graphs[key].replay()
+
+
+class StepGraphs(_GraphSet):
+    """Captures ``forward`` for uniform steps. ``max_seq_len`` is captured as the model's
+    context limit so that one graph serves every context length; the attention kernels stop
+    at each sequence's real length."""
+
+    def __init__(
+        self,
+        forward: ForwardFn,
+        block_table_width: int,
+        max_seq_len: int,
+        device: torch.device,
+    ) -> None:
+        super().__init__(forward)
+        self.width = block_table_width
+        self.max_seq_len = max_seq_len
+        self.device = device
+        self._buffers: dict[int, _Buffers] = {}
+        self.batch_sizes: dict[int, list[int]] = {}
+        self.num_replays: dict[int, int] = {}  # per q
+
+    def capture(self, q: int, batch_sizes: list[int]) -> None:
+        """Graphs for steps of ``q`` tokens per sequence at each batch size."""
+        sizes = sorted(batch_sizes)
+        buffers = _Buffers(q, sizes[-1], self.width, self.device)
+        self._buffers[q] = buffers
+        self.batch_sizes[q] = sizes
+        # Largest first, so smaller graphs reuse the memory pool the largest one set up.
+        for bs in reversed(sizes):
+            input_ids, positions, _ = buffers.tokens(bs)
+            args = (input_ids, positions, buffers.meta(bs, self.max_seq_len))
+            self.outputs[q, bs] = self._capture((q, bs), args)
 
     def bucket(self, q: int, num_seqs: int) -> int | None:
         for bs in self.batch_sizes.get(q, ()):  # captured sizes, ascending
@@ -297,7 +307,7 @@ class _PrefillBuffers:
         )
 
 
-class PrefillGraphs:
+class PrefillGraphs(_GraphSet):
     """CUDA graphs for steps with prefill tokens: prompts, prompt chunks and their mix with
     decodes, at most ``token_buckets[-1]`` tokens over at most ``seq_buckets[-1] - 1``
     sequences, and no draft tree. Their shapes rarely repeat, so one graph per (token
@@ -330,17 +340,14 @@ class PrefillGraphs:
                 f"token buckets {token_buckets} and sequence buckets {seq_buckets} must be "
                 "non-empty, sequence buckets >= 2 (room for a padding sequence)"
             )
+        super().__init__(forward)
         self.token_buckets = sorted(token_buckets)
         self.seq_buckets = sorted(seq_buckets)
         self.max_seq_len = max_seq_len
-        self._forward = forward
         self._buffers = _PrefillBuffers(
             self.token_buckets[-1], self.seq_buckets[-1], block_table_width, device
         )
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.num_replays = 0
-        self.pool = None
 
     @property
     def keys(self) -> list[tuple[int, int]]:
@@ -355,17 +362,6 @@ class PrefillGraphs:
             # Capture-time inputs: an empty step, i.e. every sequence padding.
             self.outputs[key] = self._capture(key, self._stage_padding(key))
         return self.pool
-
-    def _capture(
-        self, key: tuple[int, int], args: tuple
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        graph, outputs = capture_graph(lambda: self._forward(*args), self.pool)
-        self.pool = graph.pool()
-        self.graphs[key] = graph
-        return outputs
-
-    def _replay(self, key: tuple[int, int]) -> None:
-        self.graphs[key].replay()
 
     def bucket(self, num_tokens: int, num_seqs: int, num_logits: int) -> tuple[int, int] | None:
         """The graph a step of this shape replays (None: none holds it)."""
