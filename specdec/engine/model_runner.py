@@ -259,9 +259,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self, tree_size: int | None = None, max_tree_batch: int = 0) -> None:
-        """CUDA graphs for decode steps and, with ``tree_size`` (nodes, root included),
-        for verify steps of up to ``max_tree_batch`` trees; no-op off the GPU path. Call
-        once, after ``aux_layer_ids``."""
+        """CUDA graphs for decode steps, with ``tree_size`` (nodes, root included) for
+        verify steps of up to ``max_tree_batch`` trees, and for steps with prefill tokens
+        (``EngineConfig.prefill_graph_max_tokens``), all in one memory pool; no-op off the
+        GPU path. Call once, after ``aux_layer_ids``."""
         if not self.runtime.use_cuda_graphs or self.graphs is not None:
             return
         max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
