@@ -15,6 +15,7 @@ import torch
 from test_engine import (
     DYNAMIC,
     EagerGrowGraphs,
+    EagerPrefillGraphs,
     EagerSpecStepGraphs,
     EagerStepGraphs,
     greedy,
@@ -230,6 +231,7 @@ def test_pipelined_graph_replays_keep_outputs(
     llm = make_llm(smollm2_dir, speculative=spec, max_num_seqs=8, cuda_graph_max_batch_size=8)
     engine = llm.engine
     monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
+    monkeypatch.setattr(model_runner, "PrefillGraphs", EagerPrefillGraphs)
     monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
     monkeypatch.setattr(spec_pipeline, "SpecStepGraphs", EagerSpecStepGraphs)
     engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
@@ -261,6 +263,7 @@ def test_pipelined_graph_replays_keep_outputs(
     # prefill replayed the verify graphs.
     assert engine.pipeline.graphs.num_replays == engine.pipeline.num_launches
     assert engine.runner.graphs.num_replays.get(q, 0) > 0
+    assert engine.runner.prefill_graphs.num_replays > 0  # the five prompts' prefill
     assert (compiled_calls[0] > 0) == compile_head
 
 
