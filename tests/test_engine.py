@@ -697,7 +697,7 @@ def test_prefill_graphs_keep_outputs(smollm2_dir, chats, reference, case, monkey
     """Steps with prefill tokens replayed from (stand-in) prefill graphs: prompts arriving
     while others decode (prefill + decode rows in one step), prompt chunks next to
     decodes, and prompts whose cached prefix is context: every token as the eager
-    engine's, most such steps from a graph, and padding that fits one bucket only."""
+    engine's, and most such steps from a graph."""
     from specdec.engine import model_runner
 
     kwargs = {

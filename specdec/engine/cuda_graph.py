@@ -375,9 +375,11 @@ class PrefillGraphs(_GraphSet):
     def _stage_padding(self, key: tuple[int, int]) -> tuple:
         """Stage an all-padding step of graph ``key``; returns the forward's arguments:
         views of the static buffers, which every replay reads."""
+        empty = torch.empty(0, dtype=torch.int64, device=self._buffers.tokens.device)
         return self.stage(
             key,
-            *(torch.empty(0, dtype=torch.int64, device=self._buffers.tokens.device),) * 2,
+            empty,
+            empty,
             AttentionMetadata(
                 slot_mapping=self._buffers.tokens[2, :0],
                 query_start_loc=self._buffers.lens[:1],
@@ -388,7 +390,7 @@ class PrefillGraphs(_GraphSet):
                 query_lens_cpu=[],
                 seq_lens_cpu=[],
             ),
-            torch.empty(0, dtype=torch.int64, device=self._buffers.tokens.device),
+            empty,
         )
 
     def _host_lens(
