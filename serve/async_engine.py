@@ -312,7 +312,7 @@ class AsyncLLMEngine:
             prefix_cache_hits=pool.prefix_hits,
             num_steps=engine.num_steps,
             num_preemptions=engine.scheduler.num_preemptions,
-            spec_depth=engine.proposer.shape.depth if engine.proposer is not None else 0,
+            spec_depth=engine.proposer.max_depth if engine.proposer is not None else 0,
             spec_steps=spec.steps,
             spec_drafted_tokens=spec.drafted_tokens,
             spec_accepted_tokens=spec.accepted_tokens,

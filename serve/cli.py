@@ -115,7 +115,7 @@ def _action(p: argparse.ArgumentParser, dest: str) -> argparse.Action:
 
 def serve_config_from_args(args: argparse.Namespace):
     """The ServeConfig that ``specdec serve ARGS`` runs with."""
-    from specdec.config import SpeculativeConfig
+    from specdec.config import SpeculativeConfig, override_fields
     from specdec.engine.llm import build_engine_config
     from specdec.models.packaged_heads import packaged_head
     from specdec.serve.config import ServeConfig, default_speculative
@@ -161,7 +161,7 @@ def serve_config_from_args(args: argparse.Namespace):
             spec_fields = _as_fields(SpeculativeConfig())
             if "method" not in flags:
                 spec_fields = _as_fields(default_speculative(flat["model"]))
-        spec_fields = {**spec_fields, **flags}
+        spec_fields = override_fields(spec_fields, flags)
     flat["speculative"] = SpeculativeConfig(**spec_fields) if spec_fields is not None else None
     engine = build_engine_config(flat.pop("model"), **flat)
     server = {f.name: getattr(base, f.name) for f in fields(base) if f.name != "engine"}

@@ -106,6 +106,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="chain length K, or the depth of a dynamic tree (default: the head's tree, else 3)",
     )
     g.add_argument(
+        "--num-speculative-tokens-by-batch-size",
+        type=_depth_bands,
+        default=None,
+        metavar="B:K,...",
+        help="draft to depth K while at most B requests run, e.g. 4:5 (larger batches: "
+        "--num-speculative-tokens); none: one depth for all (default: the head's)",
+    )
+    g.add_argument(
         "--spec-tree",
         default=None,
         choices=["chain", "dynamic", "static"],
@@ -160,6 +168,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 # --spec-* flags -> SpeculativeConfig fields (the tree shape and when to speculate)
 TREE_FLAGS = {
     "num_speculative_tokens": "num_speculative_tokens",
+    "num_speculative_tokens_by_batch_size": "num_speculative_tokens_by_batch_size",
     "spec_tree": "tree",
     "spec_top_k": "top_k",
     "spec_total_tokens": "total_tokens",
@@ -169,6 +178,18 @@ TREE_FLAGS = {
     "spec_compile_head": "compile_head",
     "spec_compile_growth": "compile_growth",
 }
+
+
+def _depth_bands(value: str) -> list[list[int]]:
+    """``B:K,B:K`` -> ``[[B, K], ...]`` (``none``: [], no bands)."""
+    if value.strip().lower() == "none":
+        return []
+    try:
+        return [[int(b), int(k)] for b, k in (pair.split(":") for pair in value.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: use MAX_BATCH:K pairs, e.g. 4:5 or 2:6,8:4 (or none)"
+        ) from None
 
 
 def _on_off(value: str) -> bool:

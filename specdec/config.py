@@ -75,6 +75,65 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
 
 
+def check_depth_bands(
+    pairs: list[list[int]] | None, tree: str, disable_by_batch_size: int | None
+) -> None:
+    """Validate ``num_speculative_tokens_by_batch_size`` (``SpeculativeConfig``): ``[max_batch,
+    k]`` pairs of positive integers by increasing ``max_batch``, below the batch size
+    where speculation stops, on a shape whose depth can change."""
+    if pairs is None:
+        return
+    example = "e.g. [[4, 5]]: batches of at most 4 requests draft 5 tokens"
+    if tree == "static":
+        raise ValueError(
+            "num_speculative_tokens_by_batch_size sets a depth per batch size, which a "
+            "static tree's choices fix; use tree='chain' or 'dynamic', or drop it"
+        )
+    last = 0
+    for pair in pairs:
+        if len(pair) != 2 or not all(isinstance(v, int) and v >= 1 for v in pair):
+            raise ValueError(
+                f"num_speculative_tokens_by_batch_size entry {pair!r} must be [max_batch, k] "
+                f"with positive integers ({example})"
+            )
+        if pair[0] <= last:
+            raise ValueError(
+                f"num_speculative_tokens_by_batch_size {pairs!r}: max_batch must increase "
+                f"from entry to entry ({example})"
+            )
+        last = pair[0]
+    if disable_by_batch_size is not None and last >= disable_by_batch_size:
+        raise ValueError(
+            f"num_speculative_tokens_by_batch_size reaches batch {last}, but speculation "
+            f"stops above disable_by_batch_size={disable_by_batch_size}, so "
+            f"num_speculative_tokens would never apply; keep every max_batch below "
+            f"{disable_by_batch_size}"
+        )
+
+
+def band_shape(bands: list[tuple[int | None, TreeShape]], batch_size: int) -> TreeShape:
+    """The shape of the first band (``SpeculativeConfig.bands``) holding ``batch_size``."""
+    return next(shape for high, shape in bands if high is None or batch_size <= high)
+
+
+# SpeculativeConfig fields that name a draft shape; its depths by batch size go with it.
+SHAPE_FIELDS = frozenset({"tree", "num_speculative_tokens", "top_k", "total_tokens", "choices"})
+BANDS_FIELD = "num_speculative_tokens_by_batch_size"
+
+
+def override_fields(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``SpeculativeConfig`` fields ``base`` with ``overrides`` on top, where the base's
+    depths by batch size belong to its shape: overrides naming another shape drop them,
+    another ``disable_by_batch_size`` keeps the bands below it (explicit bands win)."""
+    merged = {**base, **overrides}
+    bands = base.get(BANDS_FIELD)
+    if bands and BANDS_FIELD not in overrides:
+        limit = merged.get("disable_by_batch_size")
+        kept = [pair for pair in bands if limit is None or pair[0] < limit]
+        merged[BANDS_FIELD] = None if SHAPE_FIELDS.intersection(overrides) else kept or None
+    return merged
+
+
 @dataclass
 class SpeculativeConfig:
     """How to speculate. ``method`` picks a proposer from the registry (``ngram``,
@@ -84,6 +143,12 @@ class SpeculativeConfig:
     ``tree="dynamic"`` grows an EAGLE-2 tree (``top_k`` children per node, depth
     ``num_speculative_tokens``, the ``total_tokens`` best nodes kept); ``tree="static"``
     uses ``choices`` (paths such as [[0], [1], [0, 0]]).
+
+    Draft length by load: ``num_speculative_tokens_by_batch_size`` pairs ``[max_batch,
+    k]`` (ascending ``max_batch``) give the steps of at most ``max_batch`` running
+    requests a depth of ``k`` instead; larger batches keep ``num_speculative_tokens``.
+    Each pair is a *band* (``bands``): deeper drafts pay where the target's forward costs
+    little more for their extra nodes (small batches), shallower ones where it does.
     """
 
     method: str = "ngram"
@@ -97,6 +162,9 @@ class SpeculativeConfig:
     ngram_max: int = 4
     # Above this many running requests, speculation stops paying; None = always on.
     disable_by_batch_size: int | None = None
+    # [[max_batch, k], ...]: steps of at most max_batch running requests draft to depth k
+    # (the class docstring); None: num_speculative_tokens at every batch size.
+    num_speculative_tokens_by_batch_size: list[list[int]] | None = None
     # Pipelined speculative steps (engine/spec_pipeline.py: the next step launches before
     # the host reads this one) for greedy requests of proposers that support it (eagle3).
     # None: on where the device runs ahead of the host (the GPU path with CUDA graphs).
@@ -133,24 +201,43 @@ class SpeculativeConfig:
                 f"({self.total_tokens})"
             )
 
+        check_depth_bands(
+            self.num_speculative_tokens_by_batch_size, self.tree, self.disable_by_batch_size
+        )
         try:
-            self.tree_shape  # noqa: B018  (the shape validates its own sizes)
+            self.bands  # noqa: B018  (every band's shape validates its own sizes)
         except ValueError as e:
             raise ValueError(f"{e} (the tree's depth is num_speculative_tokens)") from e
 
     @property
     def tree_shape(self) -> TreeShape:
-        """The draft-tree shape these fields describe (``specdec.spec.tree``)."""
+        """The draft-tree shape of the largest batches (depth ``num_speculative_tokens``;
+        ``specdec.spec.tree``)."""
+        return self._shape(self.num_speculative_tokens)
+
+    def _shape(self, depth: int) -> TreeShape:
         if self.tree == "chain":
-            return ChainShape(self.num_speculative_tokens)
+            return ChainShape(depth)
         if self.tree == "static":
             return StaticTreeShape(self.choices or [])
-        return DynamicTreeShape(self.top_k, self.num_speculative_tokens, self.total_tokens)
+        return DynamicTreeShape(self.top_k, depth, self.total_tokens)
+
+    @property
+    def bands(self) -> list[tuple[int | None, TreeShape]]:
+        """``(max_batch, shape)`` by ascending ``max_batch``: a step of ``b`` running
+        requests drafts the first band's shape with ``b <= max_batch``; the last band
+        (``max_batch`` None) holds ``tree_shape``."""
+        pairs = self.num_speculative_tokens_by_batch_size or []
+        return [(m, self._shape(k)) for m, k in pairs] + [(None, self.tree_shape)]
+
+    def shape_at(self, batch_size: int) -> TreeShape:
+        """The shape a step of ``batch_size`` running requests drafts."""
+        return band_shape(self.bands, batch_size)
 
     @property
     def max_draft_tokens(self) -> int:
-        """Draft nodes per request per step (what verification computes)."""
-        return self.tree_shape.max_draft_tokens
+        """Draft nodes per request per step at most (what verification computes)."""
+        return max(s.max_draft_tokens for _, s in self.bands)
 
 
 @dataclass

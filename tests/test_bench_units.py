@@ -94,6 +94,18 @@ def test_sweep_expands_chains_and_the_tree_grid():
     ]
 
 
+def test_sweep_points_drop_the_bases_depths_by_batch_size():
+    """A base with depths by batch size is its own point (labelled with its bands); sweep
+    points name one shape each."""
+    base = SpeculativeConfig(
+        method="eagle3", model="head", num_speculative_tokens_by_batch_size=[[4, 5]]
+    )
+    assert [label(c) for c in sweep(base)[0]] == ["eagle3-k3-b4k5"]
+    configs, _ = sweep(base, chain=[3], top_k=[8], depth=[5])
+    assert [label(c) for c in configs] == ["eagle3-k3", "eagle3-tree-t8-d5-n48"]
+    assert all(c.num_speculative_tokens_by_batch_size is None for c in configs)
+
+
 def test_sweep_pairs_each_shape_with_the_synchronous_and_pipelined_step():
     base = SpeculativeConfig(method="eagle3", model="head")
     configs, _ = sweep(base, chain=[3], top_k=[8], depth=[5], pipelined=[False, True])

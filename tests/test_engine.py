@@ -536,8 +536,8 @@ def test_eagle3_incremental_catch_up_equals_full_recompute(smollm2_dir, random_h
     seen: list[tuple[list[int], int]] = []
     propose = proposer.propose
 
-    def recording(requests, limits):
-        trees = propose(requests, limits)
+    def recording(requests, limits, shape):
+        trees = propose(requests, limits, shape)
         for request, tree in zip(requests, trees, strict=True):
             if tree is not None:
                 seen.append((list(request.all_token_ids), tree.token_ids[1:].tolist()))
@@ -619,15 +619,16 @@ class EagerGrowGraphs(GrowGraphs):
 class EagerSpecStepGraphs(SpecStepGraphs):
     """The same stand-in for the pipelined speculative step's graphs."""
 
-    def _capture(self, bs):
+    def _capture(self, shape, bs):
         self.inputs[:bs].fill_(self.pipeline.pad_row)
-        return self._run(bs)
+        return self._run(shape, bs)
 
-    def _replay(self, bs) -> None:
-        self.outputs[bs].copy_(self._run(bs))
+    def _replay(self, shape, bs) -> None:
+        self.__dict__.setdefault("replayed", []).append((shape, bs))
+        self.outputs[shape, bs].copy_(self._run(shape, bs))
 
 
-@pytest.mark.parametrize("proposer", ["none-async", "ngram", "eagle3-dynamic", "draft-chain"])
+@pytest.mark.parametrize("proposer", ["none-async", "ngram", "eagle3-dynamic", "draft-chain-bands"])
 def test_graph_plumbing_keeps_outputs(
     smollm2_dir, random_head_dir, random_draft_dir, chats, reference, proposer, monkeypatch
 ):
@@ -642,8 +643,11 @@ def test_graph_plumbing_keeps_outputs(
         "none-async": None,
         "ngram": SpeculativeConfig(num_speculative_tokens=4),
         "eagle3-dynamic": SpeculativeConfig(method="eagle3", model=str(random_head_dir), **DYNAMIC),
-        "draft-chain": SpeculativeConfig(
-            method="draft_model", model=str(random_draft_dir), num_speculative_tokens=3
+        "draft-chain-bands": SpeculativeConfig(
+            method="draft_model",
+            model=str(random_draft_dir),
+            num_speculative_tokens=3,
+            num_speculative_tokens_by_batch_size=[[4, 5]],
         ),
     }[proposer]
     llm = make_llm(
@@ -661,17 +665,21 @@ def test_graph_plumbing_keeps_outputs(
     engine._capture_graphs()
     engine.uniform_verify = True
     picked = [1, 2, 4, 6, 8, 11]  # 6 requests: the 8-bucket pads two sequences
-    outs = llm.generate([chats[i] for i in picked], greedy(), use_tqdm=False)
-    assert token_ids(outs) == [reference[i] for i in picked]
+    # Two stop early, so that the last steps run 4 requests (the bands' other shape).
+    lengths = [NEW_TOKENS - 8, NEW_TOKENS - 8] + [NEW_TOKENS] * 4
+    outs = llm.generate([chats[i] for i in picked], [greedy(n) for n in lengths], use_tqdm=False)
+    assert token_ids(outs) == [reference[i][:n] for i, n in zip(picked, lengths, strict=True)]
     assert engine.runner.prefill_graphs.num_replays > 0  # the six prompts' prefill
     if spec is None:
         assert engine.runner.graphs.num_replays.get(1, 0) > NEW_TOKENS / 2
         return
-    q = engine.proposer.shape.max_draft_tokens + 1
+    q = engine.proposer.shape_at(len(picked)).max_draft_tokens + 1
     assert engine.runner.graphs.num_replays.get(q, 0) > 0
     grower = getattr(engine.proposer, "grower", None)
     if grower is not None:
-        assert grower.graphs.num_replays > 0
+        assert grower.num_replays > 0
+    if proposer == "draft-chain-bands":  # once at most 4 requests run: chains of 5
+        assert engine.runner.graphs.num_replays.get(6, 0) > 0
 
 
 def test_prefill_graph_buckets_leave_room_for_a_padding_sequence() -> None:
@@ -690,34 +698,64 @@ def test_prefill_graph_buckets_leave_room_for_a_padding_sequence() -> None:
     assert graphs.bucket(127, 4, 4) == (128, 5)
     assert graphs.bucket(128, 4, 4) is None  # 128 + 1 tokens > 128
     assert graphs.bucket(10, 5, 5) is None  # 5 sequences leave no room for padding
+    assert graphs.bucket(10, 2, 9) is None  # 9 logits rows: chains need logits_per_seq
+    # An engine verifying chains of 4 nodes: min(T, 4 S) logits rows per graph.
+    chains = EagerPrefillGraphs(None, 4, 256, torch.device("cpu"), [64, 128], [2, 4, 5], 4)
+    assert chains.bucket(10, 2, 9) == (64, 4)  # a prompt next to 2 chains: 1 + 2 x 4 rows
+    assert chains.bucket(10, 1, 8) == (64, 2)
+    assert chains.bucket(20, 4, 17) == (64, 5)
+    assert chains.bucket(20, 4, 21) is None
+    assert [chains.num_logits(k) for k in [(64, 2), (64, 5), (128, 5)]] == [8, 20, 20]
 
 
-@pytest.mark.parametrize("case", ["arrivals", "chunked-arrivals", "prefix-cached"])
-def test_prefill_graphs_keep_outputs(smollm2_dir, chats, reference, case, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "case", ["arrivals", "chunked-arrivals", "prefix-cached", "arrivals-next-to-chains"]
+)
+def test_prefill_graphs_keep_outputs(
+    smollm2_dir, trained_head_dir, chats, reference, case, monkeypatch
+) -> None:
     """Steps with prefill tokens replayed from (stand-in) prefill graphs: prompts arriving
-    while others decode (prefill + decode rows in one step), prompt chunks next to
-    decodes, and prompts whose cached prefix is context: every token as the eager
-    engine's, and most such steps from a graph."""
+    while others decode (prefill + decode rows in one step) or verify EAGLE-3 chains
+    (prefill + chain rows: several logits rows per sequence; the chain's depth set by
+    batch size), prompt chunks next to decodes, and prompts whose cached prefix is
+    context: every token as the eager engine's, and most such steps from a graph."""
     from specdec.engine import model_runner
+    from specdec.spec import tree_draft
 
     kwargs = {
-        "arrivals": {},
-        "chunked-arrivals": {"max_num_batched_tokens": 96},
-        "prefix-cached": {"enable_prefix_caching": True},
+        "arrivals": {"async_scheduling": True},
+        "chunked-arrivals": {"max_num_batched_tokens": 96, "async_scheduling": True},
+        "prefix-cached": {"enable_prefix_caching": True, "async_scheduling": True},
+        "arrivals-next-to-chains": {
+            "speculative": SpeculativeConfig(
+                method="eagle3",
+                model=str(trained_head_dir),
+                num_speculative_tokens=3,
+                num_speculative_tokens_by_batch_size=[[2, 5]],
+            )
+        },
     }[case]
     llm = make_llm(
         smollm2_dir,
         max_num_seqs=4,
         prefill_graph_max_tokens=512,
         prefill_graph_max_seqs=4,
-        async_scheduling=True,
         **kwargs,
     )
     engine = llm.engine
     monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
     monkeypatch.setattr(model_runner, "PrefillGraphs", EagerPrefillGraphs)
+    monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
     engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
     engine._capture_graphs()
+    shapes = []  # the shape of every synchronous speculative step
+    if engine.proposer is not None:
+        propose = engine.proposer.propose
+        monkeypatch.setattr(
+            engine.proposer,
+            "propose",
+            lambda r, m, shape: shapes.append(shape) or propose(r, m, shape),
+        )
     picked = [0, 3, 5, 7, 9, 12] if case != "prefix-cached" else [3, 3, 5, 5]
     # Uneven lengths, so requests finish one by one and each arrival joins running ones.
     lengths = [32 - 6 * i for i in range(len(picked))]
@@ -736,3 +774,5 @@ def test_prefill_graphs_keep_outputs(smollm2_dir, chats, reference, case, monkey
     # Every step with an arrival (the first holds three); chunked, some steps are full
     # (96 tokens leave no room for padding) and run eagerly.
     assert engine.runner.prefill_graphs.num_replays >= len(picked) - 2
+    if shapes:  # three requests draft chains of 3, one or two chains of 5
+        assert {s.depth for s in shapes} == {3, 5}

@@ -309,13 +309,19 @@ def _random_trees(gen, batch, q, max_depth, chain):
 
 
 @pytest.mark.parametrize(
-    ("batch", "q", "max_depth", "chain", "aux_width"),
-    [(5, 4, 3, True, 24), (7, 33, 5, False, 1728), (3, 9, 8, True, 40), (1, 2, 1, True, 8)],
+    ("batch", "q", "max_depth", "chain", "aux_width", "extra"),
+    [
+        (5, 4, 3, True, 24, 0),
+        (7, 33, 5, False, 1728, 0),
+        (3, 9, 8, True, 40, 0),
+        (1, 2, 1, True, 8, 0),
+        (4, 4, 3, True, 24, 2),  # a chain-3 band's step in a chain-5-wide state
+    ],
 )
-def test_accept_and_stage_matches_reference(batch, q, max_depth, chain, aux_width):
+def test_accept_and_stage_matches_reference(batch, q, max_depth, chain, aux_width, extra):
     """One launch gives the reference's acceptance (path, emitted tokens, counts, padding
-    included), its packed read-back row and its catch-up state rows; rows past the batch
-    are left alone."""
+    included), its packed read-back row and its catch-up state rows; rows past the batch,
+    and state columns past depth + 1 (a wider band's), are left alone."""
     gen = torch.Generator().manual_seed(q * 10 + batch)
     tokens, parents, depths, best = _random_trees(gen, batch, q, max_depth, chain)
     if chain:  # one row accepts everything: the bonus goes to the last column
@@ -323,13 +329,13 @@ def test_accept_and_stage_matches_reference(batch, q, max_depth, chain, aux_widt
         best[0, -1] = 7
     aux = torch.randn(batch * q, aux_width, generator=gen)
     root = torch.randint(100, (batch,), generator=gen)
-    rows, d1 = batch + 2, max_depth + 1
+    rows, width = batch + 2, max_depth + 1 + extra
 
     def state():
         g = torch.Generator().manual_seed(1)
         return (
-            torch.randint(9, (rows, d1), generator=g),
-            torch.randn(rows, d1, aux_width, generator=g),
+            torch.randint(9, (rows, width), generator=g),
+            torch.randn(rows, width, aux_width, generator=g),
             torch.randint(9, (rows,), generator=g),
             torch.randint(9, (rows,), generator=g),
         )
@@ -346,6 +352,9 @@ def test_accept_and_stage_matches_reference(batch, q, max_depth, chain, aux_widt
     assert torch.equal(got_packed.cpu(), want_packed)
     for g, w in zip(got_state, want_state, strict=True):
         assert torch.equal(g.cpu(), w)
+    untouched = state()
+    assert torch.equal(want_state[0][:, max_depth + 1 :], untouched[0][:, max_depth + 1 :])
+    assert torch.equal(want_state[1][:, max_depth + 1 :], untouched[1][:, max_depth + 1 :])
     if chain and q == max_depth + 1:
         assert want.num_accepted[0] == max_depth and want.token_ids[0, -1] == 7
     assert want.num_accepted.max() >= 1  # the case exercises accepted paths
@@ -360,7 +369,7 @@ def test_accept_and_stage_checks_the_state_shape():
         torch.zeros(2, dtype=torch.int64, device=DEVICE),
         torch.zeros(2, dtype=torch.int64, device=DEVICE),
     )
-    with pytest.raises(ValueError, match=r"state rows must be \[rows, 4\] tokens"):
+    with pytest.raises(ValueError, match=r"state rows must be \[rows, W >= 4\] tokens"):
         accept_and_stage(t, t, t, t, 3, aux, t[:, 0], state)
 
 

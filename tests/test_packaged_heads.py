@@ -69,6 +69,30 @@ def test_commands_default_to_the_shipped_head_in_its_tree(shipped, command):
     assert spec_of(command, "--draft", "ngram").method == "ngram"
 
 
+def test_the_heads_depths_by_batch_size_go_with_its_shape(shipped):
+    """A head that records depths by batch size drafts them by default; a flag naming
+    another shape drops them, another cutoff keeps the bands below it, and the flag sets
+    or clears them."""
+    config = json.loads((shipped / "config.json").read_text())
+    bands = {**TREE, "tree": "chain", "num_speculative_tokens_by_batch_size": [[2, 6], [4, 5]]}
+    (shipped / "config.json").write_text(json.dumps({**config, "tree_defaults": bands}))
+    spec = spec_of("serve")
+    assert [spec.shape_at(b).depth for b in (1, 3, 8)] == [6, 5, 4]
+    assert (
+        spec_of("serve", "--num-speculative-tokens", "3").num_speculative_tokens_by_batch_size
+        is None
+    )
+    cut = spec_of("serve", "--spec-disable-by-batch-size", "4")
+    assert cut.num_speculative_tokens_by_batch_size == [[2, 6]]
+    flag = spec_of("serve", "--num-speculative-tokens-by-batch-size", "1:7")
+    assert flag.num_speculative_tokens_by_batch_size == [[1, 7]]
+    off = spec_of("bench", "--num-speculative-tokens-by-batch-size", "none")
+    assert [off.shape_at(b).depth for b in (1, 8)] == [4, 4]
+    assert spec_of("bench", "--sweep-chain", "3").num_speculative_tokens_by_batch_size is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--num-speculative-tokens-by-batch-size", "4-5"])
+
+
 def test_draft_none_turns_it_off(shipped):
     assert spec_of("generate", "--draft", "none") is None
     assert spec_of("serve", "--draft", "none") is None

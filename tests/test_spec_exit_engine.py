@@ -145,8 +145,8 @@ def oracle_llm(target_dir: Path, k_draft: int = 4) -> LLM:
     engine.spec_exit = SpecExitRuntime(engine.tokenizer, SIGNALS)
     propose = engine.proposer.propose
 
-    def propose_with_signals(requests, limits):
-        trees = propose(requests, limits)
+    def propose_with_signals(requests, limits, shape):
+        trees = propose(requests, limits, shape)
         for tree in trees:
             if tree is not None:
                 tree.exit_signals = torch.tensor(SIGNAL_VALUES)

@@ -205,17 +205,23 @@ def test_pipelined_steps_count_as_synchronous_ones(smollm2_dir, trained_head_dir
         (False, False, DYNAMIC),
         (True, False, DYNAMIC),
         (True, True, DYNAMIC),
-        (True, True, {"num_speculative_tokens": 3}),
+        # Chains of 3 while more than 4 requests run, of 5 at most 4: the step's shape
+        # changes between pipelined launches as requests finish.
+        (
+            True,
+            True,
+            {"num_speculative_tokens": 3, "num_speculative_tokens_by_batch_size": [[4, 5]]},
+        ),
     ],
-    ids=["eager-head", "compiled-head", "compiled-growth", "compiled-growth-chain"],
+    ids=["eager-head", "compiled-head", "compiled-growth", "compiled-growth-chain-bands"],
 )
 def test_pipelined_graph_replays_keep_outputs(
     smollm2_dir, trained_head_dir, chats, reference, monkeypatch, compile_head, compile_growth, tree
 ) -> None:
     """The GPU path's replays (verify graphs fed device-built inputs, captured growth fed
     the step in flight's outcome, optionally compiled: the head's layer and logits, or the
-    whole draft side as one region without a graph break) with CPU stand-ins: plain
-    greedy tokens."""
+    whole draft side as one region without a graph break; chains whose length follows
+    the batch size) with CPU stand-ins: plain greedy tokens."""
     from specdec.attention.custom_op import OpaqueAttention
     from specdec.engine import model_runner, spec_pipeline
     from specdec.spec import tree_draft
@@ -257,12 +263,14 @@ def test_pipelined_graph_replays_keep_outputs(
     picked = PICKED[:5]  # the 8-bucket pads three sequences
     outs = llm.generate([chats[i] for i in picked], greedy(48), use_tqdm=False)
     assert token_ids(outs) == [reference[i][:48] for i in picked]
-    q = engine.proposer.shape.max_draft_tokens + 1
+    q = engine.proposer.shape_at(len(picked)).max_draft_tokens + 1
     assert engine.pipeline.num_launches > 0
     # Every launch replayed the whole step's graph; the synchronous steps after each
     # prefill replayed the verify graphs.
     assert engine.pipeline.graphs.num_replays == engine.pipeline.num_launches
     assert engine.runner.graphs.num_replays.get(q, 0) > 0
+    replayed = {shape for shape, _ in engine.pipeline.graphs.replayed}
+    assert replayed == set(engine.proposer.shapes)  # both bands' shapes launched
     assert engine.runner.prefill_graphs.num_replays > 0  # the five prompts' prefill
     assert (compiled_calls[0] > 0) == compile_head
 

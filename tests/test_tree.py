@@ -301,6 +301,57 @@ def test_dynamic_shape_is_validated() -> None:
         DynamicTreeShape(top_k=0, depth=3, total_tokens=3)
 
 
+def test_depth_follows_the_batch_size_bands() -> None:
+    """``num_speculative_tokens_by_batch_size``: each band's depth up to its batch size,
+    ``num_speculative_tokens`` above the last; dynamic trees keep top_k and total_tokens."""
+    from specdec.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(
+        num_speculative_tokens=3, num_speculative_tokens_by_batch_size=[[1, 6], [4, 5]]
+    )
+    assert [spec.shape_at(b).depth for b in (1, 2, 4, 5, 64)] == [6, 5, 5, 3, 3]
+    assert spec.bands == [(1, ChainShape(6)), (4, ChainShape(5)), (None, ChainShape(3))]
+    assert spec.max_draft_tokens == 6  # what verification reserves: the deepest band's
+    tree = SpeculativeConfig(
+        tree="dynamic", top_k=4, num_speculative_tokens=3, total_tokens=16,
+        num_speculative_tokens_by_batch_size=[[2, 5]],
+    )  # fmt: skip
+    assert tree.shape_at(2) == DynamicTreeShape(top_k=4, depth=5, total_tokens=16)
+    assert tree.shape_at(3) == DynamicTreeShape(top_k=4, depth=3, total_tokens=16)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_speculative_tokens_by_batch_size": [[4, 0]]}, r"entry \[4, 0\] must be"),
+        ({"num_speculative_tokens_by_batch_size": [[4]]}, r"entry \[4\] must be"),
+        ({"num_speculative_tokens_by_batch_size": [[4, 5], [2, 6]]}, "must increase"),
+        (
+            {"num_speculative_tokens_by_batch_size": [[16, 5]], "disable_by_batch_size": 16},
+            "keep every max_batch below 16",
+        ),
+        (
+            {"tree": "static", "choices": [[0]], "num_speculative_tokens_by_batch_size": [[4, 5]]},
+            "static tree's choices fix",
+        ),
+        (
+            {
+                "tree": "dynamic",
+                "top_k": 4,
+                "total_tokens": 30,
+                "num_speculative_tokens_by_batch_size": [[4, 2]],
+            },
+            r"total_tokens=30 exceeds the 20",  # depth 2: 4 + 16 candidates (depth 3: 36)
+        ),
+    ],
+)
+def test_depth_bands_are_validated(fields: dict, message: str) -> None:
+    from specdec.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**fields)
+
+
 def test_step_fn_must_return_one_row_per_node() -> None:
     with pytest.raises(
         ValueError, match=r"returned shape \(1, 2, 8\) at depth 0; expected \[1, 1, vocab\]"

@@ -85,11 +85,13 @@ def label(spec: SpeculativeConfig) -> str:
     """A short unique name: ``ngram-k3``, ``eagle3-tree-t8-d5-n64``, ``eagle3-static-n12``;
     ``-sync`` / ``-pipelined`` when ``pipelined`` is forced off / on."""
     suffix = {None: "", False: "-sync", True: "-pipelined"}[spec.pipelined]
+    # Depths by batch size: -b4k5 = chains (or trees) of depth 5 while <= 4 requests run.
+    bands = "".join(f"-b{m}k{k}" for m, k in spec.num_speculative_tokens_by_batch_size or [])
     if spec.tree == "chain":
-        return f"{spec.method}-k{spec.num_speculative_tokens}{suffix}"
+        return f"{spec.method}-k{spec.num_speculative_tokens}{bands}{suffix}"
     if spec.tree == "dynamic":
         t, d, n = spec.top_k, spec.num_speculative_tokens, spec.total_tokens
-        return f"{spec.method}-tree-t{t}-d{d}-n{n}{suffix}"
+        return f"{spec.method}-tree-t{t}-d{d}-n{n}{bands}{suffix}"
     return f"{spec.method}-static-n{spec.max_draft_tokens}{suffix}"
 
 
@@ -101,6 +103,7 @@ def shape_fields(spec: SpeculativeConfig) -> dict[str, Any]:
         "max_draft_tokens": spec.max_draft_tokens,
         "top_k": spec.top_k if spec.tree == "dynamic" else None,
         "total_tokens": spec.total_tokens if spec.tree == "dynamic" else None,
+        "depth_by_batch_size": spec.num_speculative_tokens_by_batch_size or None,
     }
 
 
@@ -119,6 +122,12 @@ def sweep(
     shape rejects (top_k > total_tokens, ...) are returned as reasons, not raised."""
     configs: list[SpeculativeConfig] = []
     skipped: list[str] = []
+    # Sweep points name one shape: the base's depths by batch size do not apply.
+    base = (
+        replace(base, num_speculative_tokens_by_batch_size=None)
+        if (chain or top_k or depth or total_tokens)
+        else base
+    )
     for k in chain or ():
         configs.append(replace(base, tree="chain", num_speculative_tokens=k))
     if top_k or depth or total_tokens:

@@ -172,5 +172,4 @@ def graph_replays(engine: LLMEngine) -> int:
 def draft_graph_replays(engine: LLMEngine) -> int:
     """Whole proposals replayed from a model proposer's growth graphs so far."""
     grower = getattr(engine.proposer, "grower", None)
-    graphs = getattr(grower, "graphs", None)
-    return graphs.num_replays if graphs is not None else 0
+    return grower.num_replays if grower is not None else 0

@@ -48,10 +48,14 @@ def measure_engines(
     llms: dict[str, LLM], prompts: list[list[int]], run: RunParams, repeats: int, warmup: int
 ) -> dict[str, list[Run]]:
     """Interleaved ``generate`` runs of each engine over the same prompts. A warm-up run
-    generates ``WARMUP_TOKENS`` for the first ``run.concurrency`` prompts (the batch
-    shapes the timed runs start with: compiled kernels, CUDA graphs, allocator)."""
+    generates ``WARMUP_TOKENS`` for the first ``2 * run.concurrency`` prompts: the batch
+    shapes the timed runs start with, then arrivals next to running requests (compiled
+    kernels, CUDA graphs, the allocator, and whatever an arrival step first compiles).
+    Session 23 saw why: warmed on the first ``concurrency`` prompts only, the first engine
+    a process measured ran its first repeat at concurrency 4 in 0.54 s, its second in
+    0.46 s (BENCHMARKS.md)."""
     warm = replace(run, max_tokens=min(WARMUP_TOKENS, run.max_tokens))
-    warm_prompts = prompts[: run.concurrency or len(prompts)]
+    warm_prompts = prompts[: 2 * run.concurrency] if run.concurrency else prompts
     return measure_interleaved(
         {name: partial(generate, llm, prompts, run) for name, llm in llms.items()},
         repeats,

@@ -17,8 +17,9 @@ A batch of ``n`` sequences uses the smallest bucket ``>= n``; padding sequences 
 null block (slot 0) with ``q`` tokens of context and their outputs are ignored.
 
 Steps with prefill tokens (``PrefillGraphs``: a prompt, prompt chunks, arrivals next to
-decodes) never repeat a shape, so they are padded into buckets instead: extra tokens go to
-padding sequences on the null block, and the lm_head runs on the sampled rows only.
+decodes or next to chain verification) never repeat a shape, so they are padded into
+buckets instead: extra tokens go to padding sequences on the null block, and the lm_head
+runs on the logits rows only.
 """
 
 from __future__ import annotations
@@ -284,13 +285,16 @@ def prefill_graph_buckets(
 
 class _PrefillBuffers:
     """Static inputs of every prefill graph, sized for the largest bucket; graph
-    ``(T, S)`` reads prefixes: ``tokens[:, :T]`` (ids, positions, slots), ``logits_rows[:S]``,
-    ``seq_lens[:S]``, ``query_start_loc[:S + 1]`` and ``block_tables[:S]``."""
+    ``(T, S)`` with ``L`` logits rows reads prefixes: ``tokens[:, :T]`` (ids, positions,
+    slots), ``logits_rows[:L]``, ``seq_lens[:S]``, ``query_start_loc[:S + 1]`` and
+    ``block_tables[:S]``."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
+    def __init__(
+        self, max_tokens: int, max_seqs: int, max_logits: int, width: int, device: torch.device
+    ):
         self.max_seqs = max_seqs
         self.tokens = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)
-        self.logits_rows = torch.zeros(max_seqs, dtype=torch.int64, device=device)
+        self.logits_rows = torch.zeros(max_logits, dtype=torch.int64, device=device)
         # seq_lens, then query_start_loc: one host-to-device copy per step.
         self.lens = torch.zeros(2 * max_seqs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_seqs, width, dtype=torch.int32, device=device)
@@ -309,11 +313,11 @@ class _PrefillBuffers:
 
 class PrefillGraphs(_GraphSet):
     """CUDA graphs for steps with prefill tokens: prompts, prompt chunks and their mix with
-    decodes, at most ``token_buckets[-1]`` tokens over at most ``seq_buckets[-1] - 1``
-    sequences, and no draft tree. Their shapes rarely repeat, so one graph per (token
-    bucket ``T``, sequence bucket ``S``) is captured at the host bounds ``max_query_len =
-    T`` and ``max_seq_len`` = the context limit (the attention kernels stop at each
-    sequence's real lengths; tiles past them exit at once).
+    decodes or with chain verification, at most ``token_buckets[-1]`` tokens over at most
+    ``seq_buckets[-1] - 1`` sequences, and no tree mask. Their shapes rarely repeat, so
+    one graph per (token bucket ``T``, sequence bucket ``S``) is captured at the host
+    bounds ``max_query_len = T`` and ``max_seq_len`` = the context limit (the attention
+    kernels stop at each sequence's real lengths; tiles past them exit at once).
 
     Why: eager, such a step launches ~800 small kernels from Python, and on the H200 a
     SmolLM2 prefill waited ~30 ms for the host against ~2 ms of device time.
@@ -322,8 +326,14 @@ class PrefillGraphs(_GraphSet):
     and then the smallest ``T >= n + S - s``. Sequences ``s .. S - 1`` are padding: one
     token each but the last, which takes the rest; each has no context, a null block
     table and writes its tokens into the null block's slot 0, so real sequences never see
-    them. Logits come only for the step's sampled rows (``logits_indices``, at most ``S``
-    of them), aux streams for every token; both are sliced to the real rows.
+    them. Logits come only for the step's logits rows (``logits_indices``: graph ``(T, S)``
+    has room for ``min(T, S * logits_per_seq)`` of them, so an engine verifying chains of
+    ``q`` nodes passes ``logits_per_seq = q``), aux streams for every token; both are
+    sliced to the real rows.
+
+    Every graph writes its outputs into one pair of shared buffers (sized by the largest
+    bucket; replays run one at a time), not into outputs of its own: per-graph logits
+    would take ~1 GB over the buckets of a chain engine.
     """
 
     def __init__(
@@ -334,20 +344,54 @@ class PrefillGraphs(_GraphSet):
         device: torch.device,
         token_buckets: list[int],
         seq_buckets: list[int],
+        logits_per_seq: int = 1,
     ) -> None:
-        if not token_buckets or not seq_buckets or min(seq_buckets) < 2:
+        if not token_buckets or not seq_buckets or min(seq_buckets) < 2 or logits_per_seq < 1:
             raise ValueError(
                 f"token buckets {token_buckets} and sequence buckets {seq_buckets} must be "
-                "non-empty, sequence buckets >= 2 (room for a padding sequence)"
+                "non-empty, sequence buckets >= 2 (room for a padding sequence), "
+                f"logits_per_seq {logits_per_seq} >= 1"
             )
-        super().__init__(forward)
+        super().__init__(self._forward_shared)
+        self._rows_forward = forward
         self.token_buckets = sorted(token_buckets)
         self.seq_buckets = sorted(seq_buckets)
+        self.logits_per_seq = logits_per_seq
         self.max_seq_len = max_seq_len
         self._buffers = _PrefillBuffers(
-            self.token_buckets[-1], self.seq_buckets[-1], block_table_width, device
+            self.token_buckets[-1],
+            self.seq_buckets[-1],
+            self.num_logits((self.token_buckets[-1], self.seq_buckets[-1])),
+            block_table_width,
+            device,
         )
+        # The shared outputs: logits [max rows, vocab], aux [max tokens, A] or None.
+        self._logits: torch.Tensor | None = None
+        self._aux: torch.Tensor | None = None
         self.num_replays = 0
+
+    def num_logits(self, key: tuple[int, int]) -> int:
+        """Logits rows graph ``key`` = (T, S) computes."""
+        tokens, seqs = key
+        return min(tokens, seqs * self.logits_per_seq)
+
+    def _forward_shared(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward, its outputs copied into (and returned as views of) the shared
+        buffers."""
+        logits, aux = self._rows_forward(input_ids, positions, meta, logits_indices)
+        out = self._logits[: logits.shape[0]]
+        out.copy_(logits)
+        if aux is None:
+            return out, None
+        out_aux = self._aux[: aux.shape[0]]
+        out_aux.copy_(aux)
+        return out, out_aux
 
     @property
     def keys(self) -> list[tuple[int, int]]:
@@ -357,6 +401,12 @@ class PrefillGraphs(_GraphSet):
     def capture(self, pool=None):
         """Capture every bucket, largest first so the smaller ones reuse its memory (pass
         the decode graphs' ``pool`` to share theirs). Returns the pool."""
+        # The shared outputs, outside the graphs' pool: sized by the largest bucket, typed
+        # by an eager run of the smallest.
+        logits, aux = self._rows_forward(*self._stage_padding(min(self.keys)))
+        largest = (self.token_buckets[-1], self.seq_buckets[-1])
+        self._logits = logits.new_empty(self.num_logits(largest), logits.shape[1])
+        self._aux = None if aux is None else aux.new_empty(largest[0], aux.shape[1])
         self.pool = pool
         for key in sorted(self.keys, reverse=True):
             # Capture-time inputs: an empty step, i.e. every sequence padding.
@@ -365,7 +415,10 @@ class PrefillGraphs(_GraphSet):
 
     def bucket(self, num_tokens: int, num_seqs: int, num_logits: int) -> tuple[int, int] | None:
         """The graph a step of this shape replays (None: none holds it)."""
-        seqs = next((s for s in self.seq_buckets if s > num_seqs and s >= num_logits), None)
+        seqs = next(
+            (s for s in self.seq_buckets if s > num_seqs and s * self.logits_per_seq >= num_logits),
+            None,
+        )
         if seqs is None:
             return None
         need = num_tokens + seqs - num_seqs
@@ -413,15 +466,16 @@ class PrefillGraphs(_GraphSet):
         positions: torch.Tensor,  # [n] int64
         meta: AttentionMetadata,  # with query_lens_cpu and seq_lens_cpu; no tree
         logits_indices: torch.Tensor,  # [num_logits] int64
-    ) -> tuple:  # (ids [T], positions [T], meta, logits rows [S]): the graph's inputs
+    ) -> tuple:  # (ids [T], positions [T], meta, logits rows [L]): the graph's inputs
         """Copy a step into graph ``key``'s static buffers, padded as the class docstring
         says, and return the views the graph reads (what ``forward`` gets)."""
         tokens, seqs = key
+        rows = self.num_logits(key)
         buf = self._buffers
         n, s, num_logits = input_ids.shape[0], meta.num_seqs, logits_indices.shape[0]
         if meta.query_lens_cpu is None or meta.seq_lens_cpu is None or meta.has_tree:
             raise ValueError("a prefill graph step needs query_lens_cpu, seq_lens_cpu, no tree")
-        if n + seqs - s > tokens or s >= seqs or num_logits > seqs:
+        if n + seqs - s > tokens or s >= seqs or num_logits > rows:
             raise ValueError(
                 f"{n} tokens, {s} sequences and {num_logits} logits rows do not fit graph "
                 f"{key} (tokens, sequences) with its padding sequence: use bucket()"
@@ -432,7 +486,7 @@ class PrefillGraphs(_GraphSet):
         buf.tokens[:, n:tokens].zero_()  # padding: token 0 at position 0 into slot 0
         # Rows past the step's are zeroed, not left as a larger graph's (out of range here).
         buf.logits_rows[:num_logits].copy_(logits_indices)
-        buf.logits_rows[num_logits:seqs].zero_()
+        buf.logits_rows[num_logits:rows].zero_()
         buf.block_tables[:s, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         buf.block_tables[s:seqs].zero_()  # padding sequences: the null block
         host = self._host_lens(list(meta.query_lens_cpu), list(meta.seq_lens_cpu), tokens, seqs)
@@ -441,7 +495,7 @@ class PrefillGraphs(_GraphSet):
             buf.tokens[0, :tokens],
             buf.tokens[1, :tokens],
             buf.meta(tokens, seqs, self.max_seq_len),
-            buf.logits_rows[:seqs],
+            buf.logits_rows[:rows],
         )
 
     def run(
@@ -453,7 +507,7 @@ class PrefillGraphs(_GraphSet):
         logits_indices: torch.Tensor,  # [num_logits] int64
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [num_logits, vocab], aux [n, A]
         """Stage the step in graph ``key``, replay it, and return views of its outputs
-        (rewritten by the next replay)."""
+        (rewritten by the next replay of any prefill graph)."""
         self.stage(key, input_ids, positions, meta, logits_indices)
         self._replay(key)
         self.num_replays += 1

@@ -22,6 +22,7 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.engine.block_pool import BlockPool
+from specdec.engine.cuda_graph import tree_graph_batch_sizes
 from specdec.engine.detokenizer import IncrementalDetokenizer
 from specdec.engine.input_batch import PendingTokens
 from specdec.engine.kv_cache_manager import KVCacheManager, cdiv
@@ -40,7 +41,7 @@ from specdec.spec.metrics import SpecStats
 from specdec.spec.proposer import make_proposer
 from specdec.spec.spec_exit import ExitCut, SpecExitState
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
-from specdec.spec.tree import DraftTree, root_only_tree
+from specdec.spec.tree import DraftTree, TreeShape, root_only_tree
 
 logger = logging.getLogger(__name__)
 
@@ -151,23 +152,44 @@ class LLMEngine:
         if self.proposer is None:
             runner.capture_graphs()
             return
-        q = self.proposer.shape.max_draft_tokens + 1  # tree nodes, root included
-        cfg = self.config
-        # Speculating batches: a verify step of b trees computes b * q tokens.
-        max_batch = min(
-            cfg.cuda_graph_max_batch_size,
-            cfg.scheduler.max_num_seqs,
-            cfg.scheduler.max_num_batched_tokens // q,
-        )
-        if cfg.speculative.disable_by_batch_size is not None:
-            max_batch = min(max_batch, cfg.speculative.disable_by_batch_size)
-        if max_batch < 1:
+        sizes = self._band_graph_sizes()
+        if not sizes:
             runner.capture_graphs()
             return
-        runner.capture_graphs(tree_size=q, max_tree_batch=max_batch)
-        self.proposer.capture_graphs(max_batch, runner.block_table_width, self.max_model_len)
+        # Verify graphs per tree size (root included): a band's buckets for its shape.
+        tree_sizes: dict[int, list[int]] = {}
+        for shape, buckets in sizes.items():
+            q = shape.max_draft_tokens + 1
+            tree_sizes[q] = sorted({*tree_sizes.get(q, []), *buckets})
+        # Chains need no tree mask, so a step that mixes prompt tokens with them (an
+        # arrival) fits a prefill graph with room for their logits rows.
+        chains = all(shape.max_draft_tokens == shape.depth for shape in sizes)
+        runner.capture_graphs(tree_sizes, max(tree_sizes) if chains else 1)
+        self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len)
         if self.pipeline is not None:
-            self.pipeline.capture_graphs(max_batch)
+            self.pipeline.capture_graphs(sizes)
+
+    def _band_graph_sizes(self) -> dict[TreeShape, list[int]]:
+        """The bucketed batch sizes each band's shape needs graphs for: the buckets of the
+        batch sizes in its band (``SpeculativeConfig.bands``) that a verify step can hold
+        (a step of b trees of q nodes computes b * q tokens) and that speculate
+        (``disable_by_batch_size``)."""
+        cfg = self.config
+        limit = min(cfg.cuda_graph_max_batch_size, cfg.scheduler.max_num_seqs)
+        if cfg.speculative.disable_by_batch_size is not None:
+            limit = min(limit, cfg.speculative.disable_by_batch_size)
+        sizes: dict[TreeShape, list[int]] = {}
+        low = 0  # batches above the previous band's bound
+        for high, shape in self.proposer.bands:
+            fits = min(limit, cfg.scheduler.max_num_batched_tokens // (shape.max_draft_tokens + 1))
+            top = fits if high is None else min(fits, high)
+            if top > low:
+                buckets = tree_graph_batch_sizes(fits)  # the largest holds `fits` trees
+                needed = {next(bs for bs in buckets if bs >= b) for b in range(low + 1, top + 1)}
+                sizes[shape] = sorted({*sizes.get(shape, []), *needed})
+            if high is not None:
+                low = high
+        return sizes
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
@@ -434,7 +456,9 @@ class LLMEngine:
                     state.stale_launch = None
                 continue
             num_accepted = len(tokens) - 1
-            counted = self._counted_as_synchronous(request, done.num_draft_tokens, num_accepted)
+            counted = self._counted_as_synchronous(
+                request, done.num_draft_tokens, done.depth, num_accepted
+            )
             if counted is not None:
                 self.spec_stats.record(*counted)
                 state.spec_stats.record(*counted)
@@ -456,7 +480,7 @@ class LLMEngine:
         return outputs
 
     def _counted_as_synchronous(
-        self, request: Request, num_drafted: int, num_accepted: int
+        self, request: Request, num_drafted: int, depth: int, num_accepted: int
     ) -> tuple[int, int] | None:
         """(drafted, accepted) of a pipelined step as the synchronous step counts it, or
         None where that step would not have drafted. A pipelined step launches before the
@@ -466,7 +490,7 @@ class LLMEngine:
         same makes τ independent of pipelining: exact for chains (a shorter chain is the
         longer one's prefix), the shortened chain's count for trees."""
         depth_left = request.max_tokens - request.num_output_tokens - 1
-        if depth_left >= self.proposer.shape.depth:
+        if depth_left >= depth:
             return num_drafted, num_accepted
         if depth_left <= 0:
             return None
@@ -569,6 +593,7 @@ class LLMEngine:
         spec = self.config.speculative
         if spec.disable_by_batch_size is not None and len(scheduled) > spec.disable_by_batch_size:
             return {}
+        shape = self.proposer.shape_at(len(scheduled))  # the step's band
         rows, limits = [], []
         for row, s in enumerate(scheduled):
             request = s.request
@@ -578,14 +603,14 @@ class LLMEngine:
             # tokens. With room for the whole shape the proposer grows it, else a chain.
             depth_left = request.max_tokens - request.num_output_tokens - 1
             limit = s.num_lookahead_tokens
-            if depth_left < self.proposer.shape.depth:
+            if depth_left < shape.depth:
                 limit = min(limit, depth_left)
             if limit > 0:
                 rows.append(row)
                 limits.append(limit)
         if not rows:
             return {}
-        drafts = self.proposer.propose([scheduled[r].request for r in rows], limits)
+        drafts = self.proposer.propose([scheduled[r].request for r in rows], limits, shape)
         return {r: t for r, t in zip(rows, drafts, strict=True) if t is not None}
 
     def _add_root_only_trees(self, scheduled, trees: dict[int, DraftTree]) -> None:

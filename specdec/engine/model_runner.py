@@ -21,7 +21,6 @@ from specdec.engine.cuda_graph import (
     StepGraphs,
     graph_batch_sizes,
     prefill_graph_buckets,
-    tree_graph_batch_sizes,
 )
 from specdec.engine.input_batch import PendingTokens, StepInputs, build_step_inputs
 from specdec.engine.kv_cache_manager import cdiv
@@ -258,9 +257,14 @@ class ModelRunner:
         logger.info("warmed up %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def capture_graphs(self, tree_size: int | None = None, max_tree_batch: int = 0) -> None:
-        """CUDA graphs for decode steps, with ``tree_size`` (nodes, root included) for
-        verify steps of up to ``max_tree_batch`` trees, and for steps with prefill tokens
+    def capture_graphs(
+        self, tree_sizes: dict[int, list[int]] | None = None, prefill_logits_per_seq: int = 1
+    ) -> None:
+        """CUDA graphs for decode steps, for verify steps of each tree size in
+        ``tree_sizes`` (nodes, root included -> the bucketed batch sizes of trees that
+        size), and for steps with prefill tokens (with room for
+        ``prefill_logits_per_seq`` logits rows per sequence: the largest chain's nodes on
+        an engine that verifies chains, so that arrivals next to them replay too)
         (``EngineConfig.prefill_graph_max_tokens``), all in one memory pool; no-op off the
         GPU path. Call once, after ``aux_layer_ids``."""
         if not self.runtime.use_cuda_graphs or self.graphs is not None:
@@ -277,10 +281,10 @@ class ModelRunner:
         sizes = graph_batch_sizes(max_bs)
         logger.info("capturing CUDA graphs for decode batch sizes %s", sizes)
         self.graphs.capture(1, sizes)
-        if tree_size is not None and tree_size > 1 and max_tree_batch >= 1:
-            sizes = tree_graph_batch_sizes(max_tree_batch)
-            logger.info("capturing CUDA graphs for %d-node trees, batch sizes %s", tree_size, sizes)
-            self.graphs.capture(tree_size, sizes)
+        for q, sizes in (tree_sizes or {}).items():
+            if q > 1 and sizes:
+                logger.info("capturing CUDA graphs for %d-node trees, batch sizes %s", q, sizes)
+                self.graphs.capture(q, sizes)
         tokens, seqs = prefill_graph_buckets(
             self.config.prefill_graph_max_tokens,
             min(self.config.prefill_graph_max_seqs, self.config.scheduler.max_num_seqs),
@@ -295,6 +299,7 @@ class ModelRunner:
                 self.device,
                 tokens,
                 seqs,
+                prefill_logits_per_seq,
             )
             self.graphs.pool = self.prefill_graphs.capture(self.graphs.pool)
             logger.info(

@@ -45,13 +45,13 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
-from specdec.engine.cuda_graph import capture_graph, tree_graph_batch_sizes
+from specdec.engine.cuda_graph import capture_graph
 from specdec.engine.input_batch import BlockTables, StepInputs
 from specdec.engine.request import Request
 from specdec.engine.staging import HostCopy, aligned, to_device, to_host
 from specdec.models.compiling import compile_region
 from specdec.spec.acceptance import greedy_accept_and_stage
-from specdec.spec.tree import TreeBatch
+from specdec.spec.tree import TreeBatch, TreeShape
 from specdec.spec.tree_draft import GrowInputs
 
 
@@ -107,7 +107,8 @@ class SpecLaunch:
     from), the host copy feeds ``read`` and ``exit_signals``."""
 
     requests: list[Request]
-    num_draft_tokens: int  # per tree (all trees have one shape)
+    num_draft_tokens: int  # per tree (all trees have one shape: the step's band)
+    depth: int  # the trees' depth
     state: CatchUpState
     # [batch, depth + 2 + num_signals] int64: num_accepted, the emitted tokens, then the
     # tree's SpecExit signals as float32 bit patterns (``pack_signals``).
@@ -204,8 +205,6 @@ class SpecPipeline:
     def __init__(self, runner, proposer) -> None:
         self.runner = runner
         self.proposer = proposer
-        self.shape = proposer.shape
-        self.depth = self.shape.depth
         # Beyond a synchronous step's reservation: the step in flight may emit up to
         # depth + 1 tokens before this one's tree starts.
         self.extra_lookahead = proposer.catch_up_width
@@ -217,8 +216,9 @@ class SpecPipeline:
         self.state = CatchUpState.zeros(
             self.rows + 1, proposer.catch_up_width, aux_width, runner.dtype, runner.device
         )
-        # [q] int64: node i of a tree sits at cache index root + i.
-        self.node_offsets = torch.arange(self.shape.max_draft_tokens + 1, device=runner.device)
+        # [max q] int64: node i of a tree sits at cache index root + i.
+        q = max(s.max_draft_tokens for s in proposer.shapes) + 1
+        self.node_offsets = torch.arange(q, device=runner.device)
         self.graphs: SpecStepGraphs | None = None
         self._graph_draft = self._draft  # what the step's graphs run (capture_graphs)
         self.num_launches = 0
@@ -231,14 +231,15 @@ class SpecPipeline:
 
             self._accept_and_stage = accept_and_stage
 
-    def capture_graphs(self, max_batch_size: int) -> None:
-        """Graphs of the whole step for batches up to ``max_batch_size`` (GPU path, after
-        the runner's and the proposer's own graphs). Where the proposer compiles its
-        growth, everything before the verify forward compiles as one region with it: the
-        state's gathers, the slots and the verification inputs fuse into a few kernels."""
+    def capture_graphs(self, batch_sizes: dict[TreeShape, list[int]]) -> None:
+        """Graphs of the whole step of each band's shape for its bucketed batch sizes (GPU
+        path, after the runner's and the proposer's own graphs). Where the proposer
+        compiles its growth, everything before the verify forward compiles as one region
+        with it: the state's gathers, the slots and the verification inputs fuse into a
+        few kernels."""
         if self.proposer.compiles_growth:
             self._graph_draft = compile_region(self._draft, fullgraph=True)
-        self.graphs = SpecStepGraphs(self, max_batch_size)
+        self.graphs = SpecStepGraphs(self, batch_sizes)
 
     @torch.inference_mode()
     def launch(self, requests: list[Request], prev: SpecLaunch | None) -> SpecLaunch:
@@ -248,6 +249,7 @@ class SpecPipeline:
         state (``Proposer.pipeline_inputs``)."""
         runner = self.runner
         b = len(requests)
+        shape = self.proposer.shape_at(b)  # the step's band
         if prev is None:
             self.state.put(CatchUpState(*self.proposer.pipeline_inputs(requests).root_state))
             src = list(range(b))
@@ -256,34 +258,38 @@ class SpecPipeline:
             src = [rows[r.request_id] for r in requests]
         tables = self.block_tables.update([r.block_ids for r in requests])
         graphs = self.graphs
-        bucket = graphs.bucket(b) if graphs is not None else None
+        bucket = graphs.bucket(shape, b) if graphs is not None else None
         if bucket is not None:
-            packed = graphs.run(src, tables, bucket)
+            packed = graphs.run(shape, src, tables, bucket)
         else:
             device = runner.device
             packed = self._step(  # off CUDA to_device shares the array: pass a copy
-                to_device(np.array(src, dtype=np.int64), device), to_device(tables.copy(), device)
+                to_device(np.array(src, dtype=np.int64), device),
+                to_device(tables.copy(), device),
+                shape,
             )
         self.num_launches += 1
         return SpecLaunch(
             requests=list(requests),
-            num_draft_tokens=self.shape.max_draft_tokens,
+            num_draft_tokens=shape.max_draft_tokens,
+            depth=shape.depth,
             state=self.state,
             _host=to_host(packed),
-            num_signals=packed.shape[1] - (self.depth + 2),  # what pack_signals appended
+            num_signals=packed.shape[1] - (shape.depth + 2),  # what pack_signals appended
         )
 
     def _step(
         self,
         src: torch.Tensor,  # [batch] int: each row's catch-up state row (padding: pad_row)
         tables: torch.Tensor,  # [batch, width] int32: block tables
+        shape: TreeShape,  # the step's band
         captured: bool = False,  # inside a graph: the head's and the target's graph paths
     ) -> torch.Tensor:  # [batch, depth + 2 + k] int64: num_accepted, emitted tokens, signals
         """One pipelined step, device ops only (capturable); rows ``0 .. batch`` of the
         catch-up state then hold its outcome."""
         runner = self.runner
         draft = self._graph_draft if captured else self._draft
-        tree, step, root_index, slots = draft(src, tables, captured)
+        tree, step, root_index, slots = draft(src, tables, shape, captured)
         if captured:
             logits, aux = runner.graph_forward(step.input_ids, step.positions, step.meta)
         else:
@@ -297,7 +303,7 @@ class SpecPipeline:
             tree.token_ids,
             tree.parents,
             tree.depths,
-            self.depth,
+            shape.depth,
             aux,
             root_index,
             self.state.fields(),
@@ -310,6 +316,7 @@ class SpecPipeline:
         self,
         src: torch.Tensor,  # [batch] int: each row's catch-up state row
         tables: torch.Tensor,  # [batch, width] int32
+        shape: TreeShape,
         captured: bool,
     ) -> tuple[TreeBatch, StepInputs, torch.Tensor, torch.Tensor]:
         """The step's draft side, device ops only: the catch-up state's rows, the head's
@@ -320,7 +327,8 @@ class SpecPipeline:
         root_index = state.start + state.last + 1  # [batch]: each tree root's cache index
         # The slots of the tree's cache indices, looked up once: the head's draft levels,
         # the verification and the accepted K/V's move all address them.
-        slots = cache_slots(tables, root_index[:, None] + self.node_offsets, runner.block_size)
+        offsets = self.node_offsets[: shape.max_draft_tokens + 1]
+        slots = cache_slots(tables, root_index[:, None] + offsets, runner.block_size)
         slots = slots.view(root_index.shape[0], -1)  # [batch, q]
         inputs = GrowInputs(
             roots=state.tokens.gather(1, state.last[:, None]).squeeze(1),
@@ -333,7 +341,7 @@ class SpecPipeline:
         # reaches attention through the opaque op, which needs none.
         if runner.device.type == "cpu" and not torch.compiler.is_compiling():
             inputs.start_cpu = root_index.tolist()
-        tree = self.proposer.grow_pipelined(inputs, runner.max_model_len, captured=captured)
+        tree = self.proposer.grow_pipelined(shape, inputs, runner.max_model_len, captured=captured)
         step = verify_inputs(
             tree, root_index, slots, tables, runner.max_model_len, inputs.start_cpu
         )
@@ -341,29 +349,34 @@ class SpecPipeline:
 
 
 class SpecStepGraphs:
-    """CUDA graphs of ``SpecPipeline._step``, one per bucketed batch size (the verify
-    graphs' buckets). Each launch stages its inputs in one host-to-device copy into the
-    graphs' int32 buffer: the source rows (padding rows: the zero ``pad_row``) at offset
-    0, the block tables (padding rows null) from a fixed offset. Padding rows catch up
-    and draft from cache index 0 through null block tables: they write the null block
-    only, and their outcome rows are never read."""
+    """CUDA graphs of ``SpecPipeline._step``, one per band shape and bucketed batch size
+    (the verify graphs' buckets). Each launch stages its inputs in one host-to-device copy
+    into the graphs' int32 buffer: the source rows (padding rows: the zero ``pad_row``)
+    at offset 0, the block tables (padding rows null) from a fixed offset. Padding rows
+    catch up and draft from cache index 0 through null block tables: they write the null
+    block only, and their outcome rows are never read."""
 
-    def __init__(self, pipeline: SpecPipeline, max_batch_size: int) -> None:
+    def __init__(self, pipeline: SpecPipeline, batch_sizes: dict[TreeShape, list[int]]) -> None:
         self.pipeline = pipeline
         runner = pipeline.runner
-        self.batch_sizes = tree_graph_batch_sizes(min(max_batch_size, pipeline.rows))
-        m = self.batch_sizes[-1]
+        self.batch_sizes = {
+            shape: sorted(bs for bs in sizes if bs <= pipeline.rows)
+            for shape, sizes in batch_sizes.items()
+        }
+        m = max((max(s, default=0) for s in self.batch_sizes.values()), default=0)
         self.width = runner.block_table_width
         self.tables_at = aligned(m, 4)  # the block tables' offset in ``inputs``
         self.inputs = torch.zeros(
             self.tables_at + m * self.width, dtype=torch.int32, device=runner.device
         )
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[TreeShape, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[TreeShape, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_replays = 0
-        for bs in reversed(self.batch_sizes):  # largest first: the others reuse its pool
-            self.outputs[bs] = self._capture(bs)
+        # Largest first: the others reuse its pool.
+        keys = [(shape, bs) for shape, sizes in self.batch_sizes.items() for bs in sizes]
+        for key in sorted(keys, key=lambda k: -k[1]):
+            self.outputs[key] = self._capture(*key)
         # The warm-up and captured runs stepped the padding rows' outcomes into rows
         # 0 .. bs: start clean.
         for t in pipeline.state.fields():
@@ -374,34 +387,35 @@ class SpecStepGraphs:
         tables = self.inputs[self.tables_at : self.tables_at + bs * self.width]
         return src, tables.view(bs, self.width)
 
-    def _run(self, bs: int) -> torch.Tensor:
+    def _run(self, shape: TreeShape, bs: int) -> torch.Tensor:
         src, tables = self._args(bs)
-        return self.pipeline._step(src, tables, captured=True)
+        return self.pipeline._step(src, tables, shape, captured=True)
 
-    def _capture(self, bs: int) -> torch.Tensor:
-        """Warm up, capture the step of ``bs`` rows as graph ``bs``; returns its output."""
+    def _capture(self, shape: TreeShape, bs: int) -> torch.Tensor:
+        """Warm up, capture the step of ``bs`` rows as graph ``(shape, bs)``; returns its
+        output."""
         self.inputs[:bs].fill_(self.pipeline.pad_row)  # padding rows: the null block only
-        graph, out = capture_graph(lambda: self._run(bs), self.pool)
+        graph, out = capture_graph(lambda: self._run(shape, bs), self.pool)
         self.pool = graph.pool()
-        self.graphs[bs] = graph
+        self.graphs[shape, bs] = graph
         return out
 
-    def _replay(self, bs: int) -> None:
-        self.graphs[bs].replay()
+    def _replay(self, shape: TreeShape, bs: int) -> None:
+        self.graphs[shape, bs].replay()
 
-    def bucket(self, batch: int) -> int | None:
-        return next((bs for bs in self.batch_sizes if bs >= batch), None)
+    def bucket(self, shape: TreeShape, batch: int) -> int | None:
+        return next((bs for bs in self.batch_sizes.get(shape, ()) if bs >= batch), None)
 
-    def run(self, src: list[int], tables: np.ndarray, bs: int) -> torch.Tensor:
-        """Stage ``src`` and ``tables`` ([batch, width] int32) for graph ``bs`` and replay
-        it; returns the outcome rows ``0 .. batch`` (the graph's buffer: valid until its
-        next replay)."""
+    def run(self, shape: TreeShape, src: list[int], tables: np.ndarray, bs: int) -> torch.Tensor:
+        """Stage ``src`` and ``tables`` ([batch, width] int32) for graph ``(shape, bs)``
+        and replay it; returns the outcome rows ``0 .. batch`` (the graph's buffer: valid
+        until its next replay)."""
         b = len(src)
         staged = np.zeros(self.tables_at + bs * self.width, dtype=np.int32)
         staged[:bs] = self.pipeline.pad_row
         staged[:b] = src
         staged[self.tables_at : self.tables_at + b * self.width] = tables.reshape(-1)
         to_device(staged, self.inputs.device, out=self.inputs)
-        self._replay(bs)
+        self._replay(shape, bs)
         self.num_replays += 1
-        return self.outputs[bs][:b]
+        return self.outputs[shape, bs][:b]

@@ -45,11 +45,12 @@ def _accept_stage_kernel(
     path_ptr,  # out [batch, D1] int64
     emitted_ptr,  # out [batch, D1] int64
     packed_ptr,  # out [batch, D1 + 1] int64: num_accepted, then the emitted tokens
-    st_tokens_ptr,  # out state rows [rows, D1] int64
-    st_aux_ptr,  # out state rows [rows, D1, A]
+    st_tokens_ptr,  # out state rows [rows, W] int64 (W >= D1: entries past D1 untouched)
+    st_aux_ptr,  # out state rows [rows, W, A]
     st_last_ptr,  # out [rows] int64
     st_start_ptr,  # out [rows] int64
     aux_width,
+    state_width,  # W
     Q: tl.constexpr,
     DEPTH: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -92,14 +93,14 @@ def _accept_stage_kernel(
     tl.store(packed_ptr + b * (D1 + 1), num_acc)
     tl.store(packed_ptr + b * (D1 + 1) + 1 + d, emitted, mask=d_ok)
     # The next step's catch-up state, row b.
-    tl.store(st_tokens_ptr + b * D1 + d, emitted, mask=d_ok)
+    tl.store(st_tokens_ptr + b * state_width + d, emitted, mask=d_ok)
     tl.store(st_last_ptr + b, num_acc)
     tl.store(st_start_ptr + b, tl.load(root_ptr + b))
     offs_a = tl.arange(0, BLOCK_A)
     for j in tl.static_range(D1):
         node = tl.sum(tl.where(d == j, path, 0), axis=0)
         src = aux_ptr + (base + node) * aux_width
-        dst = st_aux_ptr + (b * D1 + j) * aux_width
+        dst = st_aux_ptr + (b * state_width + j) * aux_width
         for a0 in range(0, aux_width, BLOCK_A):
             a_ok = a0 + offs_a < aux_width
             tl.store(dst + a0 + offs_a, tl.load(src + a0 + offs_a, mask=a_ok), mask=a_ok)
@@ -119,11 +120,14 @@ def accept_and_stage(
     batch, q = token_ids.shape
     tokens, st_aux, last, start = state
     d1 = max_depth + 1
-    if tokens.shape[1] != d1 or st_aux.shape[1] != d1 or st_aux.shape[2] != aux.shape[1]:
+    width = tokens.shape[1]
+    if width < d1 or st_aux.shape[1] != width or st_aux.shape[2] != aux.shape[1]:
         raise ValueError(
-            f"state rows must be [rows, {d1}] tokens and [rows, {d1}, {aux.shape[1]}] aux; got "
-            f"{tuple(tokens.shape)} and {tuple(st_aux.shape)}"
+            f"state rows must be [rows, W >= {d1}] tokens and [rows, W, {aux.shape[1]}] aux; "
+            f"got {tuple(tokens.shape)} and {tuple(st_aux.shape)}"
         )
+    if not (tokens.is_contiguous() and st_aux.is_contiguous()):
+        raise ValueError("the catch-up state's tokens and aux rows must be contiguous")
     if tokens.shape[0] < batch or aux.shape[0] != batch * q:
         raise ValueError(
             f"{batch} trees of {q} nodes need >= {batch} state rows and {batch * q} aux rows; "
@@ -153,6 +157,7 @@ def accept_and_stage(
             last,
             start,
             aux.shape[1],
+            width,
             Q=q,
             DEPTH=max_depth,
             BLOCK_Q=next_power_of_2(q),

@@ -46,10 +46,10 @@ def tree_defaults(head_dir: str | Path) -> dict[str, Any]:
 def default_speculative(model: str, **overrides: Any) -> SpeculativeConfig | None:
     """EAGLE-3 with ``model``'s shipped head in its tree shape, ``overrides`` (fields of
     ``SpeculativeConfig``) applied on top; None when the model ships no head."""
-    from specdec.config import SpeculativeConfig
+    from specdec.config import SpeculativeConfig, override_fields
 
     head = packaged_head(model)
     if head is None:
         return None
-    fields = {"method": "eagle3", "model": str(head), **tree_defaults(head), **overrides}
-    return SpeculativeConfig(**fields)
+    base = {"method": "eagle3", "model": str(head), **tree_defaults(head)}
+    return SpeculativeConfig(**override_fields(base, overrides))

@@ -284,16 +284,18 @@ def greedy_accept_and_stage(
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # rows >= batch
 ) -> tuple[UniformAcceptance, torch.Tensor]:
     """The pipelined speculative step's acceptance (``greedy_accept_argmax``), its next
-    catch-up state written into rows ``0 .. batch`` of ``state`` (tokens [rows, depth +
-    1], aux [rows, depth + 1, A] gathered along each path, last [rows], start [rows]) and
-    the packed read-back row [batch, depth + 2] (num_accepted, then the emitted tokens).
-    Torch ops only (capturable); the reference of ``kernels.accept.accept_and_stage``."""
+    catch-up state written into rows ``0 .. batch`` of ``state`` (tokens [rows, W], aux
+    [rows, W, A] gathered along each path, last [rows], start [rows]; columns ``0 ..
+    depth + 1`` of the W >= depth + 1, the rest untouched) and the packed read-back row
+    [batch, depth + 2] (num_accepted, then the emitted tokens). Torch ops only
+    (capturable); the reference of ``kernels.accept.accept_and_stage``."""
     batch, q = token_ids.shape
+    d1 = max_depth + 1
     acceptance = greedy_accept_argmax(token_ids, parents, depths, best, max_depth)
     path = acceptance.path[:, :, None].expand(-1, -1, aux.shape[1])
     tokens, st_aux, last, start = state
-    tokens[:batch].copy_(acceptance.token_ids)
-    st_aux[:batch].copy_(aux.view(batch, q, -1).gather(1, path))
+    tokens[:batch, :d1].copy_(acceptance.token_ids)
+    st_aux[:batch, :d1].copy_(aux.view(batch, q, -1).gather(1, path))
     last[:batch].copy_(acceptance.num_accepted)
     start[:batch].copy_(root_index)
     packed = torch.cat([acceptance.num_accepted[:, None], acceptance.token_ids], dim=1)

@@ -100,10 +100,12 @@ class DraftModelProposer(Proposer):
         return min(valid, request.num_computed_tokens)
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], max_draft_tokens: Sequence[int]):
+    def propose(
+        self, requests: Sequence[Request], max_draft_tokens: Sequence[int], step_shape: TreeShape
+    ):
         # Fed nodes start right after the root.
         rooms = [len(r.block_ids) * self.block_size - r.num_tokens for r in requests]
-        groups = self.group_by_shape(range(len(requests)), max_draft_tokens, rooms)
+        groups = self.group_by_shape(step_shape, range(len(requests)), max_draft_tokens, rooms)
         trees: list[DraftTree | None] = [None] * len(requests)
         for shape, members in groups.items():
             group = [requests[i] for i in members]
@@ -141,11 +143,11 @@ class DraftModelProposer(Proposer):
         inputs = GrowInputs.build(group, roots_at, (), self.device)
         return self._grow_tree(shape, inputs, self._forward(chunks), None)
 
-    def capture_graphs(self, max_batch_size: int, block_table_width: int, max_seq_len: int):
+    def capture_graphs(
+        self, batch_sizes: dict[TreeShape, list[int]], block_table_width: int, max_seq_len: int
+    ):
         tokens, last, start = pack_catch_ups([(0, 1)], [[0]], self.catch_up_width, self.device)
-        self.grower.capture(
-            self.shape, max_batch_size, (tokens, last, start), block_table_width, max_seq_len
-        )
+        self.grower.capture(batch_sizes, (tokens, last, start), block_table_width, max_seq_len)
 
     def _grow(self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None) -> TreeBatch:
         """Catch-up and growth, device ops only. Root state: ``pack_catch_ups``' tensors

@@ -130,12 +130,15 @@ class Eagle3Proposer(Proposer):
         state.pending.append(aux)
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], max_draft_tokens: Sequence[int]):
+    def propose(
+        self, requests: Sequence[Request], max_draft_tokens: Sequence[int], step_shape: TreeShape
+    ):
         rows = [i for i, r in enumerate(requests) if self._catch_up_len(r) > 0]
         trees: list[DraftTree | None] = [None] * len(requests)
         # Fed nodes start at the root's cache index.
         rooms = [len(r.block_ids) * self.block_size - r.num_computed_tokens for r in requests]
-        for shape, members in self.group_by_shape(rows, max_draft_tokens, rooms).items():
+        groups = self.group_by_shape(step_shape, rows, max_draft_tokens, rooms)
+        for shape, members in groups.items():
             grown = self._propose_group(shape, [requests[i] for i in members])
             for i, tree in zip(members, grown.unbind(), strict=True):
                 trees[i] = tree
@@ -145,16 +148,33 @@ class Eagle3Proposer(Proposer):
         """Catch up on every observed position, then grow. After a verify step each
         request catches up on at most depth + 1 positions (its accepted drafts and the
         bonus token); such batches run catch-up and growth as one capturable function
-        (``_grow``: catch-ups right-padded to that length). Longer catch-ups (the first
-        draft after a prefill) run a varlen forward first."""
+        (``_grow``: catch-ups right-padded to that length), replayed from the growth
+        graphs where they fit. Longer catch-ups (the first draft after a prefill) run a
+        varlen forward over all but their last ``catch_up_width`` positions first (the
+        head's K/V there), then the same function over the rest."""
         bs = self.block_size
         spans, aux = self._take_catch_ups(group)
         width = self.catch_up_width
+        long = [i for i, (start, end) in enumerate(spans) if end - start > width]
+        if long:
+            chunks = [
+                Chunk(
+                    group[i],
+                    spans[i][0],
+                    group[i].token_ids(spans[i][0] + 1, spans[i][1] - width + 1),
+                )
+                for i in long
+            ]
+            self._forward(chunks, self.head.fuse(torch.cat([aux[i][:-width] for i in long])))
+            for i in long:
+                spans[i] = (spans[i][1] - width, spans[i][1])
+                aux[i] = aux[i][-width:]
         if all(
-            end - start <= width and len(r.block_ids) * bs >= start + width
-            for r, (start, end) in zip(group, spans, strict=True)
+            len(r.block_ids) * bs >= start + width
+            for r, (start, _) in zip(group, spans, strict=True)
         ):
             return self.grower.grow(shape, self._padded_inputs(group, spans, aux))
+        # Near the cache's end (no room for a padded catch-up): one varlen forward.
         chunks = [
             Chunk(r, start, r.token_ids(start + 1, end + 1))
             for r, (start, end) in zip(group, spans, strict=True)
@@ -200,16 +220,17 @@ class Eagle3Proposer(Proposer):
         return self._padded_inputs(group, spans, aux)
 
     def grow_pipelined(
-        self, inputs: GrowInputs, max_seq_len: int, captured: bool = False
+        self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int, captured: bool = False
     ) -> TreeBatch:
-        """Catch-up and growth of the configured shape from device inputs (``_grow``'s root
-        state); replays the captured growth when the batch fits. ``captured``: the caller
-        is being captured into a CUDA graph: run what the growth graphs capture (the
-        head's compiled regions when configured) instead of replaying them."""
+        """Catch-up and growth of ``shape`` (the step's band) from device inputs
+        (``_grow``'s root state); replays the captured growth when the batch fits.
+        ``captured``: the caller is being captured into a CUDA graph: run what the growth
+        graphs capture (the head's compiled regions when configured) instead of replaying
+        them."""
         if captured:
             bound = max_seq_len if inputs.start_cpu is None else None  # as TreeGrower's
-            return self._graph_grow(self.shape, inputs, bound)
-        return self.grower.grow(self.shape, inputs, max_seq_len)
+            return self._graph_grow(shape, inputs, bound)
+        return self.grower.grow(shape, inputs, max_seq_len)
 
     def resume(
         self,
@@ -249,7 +270,9 @@ class Eagle3Proposer(Proposer):
         inputs.root_state = (tokens, padded.view(len(group), width, -1), last, start)
         return inputs
 
-    def capture_graphs(self, max_batch_size: int, block_table_width: int, max_seq_len: int):
+    def capture_graphs(
+        self, batch_sizes: dict[TreeShape, list[int]], block_table_width: int, max_seq_len: int
+    ):
         width = self.catch_up_width
         tokens, last, start = pack_catch_ups([(0, 1)], [[0]], width, self.device)
         aux = torch.zeros(1, width, 3 * self.head.config.hidden_size, dtype=self.kv_cache[0].dtype)
@@ -259,15 +282,15 @@ class Eagle3Proposer(Proposer):
                 # One region from the catch-up state to the finished tree: inductor fuses
                 # the index arithmetic between the head's layers (slots, positions,
                 # gathers, ranks, the vocabulary map), ~10 launches per level otherwise.
-                tree_plan(self.shape, self.device)  # shape constants made outside tracing
+                for shape in batch_sizes:  # shape constants made outside tracing
+                    tree_plan(shape, self.device)
                 self._graph_grow = compile_region(self._grow, fullgraph=True)
                 self.compiles_growth = True
             else:  # the head's layer and logits only
                 self.head.compile_regions()
                 self._graph_grow = functools.partial(self._grow, compiled=True)
         self.grower.capture(
-            self.shape,
-            max_batch_size,
+            batch_sizes,
             state_like,
             block_table_width,
             max_seq_len,

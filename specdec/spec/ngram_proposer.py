@@ -33,16 +33,18 @@ class NgramProposer(Proposer):
                 f"the ngram proposer drafts the one continuation it finds (a chain); got "
                 f"tree={config.tree!r}, use tree='chain'"
             )
-        self.ngram = NgramConfig(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+        # Up to the deepest band's length; each step cuts to its own band's.
+        self.ngram = NgramConfig(self.max_depth, config.ngram_min, config.ngram_max)
         # One incremental index per request: a step costs O(new tokens), not O(length).
         self._indexes: dict[str, NgramIndex] = {}
 
     def release(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
 
-    def propose(self, requests, max_draft_tokens):
+    def propose(self, requests, max_draft_tokens, shape):
         trees: list[DraftTree | None] = []
         for request, limit in zip(requests, max_draft_tokens, strict=True):
+            limit = min(limit, shape.depth)
             if limit < 1:
                 trees.append(None)
                 continue

@@ -4,6 +4,10 @@ A proposer looks at running requests that are about to decode and returns, for e
 draft tree rooted at the request's last token (the token this step computes anyway), or
 None when it has nothing to propose. The engine verifies every tree in one target
 forward; the proposer never sees the target's logits.
+
+The engine picks each step's shape from the number of running requests
+(``SpeculativeConfig.bands``); a proposer grows that shape, or a chain where a request's
+limit or room is short of it (``shape_for``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from specdec.config import SpeculativeConfig
+from specdec.config import SpeculativeConfig, band_shape
 from specdec.engine.request import Request
 from specdec.spec.tree import ChainShape, DraftTree, TreeShape
 
@@ -31,19 +35,31 @@ class Proposer(ABC):
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.shape: TreeShape = config.tree_shape
+        # (max running requests, shape) by ascending batch size; the last unbounded.
+        self.bands: list[tuple[int | None, TreeShape]] = config.bands
+        self.shapes: list[TreeShape] = list(dict.fromkeys(s for _, s in self.bands))
+
+    def shape_at(self, batch_size: int) -> TreeShape:
+        """The shape a step of ``batch_size`` running requests drafts (the bands made
+        once: this runs every step)."""
+        return band_shape(self.bands, batch_size)
 
     @property
     def lookahead_slots(self) -> int:
         """Cache slots past the root a decoding request reserves per step: the tree's
-        draft nodes for verification, and room for a model proposer's fed nodes."""
-        return max(self.shape.max_draft_tokens, self.shape.num_expanded)
+        draft nodes for verification, and room for a model proposer's fed nodes (the
+        largest of the bands' shapes: the band is known only once the step is)."""
+        return max(max(s.max_draft_tokens, s.num_expanded) for s in self.shapes)
 
-    def shape_for(self, max_draft_tokens: int, room: int) -> TreeShape:
-        """The configured shape when ``max_draft_tokens`` nodes and ``room`` fed-node
+    @property
+    def max_depth(self) -> int:
+        """The deepest band's depth: a step emits at most this + 1 tokens."""
+        return max(s.depth for s in self.shapes)
+
+    def shape_for(self, shape: TreeShape, max_draft_tokens: int, room: int) -> TreeShape:
+        """The step's ``shape`` when ``max_draft_tokens`` nodes and ``room`` fed-node
         slots allow it; otherwise the chain that fits (near the context's or the request's
         end). A chain never needs more room than verification already reserves."""
-        shape = self.shape
         if max_draft_tokens >= shape.max_draft_tokens and room >= shape.num_expanded:
             return shape
         return ChainShape(min(max_draft_tokens, shape.depth))
@@ -68,26 +84,35 @@ class Proposer(ABC):
     compiles_growth: bool = False
 
     def group_by_shape(
-        self, rows: Sequence[int], max_draft_tokens: Sequence[int], rooms: Sequence[int]
+        self,
+        shape: TreeShape,
+        rows: Sequence[int],
+        max_draft_tokens: Sequence[int],
+        rooms: Sequence[int],
     ) -> dict[TreeShape, list[int]]:
-        """``rows`` grouped by the shape each can grow (``shape_for`` of its limit and its
-        room, both indexed by row): one batch per shape, usually just the configured one."""
+        """``rows`` grouped by the shape each can grow (``shape_for`` of the step's
+        ``shape``, its limit and its room, both indexed by row): one batch per shape,
+        usually just the step's."""
         groups: dict[TreeShape, list[int]] = {}
         for i in rows:
-            groups.setdefault(self.shape_for(max_draft_tokens[i], rooms[i]), []).append(i)
+            groups.setdefault(self.shape_for(shape, max_draft_tokens[i], rooms[i]), []).append(i)
         return groups
 
     @property
     def catch_up_width(self) -> int:
         """Tokens a model proposer catches up on after a full verify step: the accepted
-        drafts its cache lacks plus the bonus token, at most depth + 1."""
-        return self.shape.depth + 1
+        drafts its cache lacks plus the bonus token, at most the deepest band's depth + 1
+        (catch-ups are padded to this width whatever the step's band)."""
+        return self.max_depth + 1
 
     def capture_graphs(  # noqa: B027  (optional hook)
-        self, max_batch_size: int, block_table_width: int, max_seq_len: int
+        self,
+        batch_sizes: dict[TreeShape, list[int]],
+        block_table_width: int,
+        max_seq_len: int,
     ) -> None:
-        """Capture CUDA graphs of the draft steps for batches up to ``max_batch_size``
-        (model proposers; called once on the GPU path, after the target's graphs)."""
+        """Capture CUDA graphs of the draft steps of each shape for its bucketed batch
+        sizes (model proposers; called once on the GPU path, after the target's graphs)."""
 
     def release(self, request_id: str) -> None:  # noqa: B027  (optional hook)
         """Forget per-request state once a request finishes or is aborted."""
@@ -102,10 +127,11 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(
-        self, requests: Sequence[Request], max_draft_tokens: Sequence[int]
+        self, requests: Sequence[Request], max_draft_tokens: Sequence[int], shape: TreeShape
     ) -> list[DraftTree | None]:
         """One tree (or None) per request with at most ``max_draft_tokens[i]`` draft
-        nodes; the root's token is ``requests[i]``'s last token."""
+        nodes, of the step's ``shape`` where those allow (``shape_at`` of the step's batch
+        size); the root's token is ``requests[i]``'s last token."""
 
 
 def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:

@@ -27,7 +27,7 @@ import torch
 
 from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.attention.tree_mask import uniform_tree_mask
-from specdec.engine.cuda_graph import capture_graph, tree_graph_batch_sizes
+from specdec.engine.cuda_graph import capture_graph
 from specdec.engine.request import Request
 from specdec.engine.staging import to_device
 from specdec.spec.chunk_inputs import ChunkInputs
@@ -276,13 +276,14 @@ class GrowGraphs:
         self,
         grow: GrowFn,
         shape: TreeShape,
-        max_batch_size: int,
+        batch_sizes: list[int],  # the buckets (tree_graph_batch_sizes, or some of them)
         state_like: tuple[torch.Tensor, ...],  # root state rows: dtypes and trailing sizes
         block_table_width: int,
         max_seq_len: int,
+        pool=None,  # a memory pool to share (another shape's graphs)
     ) -> None:
         self.shape = shape
-        self.batch_sizes = tree_graph_batch_sizes(max_batch_size)
+        self.batch_sizes = sorted(batch_sizes)
         device = state_like[0].device
         m = self.batch_sizes[-1]
         self.static = GrowInputs(
@@ -296,7 +297,7 @@ class GrowGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, TreeBatch] = {}
         self.num_replays = 0
-        self.pool = None
+        self.pool = pool
         self._grow = grow
         self.max_seq_len = max_seq_len
         for bs in reversed(self.batch_sizes):  # largest first: the others reuse its pool
@@ -357,34 +358,48 @@ class GrowGraphs:
 
 
 class TreeGrower:
-    """Grows trees for a proposer: replays ``GrowGraphs`` for the configured shape when
+    """Grows trees for a proposer: replays the ``GrowGraphs`` of the batch's shape when
     they exist and the batch fits, else runs ``grow`` eagerly."""
 
     def __init__(self, grow: GrowFn) -> None:
         self._grow = grow
-        self.graphs: GrowGraphs | None = None
+        self.graphs: dict[TreeShape, GrowGraphs] = {}
 
     def capture(
         self,
-        shape: TreeShape,
-        max_batch_size: int,
+        batch_sizes: dict[TreeShape, list[int]],  # each shape's buckets
         state_like: tuple[torch.Tensor, ...],
         block_table_width: int,
         max_seq_len: int,
         grow: GrowFn | None = None,
     ) -> None:
-        """``grow``: the function the graphs capture, when it differs from the eager one
-        (e.g. compiled regions, which only fixed graph shapes should run)."""
-        self.graphs = GrowGraphs(
-            grow or self._grow, shape, max_batch_size, state_like, block_table_width, max_seq_len
-        )
+        """Graphs of each shape for its batch sizes, in one memory pool. ``grow``: the
+        function the graphs capture, when it differs from the eager one (e.g. compiled
+        regions, which only fixed graph shapes should run)."""
+        pool = None
+        for shape, sizes in batch_sizes.items():
+            graphs = GrowGraphs(
+                grow or self._grow,
+                shape,
+                sizes,
+                state_like,
+                block_table_width,
+                max_seq_len,
+                pool,
+            )
+            self.graphs[shape] = graphs
+            pool = graphs.pool
+
+    @property
+    def num_replays(self) -> int:
+        return sum(g.num_replays for g in self.graphs.values())
 
     def grow(
         self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None = None
     ) -> TreeBatch:
         """``max_seq_len``: a bound on context lengths for an eager growth whose inputs
         have no host copy of ``start`` (None: derived from ``inputs.start_cpu``)."""
-        graphs = self.graphs
-        if graphs is not None and shape == graphs.shape and graphs.bucket(inputs.batch):
+        graphs = self.graphs.get(shape)
+        if graphs is not None and graphs.bucket(inputs.batch):
             return graphs.run(inputs)
         return self._grow(shape, inputs, max_seq_len if inputs.start_cpu is None else None)
