@@ -25,8 +25,8 @@ def _prompts_args(p: argparse.ArgumentParser) -> None:
         dest="sources",
         help="mix (the default: bigbench, reasoning_gym and chatterbot), one of those, "
         "writing (composed long-form writing requests), code (composed programming "
-        "requests), a JSONL file (ShareGPT / messages / prompt), a stage directory, or "
-        "hf:NAME[:SPLIT]; repeatable",
+        "requests), math (composed arithmetic word problems), a JSONL file (ShareGPT / "
+        "messages / prompt), a stage directory, or hf:NAME[:SPLIT]; repeatable",
     )
     p.add_argument("--records-per-shard", type=int, default=10000)
     p.add_argument("--max-records", type=int, default=None, help="a seeded sample of the mix")
@@ -41,6 +41,7 @@ def _prompts_args(p: argparse.ArgumentParser) -> None:
         "--writing-prompts", type=int, default=5000, help="requests of the writing source"
     )
     p.add_argument("--code-prompts", type=int, default=5000, help="requests of the code source")
+    p.add_argument("--math-prompts", type=int, default=5000, help="problems of the math source")
     p.add_argument("--gsm-symbolic-size", type=int, default=1000)
     p.add_argument("--ngram", type=int, default=13, help="decontamination word n-gram")
     p.add_argument("--cache-dir", help="downloaded data packages (default ~/.cache/specdec/data)")
@@ -197,6 +198,7 @@ def _prompts(args) -> int:
         chatterbot_languages=tuple(args.chatterbot_languages),
         writing_prompts=args.writing_prompts,
         code_prompts=args.code_prompts,
+        math_prompts=args.math_prompts,
         cache_dir=args.cache_dir,
         allow_download=not args.no_download,
     )

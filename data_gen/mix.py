@@ -1,12 +1,14 @@
 """The offline training sources: BIG-bench task inputs, reasoning-gym generators (not
 gsm_symbolic, a benchmark set), chatterbot dialogs (together the default mix, ``mix``),
-composed long-form writing requests (``writing``, writing.py; opt-in) and composed
-programming requests (``code``, coding.py; opt-in), deduplicated and decontaminated.
+composed long-form writing requests (``writing``, writing.py; opt-in), composed
+programming requests (``code``, coding.py; opt-in) and composed arithmetic word problems
+(``math``, word_problems.py; opt-in), deduplicated and decontaminated.
 
 Everything here is seeded and ordered: the same config gives the same conversations in
 the same order, which is what lets the prompts stage resume byte-identically. Each source
 yields ``Conversation``s with stable ids (``bigbench/<task>#<example>``,
-``reasoning_gym/<generator>#<i>``, ``chatterbot/<lang>/<file>#<i>``, ``writing/<i>``, ``code/<i>``).
+``reasoning_gym/<generator>#<i>``, ``chatterbot/<lang>/<file>#<i>``, ``writing/<i>``,
+``code/<i>``, ``math/<i>``).
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from specdec.data_gen.package_files import (
     iter_package_files,
 )
 from specdec.data_gen.records import BadRecord, Conversation, SkipCounts, text_hash
+from specdec.data_gen.word_problems import math_conversations
 from specdec.data_gen.writing import writing_conversations
 
 logger = logging.getLogger(__name__)
 
 # What ``mix`` means: the sources the shipped head was trained on (docs/default_head.md).
 MIX_SOURCES = ("bigbench", "reasoning_gym", "chatterbot")
-BUILTIN_SOURCES = (*MIX_SOURCES, "writing", "code")
+BUILTIN_SOURCES = (*MIX_SOURCES, "writing", "code", "math")
 # Benchmark sets (never training data) and meta-generators that need other generators.
 REASONING_GYM_EXCLUDED = frozenset({"gsm_symbolic", "composite"})
 
@@ -60,6 +63,7 @@ class MixConfig:
     chatterbot_languages: tuple[str, ...] = ("english",)
     writing_prompts: int = 5000
     code_prompts: int = 5000
+    math_prompts: int = 5000
     min_chars: int = 4
     max_chars: int = 16000
     cache_dir: str | None = None
@@ -73,6 +77,8 @@ class MixConfig:
             raise ValueError(f"writing_prompts={self.writing_prompts} must be >= 0")
         if self.code_prompts < 0:
             raise ValueError(f"code_prompts={self.code_prompts} must be >= 0")
+        if self.math_prompts < 0:
+            raise ValueError(f"math_prompts={self.math_prompts} must be >= 0")
         if self.reasoning_gym_generators:
             bad = REASONING_GYM_EXCLUDED & set(self.reasoning_gym_generators)
             if bad:
@@ -203,12 +209,18 @@ def composed_code_conversations(config: MixConfig, skipped: SkipCounts) -> Itera
     return code_conversations(config.code_prompts, config.seed)
 
 
+def composed_math_conversations(config: MixConfig, skipped: SkipCounts) -> Iterator[Conversation]:
+    """``math_prompts`` arithmetic word problems (word_problems.py), seeded by the mix."""
+    return math_conversations(config.math_prompts, config.seed)
+
+
 BUILDERS = {
     "bigbench": bigbench_conversations,
     "reasoning_gym": reasoning_gym_conversations,
     "chatterbot": chatterbot_conversations,
     "writing": composed_writing_conversations,
     "code": composed_code_conversations,
+    "math": composed_math_conversations,
 }
 
 

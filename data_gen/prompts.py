@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PromptsConfig:
     """``sources``: ``mix`` (``bigbench``, ``reasoning_gym``, ``chatterbot``), built-in
-    names (those, ``writing`` and ``code``), JSONL files, stage directories or ``hf:NAME``."""
+    names (those, ``writing``, ``code`` and ``math``), JSONL files, stage directories or
+    ``hf:NAME``."""
 
     output: str
     sources: tuple[str, ...] = ("mix",)

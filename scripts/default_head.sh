@@ -8,6 +8,7 @@
 #   SMOKE=1 scripts/default_head.sh         # a tiny CPU run of the whole chain (minutes)
 #   PROMPT_SOURCES="mix writing code" CODE_PROMPTS=10000 scripts/default_head.sh prompts
 #                                           # with programming requests (CODE_PROMPTS, 0 by default)
+#   PROMPT_SOURCES="mix writing code math" CODE_PROMPTS=15000 MATH_PROMPTS=8000 ...  # and word problems
 #
 # Every stage resumes: rerun the same command after a kill (or a time limit) and it
 # continues where it stopped (finished shards are kept, training restarts from its newest
@@ -31,6 +32,9 @@ WRITING_PROMPTS=${WRITING_PROMPTS:-20000} # long-form requests (~21% of the prom
 # Programming requests (data_gen/coding.py); they count only with `code` in PROMPT_SOURCES,
 # e.g. PROMPT_SOURCES="mix writing code" CODE_PROMPTS=10000. 0 keeps session 17's prompts.
 CODE_PROMPTS=${CODE_PROMPTS:-0}
+# Arithmetic word problems (data_gen/word_problems.py); they count only with `math` in
+# PROMPT_SOURCES, e.g. PROMPT_SOURCES="mix writing code math" MATH_PROMPTS=8000.
+MATH_PROMPTS=${MATH_PROMPTS:-0}
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
 SEED=${SEED:-0}                       # sampling seed: another seed answers the same prompts anew
@@ -63,7 +67,8 @@ stage_prompts() {
     for s in $PROMPT_SOURCES; do sources+=(--source "$s"); done
     specdec data-gen prompts -o "$DATA/prompts" --max-records "$NUM_PROMPTS" "${sources[@]}" \
         --bigbench-per-task "$BIGBENCH_PER_TASK" --reasoning-gym-per-generator "$RG_PER_GENERATOR" \
-        --writing-prompts "$WRITING_PROMPTS" --code-prompts "$CODE_PROMPTS"
+        --writing-prompts "$WRITING_PROMPTS" --code-prompts "$CODE_PROMPTS" \
+        --math-prompts "$MATH_PROMPTS"
 }
 
 stage_regenerate() {
