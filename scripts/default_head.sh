@@ -35,6 +35,7 @@ CODE_PROMPTS=${CODE_PROMPTS:-0}
 # Arithmetic word problems (data_gen/word_problems.py); they count only with `math` in
 # PROMPT_SOURCES, e.g. PROMPT_SOURCES="mix writing code math" MATH_PROMPTS=8000.
 MATH_PROMPTS=${MATH_PROMPTS:-0}
+PROMPT_SEED=${PROMPT_SEED:-0}         # the prompts' shuffle and composed requests (0: sessions 17-19)
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
 SEED=${SEED:-0}                       # sampling seed: another seed answers the same prompts anew
@@ -68,7 +69,7 @@ stage_prompts() {
     specdec data-gen prompts -o "$DATA/prompts" --max-records "$NUM_PROMPTS" "${sources[@]}" \
         --bigbench-per-task "$BIGBENCH_PER_TASK" --reasoning-gym-per-generator "$RG_PER_GENERATOR" \
         --writing-prompts "$WRITING_PROMPTS" --code-prompts "$CODE_PROMPTS" \
-        --math-prompts "$MATH_PROMPTS"
+        --math-prompts "$MATH_PROMPTS" --seed "$PROMPT_SEED"
 }
 
 stage_regenerate() {
