@@ -11,7 +11,9 @@ this source: a *problem* (one of ``PROBLEMS``: shopping, wages, travel, recipes,
 percentages, ages, schedules, ...) whose people, items and numbers are drawn per request,
 an optional *opening* and a *closing instruction* (show the working, one number, ...).
 The answers, not these prompts, are what the head learns, so the numbers only need to
-make a sensible story: each slot's range keeps totals positive and changes owed.
+make a story the target works through: slot ranges are chosen to be plausible, not
+checked to give whole or positive answers (a few draws leave, say, a negative
+remainder, which the target answers as it would any flawed question).
 
 Invariants: the list is a pure function of (count, seed); ids are ``math/<i>`` in order;
 prompts are distinct (drawn until ``count`` distinct texts, from far more combinations
@@ -386,23 +388,20 @@ def math_prompts(count: int, seed: int = 0) -> list[str]:
     if count < 0:
         raise ValueError(f"math prompts: count={count} must be >= 0")
     rng = random.Random(f"math:{seed}")
-    seen: set[str] = set()
-    out: list[str] = []
+    out: dict[str, None] = {}  # distinct texts in draw order
     # Every story has thousands of fillings or more, so repeats are rare; the bound only
     # stops a count no set of these stories can reach.
-    for _ in range(20 * count + 100):
+    draws = 20 * count + 100
+    for _ in range(draws):
         if len(out) == count:
-            return out
-        text = _render(rng.choice(PROBLEMS), rng)
-        if text not in seen:
-            seen.add(text)
-            out.append(text)
-    if len(out) == count:
-        return out
-    raise ValueError(
-        f"math prompts: count={count} is more than the stories yield distinct requests "
-        f"({len(out)} after {20 * count + 100} draws); ask for fewer"
-    )
+            break
+        out.setdefault(_render(rng.choice(PROBLEMS), rng))
+    if len(out) < count:
+        raise ValueError(
+            f"math prompts: count={count} is more than the stories yield distinct requests "
+            f"({len(out)} after {draws} draws); ask for fewer"
+        )
+    return list(out)
 
 
 def math_conversations(count: int, seed: int = 0) -> Iterator[Conversation]:
