@@ -97,6 +97,23 @@ def test_top_k_keeps_k_highest_ties_to_lower_id() -> None:
     assert _kept(apply_top_k_top_p(logits, torch.tensor([99]), None)) == {0, 1, 2, 3, 4}
 
 
+def test_top_k_without_a_sort_keeps_the_sorts_set() -> None:
+    """The sort-free top-k (a host bound on k) keeps exactly the stable sort's set: ties
+    at the boundary to the lower ids, -inf logits, disabled rows, k past the vocabulary."""
+    torch.manual_seed(0)
+    logits = torch.randint(-4, 4, (64, 50)).float()  # many ties at every rank
+    logits[::7, ::3] = float("-inf")
+    top_k = torch.randint(-2, 60, (64,))  # <= 0 disabled, > 50 past the vocabulary
+    top_k[:4] = torch.tensor([1, 50, 49, 0])
+    sorted_set = apply_top_k_top_p(logits, top_k, None)
+    for bound in (int(top_k.max()), 1000):  # exact and loose bounds
+        assert torch.equal(apply_top_k_top_p(logits, top_k, None, bound), sorted_set)
+    assert torch.equal(apply_top_k_top_p(logits[:1], torch.tensor([2]), None, 2),
+                       apply_top_k_top_p(logits[:1], torch.tensor([2]), None))  # fmt: skip
+    tie = torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0]])
+    assert _kept(apply_top_k_top_p(tie, torch.tensor([2]), None, 2)) == {1, 2}
+
+
 def test_top_p_keeps_smallest_set_reaching_p() -> None:
     # Sorted: id1 0.5, id3 0.3, id0 0.1, id2 0.05, id4 0.05 (cumulative .5 .8 .9 .95 1).
     logits = torch.tensor([[0.1, 0.5, 0.05, 0.3, 0.05]]).log()
