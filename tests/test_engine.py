@@ -20,14 +20,14 @@ from specdec.spec.tree_draft import GrowGraphs
 
 NEW_TOKENS = 64
 # Chunked prefill and a pool so small that requests are preempted mid-speculation: 80
-# blocks of 16 tokens, half what LOSSLESS's requests hold at their longest (the longest
-# alone fits: 592 prompt tokens, 32 new, 12 tree nodes).
+# blocks of 16 tokens, under half of the ~180 that LOSSLESS's 8 requests hold at their
+# longest, while the longest alone fits (592 prompt tokens, 32 new, 12 tree nodes).
 PREEMPTING = {"max_num_batched_tokens": 64, "kv_cache_memory": 80 * 2 * 30 * 16 * 3 * 64 * 4}
 DYNAMIC = {"tree": "dynamic", "num_speculative_tokens": 4, "top_k": 4, "total_tokens": 12}
 # The lossless cases whose drafts are mostly rejected (random heads and draft models) make
 # nearly every token its own verify step, so they run half the chats (~40-590 tokens,
-# 2,565 prompt tokens) for half the tokens: greedy
-# decoding makes those the first LOSSLESS_TOKENS of the reference's NEW_TOKENS.
+# 2,565 prompt tokens) for half the tokens; greedy decoding makes those tokens the first
+# LOSSLESS_TOKENS of the reference's NEW_TOKENS.
 LOSSLESS = [1, 3, 5, 7, 9, 11, 13, 15]
 LOSSLESS_TOKENS = 32
 
