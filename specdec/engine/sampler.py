@@ -43,12 +43,15 @@ class SamplingMetadata:
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     all_random: bool
-    no_top_k: bool
     max_top_k: int  # >= every row's top_k (0 if none set): top-k alone then needs no sort
     no_top_p: bool
     no_min_p: bool
     streams: list[SeededStream | None]  # per row; None = draw from the batch's RNG
     max_num_logprobs: int | None  # largest ``logprobs`` in the batch; None if none asked
+
+    @property
+    def no_top_k(self) -> bool:
+        return self.max_top_k == 0
 
     @property
     def num_rows(self) -> int:
@@ -115,7 +118,6 @@ class SamplingMetadata:
             greedy=ints[b:].bool(),
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            no_top_k=not any(top_k),
             max_top_k=max(top_k),
             no_top_p=top_p.count(1.0) == b,
             no_min_p=min_p.count(0.0) == b,
@@ -125,7 +127,7 @@ class SamplingMetadata:
 
 
 # Up to this k, top-k alone runs as two topk calls instead of a stable sort of the
-# whole vocabulary (on 2 CPU cores, the sort of [2000, 49152] logits took ~10 s).
+# whole vocabulary (the stable sort of [2000, 49152] logits took 10-15 s on a busy CPU).
 _TOP_K_WITHOUT_SORT = 1024
 
 
