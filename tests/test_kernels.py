@@ -57,7 +57,9 @@ from specdec.kernels.move_kv import (  # noqa: E402
     move_kv_slots,
     move_kv_slots_ref,
 )
+from specdec.kernels.topk import log_softmax_topk, log_softmax_topk_ref  # noqa: E402
 from specdec.models.rope import RopeParams, RotaryEmbedding  # noqa: E402
+from specdec.spec.tree import DynamicTreeShape, grow_trees  # noqa: E402
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 POISON = 60.0  # cache value where no context lives: large enough to dominate any softmax
@@ -738,3 +740,80 @@ def test_decode_replays_in_a_cuda_graph():
 
     ref = paged_decode_ref(new.q, new.k_cache, new.v_cache, new.meta, new.scale)
     torch.testing.assert_close(out, ref, **TOL)
+
+
+# --- log_softmax_topk (a dynamic tree level's ranking) ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "k", "dtype"),
+    [
+        ((3, 16384), 8, torch.float32),  # a draft vocabulary: 16 whole chunks
+        ((2, 4, 3000), 8, torch.bfloat16),  # [batch, n, vocab]; the last chunk partial
+        ((5, 700), 1, torch.float32),  # one partial chunk
+        ((2, 40), 40, torch.float32),  # k = vocab
+    ],
+)
+def test_log_softmax_topk_equals_the_reference(shape, k, dtype):
+    """Values (log-probabilities, descending) and ids equal the reference's; values are
+    distinct here, so the ids must be the very same."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(shape, generator=gen).mul(4).to(dtype).to(DEVICE)
+    if dtype == torch.bfloat16:  # bf16 rounding makes ties: keep the first of each value
+        x = x.float() + torch.arange(shape[-1], device=DEVICE) * 1e-4
+    values, ids = log_softmax_topk(x, k)
+    ref_values, ref_ids = log_softmax_topk_ref(x, k)
+    assert values.shape == ids.shape == (*shape[:-1], k)
+    assert values.dtype == torch.float32 and ids.dtype == torch.int64
+    torch.testing.assert_close(values, ref_values, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids, ref_ids)
+
+
+def test_log_softmax_topk_breaks_ties_by_lowest_id():
+    """Few distinct values (many ties across and within chunks), -inf entries and a row
+    with fewer finite values than k: the k best by (value descending, id ascending), as a
+    stable descending sort ranks them."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (4, 2500), generator=gen).float()
+    x[1, 1000:] = float("-inf")
+    x[2] = float("-inf")
+    x[2, [2100, 7]] = 1.0  # two finite values, in two chunks
+    x = x.to(DEVICE)
+    k = 6
+    values, ids = log_softmax_topk(x, k)
+    logprobs = x.log_softmax(dim=-1)
+    order = logprobs.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, order.indices[:, :k])
+    torch.testing.assert_close(values, order.values[:, :k], atol=1e-5, rtol=1e-5)
+    assert ids[2].tolist() == [7, 2100, 0, 1, 2, 3]  # then -inf ids, lowest first
+
+
+def test_log_softmax_topk_rejects_a_bad_k():
+    with pytest.raises(ValueError, match=r"k=9 must be in \[1, min\(vocab=8"):
+        log_softmax_topk(torch.zeros(2, 8, device=DEVICE), 9)
+
+
+def test_log_softmax_topk_is_a_well_formed_custom_op():
+    """The op torch.compile sees in the compiled draft region: fake (meta) shapes agree
+    with the real kernel's outputs."""
+    x = torch.randn(2, 3, 2048, device=DEVICE)
+    torch.library.opcheck(torch.ops.specdec.log_softmax_topk.default, (x, 4))
+
+
+def test_dynamic_tree_grown_with_the_kernel_equals_the_reference():
+    """``grow_trees``' dynamic levels ranked by the kernel keep the same tree."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, batch = 3000, 3
+    table = torch.randn(vocab, vocab, generator=gen).to(DEVICE)  # next-token logits by token
+    token_map = torch.randperm(vocab, generator=gen).to(DEVICE)
+
+    def step(tokens, parent_rows, depth):  # [batch, n] -> [batch, n, vocab]
+        return table[tokens % vocab] + depth
+
+    shape = DynamicTreeShape(top_k=4, depth=4, total_tokens=20)
+    roots = torch.tensor([1, 20, 300], device=DEVICE)
+    ref = grow_trees(shape, roots, step, token_map=token_map)
+    got = grow_trees(shape, roots, step, token_map=token_map, level_topk=log_softmax_topk)
+    for name in ("token_ids", "parents", "depths", "ancestor_mask"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert got.token_ids.shape == (batch, 21)

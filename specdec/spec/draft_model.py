@@ -25,6 +25,7 @@ from specdec.engine.request import Request
 from specdec.models import load_config, load_model, resolve_model
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
+from specdec.spec.topk import level_topk_for
 from specdec.spec.tree import DraftTree, TreeBatch, TreeShape, grow_trees
 from specdec.spec.tree_draft import (
     GrowInputs,
@@ -59,6 +60,7 @@ class DraftModelProposer(Proposer):
             )
         self.device = runner.device
         self.block_size = runner.block_size
+        self.level_topk = level_topk_for(runner.runtime.attention_backend)
         self.model = load_model(
             resolved,
             dtype=runner.dtype,
@@ -177,7 +179,7 @@ class DraftModelProposer(Proposer):
             hidden, _ = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
             return self.model.compute_logits(hidden).view(*tokens.shape, -1)
 
-        return grow_trees(shape, inputs.roots, step)
+        return grow_trees(shape, inputs.roots, step, level_topk=self.level_topk)
 
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """One varlen draft forward; returns the logits at each chunk's last token."""

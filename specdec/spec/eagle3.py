@@ -40,6 +40,7 @@ from specdec.models.eagle3_formats import load_eagle3
 from specdec.models.linear import use_triton_gemm
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
+from specdec.spec.topk import level_topk_for
 from specdec.spec.tree import DraftTree, TreeBatch, TreeShape, grow_trees, tree_plan
 from specdec.spec.tree_draft import (
     GrowInputs,
@@ -92,6 +93,7 @@ class Eagle3Proposer(Proposer):
         )
         self.head.eval().requires_grad_(False)  # drafting only; see load_model
         use_triton_gemm(self.head, runner.triton_gemm_max_rows)  # as the target's
+        self.level_topk = level_topk_for(runner.runtime.attention_backend)
         self.aux_layer_ids = tuple(self.head.config.aux_layer_ids)
         self.exit_signals = self.head.config.exit_signals
         self.spec_exit_defaults = self.head.config.spec_exit_defaults
@@ -372,7 +374,9 @@ class Eagle3Proposer(Proposer):
             prev_out = out.view(batch, n, width)
             return logits.view(batch, n, -1)  # [batch, n, draft_vocab]
 
-        return grow_trees(shape, inputs.roots, step, token_map=self.draft_ids)
+        return grow_trees(
+            shape, inputs.roots, step, token_map=self.draft_ids, level_topk=self.level_topk
+        )
 
     def _catch_up_len(self, request: Request) -> int:
         state = self._states.get(request.request_id)

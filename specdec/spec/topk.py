@@ -15,6 +15,8 @@ order as one ``topk``. Among equal values the chosen indices may differ from
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 CHUNK = 512
@@ -39,3 +41,29 @@ def chunked_topk(
     best = parts.values.flatten(-2).topk(k, dim=-1)  # over [..., chunks * k]
     within = parts.indices.flatten(-2).gather(-1, best.indices)  # index inside its chunk
     return best.values, within + (best.indices // k) * chunk
+
+
+LevelTopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+"""``fn(scores [..., vocab], k) -> (log-probabilities [..., k] float32, descending;
+columns [..., k] int64)``: how a dynamic tree level ranks children. ``scores`` are the
+draft's logits or log-probabilities (the log-softmax is idempotent on the latter). The
+reference is ``log_softmax_topk_ref``; ``kernels.topk.log_softmax_topk`` is the same in two
+Triton launches (ties to the lowest column)."""
+
+
+def log_softmax_topk_ref(
+    scores: torch.Tensor,  # [..., vocab] logits (any float dtype)
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [..., k] float32 (descending), [..., k] int64
+    """``scores.float().log_softmax(-1).topk(k)``, the top k in two passes."""
+    return chunked_topk(scores.float().log_softmax(dim=-1), k)
+
+
+def level_topk_for(attention_backend: str) -> LevelTopK:
+    """A proposer's ``LevelTopK``: the Triton kernel on the Triton (GPU) path, where the
+    reference's nine kernels cost ~40 µs a level; the reference elsewhere."""
+    if attention_backend == "triton":
+        from specdec.kernels.topk import log_softmax_topk
+
+        return log_softmax_topk
+    return log_softmax_topk_ref

@@ -35,7 +35,7 @@ import torch
 
 from specdec.attention.tree_mask import ancestor_closure
 from specdec.engine.staging import to_device
-from specdec.spec.topk import chunked_topk
+from specdec.spec.topk import LevelTopK, chunked_topk, log_softmax_topk_ref
 
 StepLogprobsFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``fn(node_token_ids [n] int64, parent_rows [n] int64, depth) -> logprobs [n, vocab]``.
@@ -408,6 +408,7 @@ def grow_trees(
     sample: bool = False,
     generator: torch.Generator | None = None,
     token_map: torch.Tensor | None = None,
+    level_topk: LevelTopK = log_softmax_topk_ref,
 ) -> TreeBatch:
     """Grow ``shape`` below each of ``roots`` by querying ``step_logprobs_fn`` level by
     level, every tree of the batch in the same call (they share the shape, so a level is a
@@ -424,6 +425,9 @@ def grow_trees(
     has probability 0); the same tree as scoring the whole vocabulary with -inf outside
     it, up to how exact ties are broken. Deterministic candidates only (sampled trees
     keep their draft distribution over the target's vocabulary).
+
+    ``level_topk`` ranks a dynamic shape's children (log-softmax, then top k); the GPU
+    path passes the Triton kernel (``kernels.topk``), which breaks ties by lowest column.
 
     Growth runs device ops only, on tensors whose sizes the shape fixes: no host sync, no
     host-to-device copy (index tensors come from a per-shape cache), so a proposer can
@@ -444,7 +448,8 @@ def grow_trees(
                 "sampled child depending on its value; use deterministic candidates "
                 "(sample=False) or a chain/static shape"
             )
-        return _with_mask(_build_dynamic(shape, roots, step_logprobs_fn, token_map), shape.depth)
+        grown = _build_dynamic(shape, roots, step_logprobs_fn, token_map, level_topk)
+        return _with_mask(grown, shape.depth)
     static = shape.as_static() if isinstance(shape, ChainShape) else shape
     if sample and not static.ranks_contiguous():
         raise ValueError(
@@ -636,6 +641,7 @@ def _build_dynamic(
     roots: torch.Tensor,
     fn: BatchStepLogprobsFn,
     token_map: torch.Tensor | None,
+    level_topk: LevelTopK,
 ) -> TreeBatch:
     """EAGLE-2. A node's score is its cumulative draft log-probability (sum over its path).
 
@@ -663,16 +669,16 @@ def _build_dynamic(
     frontiers: list[torch.Tensor] = [plan.first_frontier.expand(batch, k)]
 
     zeros = plan.zeros.expand(batch, 1)  # [batch, 1]
-    logprobs = _level_logprobs(fn, roots[:, None], zeros, 0)  # [batch, 1, vocab]
-    frontier_scores, top = chunked_topk(logprobs[:, 0], k)  # [batch, k] each
+    root_scores = _level_scores(fn, roots[:, None], zeros, 0)  # [batch, 1, vocab]
+    frontier_scores, top = level_topk(root_scores[:, 0], k)  # [batch, k] each: log-probs
     frontier_tokens = _tokens(top, token_map)  # [batch, k]
     scores.append(frontier_scores)
     tokens.append(frontier_tokens)
     frontier_rows = zeros.expand(batch, k)  # [batch, k]: rows in the last call
 
     for depth in range(1, shape.depth):
-        logprobs = _level_logprobs(fn, frontier_tokens, frontier_rows, depth)  # [batch, k, V]
-        values, top = chunked_topk(logprobs, k)  # [batch, k, k] each
+        level = _level_scores(fn, frontier_tokens, frontier_rows, depth)  # [batch, k, V]
+        values, top = level_topk(level, k)  # [batch, k, k] each: log-probs, columns
         cand_scores = (frontier_scores[:, :, None] + values).flatten(1)  # [batch, k*k]
         cand_tokens = _tokens(top, token_map).flatten(1)  # [batch, k*k]
         scores.append(cand_scores)
