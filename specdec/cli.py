@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -111,7 +112,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="B:K,...",
         help="draft to depth K while at most B requests run, e.g. 4:5 (larger batches: "
-        "--num-speculative-tokens); none: one depth for all (default: the head's)",
+        "--num-speculative-tokens), or another shape: 1:t8-d6-n32 (a dynamic tree), 4:c5 "
+        "(a chain), @cuda after a shape for CUDA only; none: one shape for all (default: "
+        "the head's)",
     )
     g.add_argument(
         "--spec-tree",
@@ -180,16 +183,40 @@ TREE_FLAGS = {
 }
 
 
-def _depth_bands(value: str) -> list[list[int]]:
-    """``B:K,B:K`` -> ``[[B, K], ...]`` (``none``: [], no bands)."""
+_TREE_BAND = re.compile(r"t(\d+)-d(\d+)-n(\d+)")
+
+
+def _depth_bands(value: str) -> list[list]:
+    """``B:K,B:K`` -> ``[[B, K], ...]``; ``B:tT-dD-nN`` -> ``[B, {dynamic tree}]``, ``B:cK``
+    -> ``[B, {chain of K}]`` (``none``: [], no bands)."""
     if value.strip().lower() == "none":
         return []
+    bands: list[list] = []
     try:
-        return [[int(b), int(k)] for b, k in (pair.split(":") for pair in value.split(","))]
+        for pair in value.split(","):
+            batch, shape = pair.split(":")
+            shape, at, device = shape.partition("@")
+            tree = _TREE_BAND.fullmatch(shape)
+            if tree:
+                t, d, n = (int(g) for g in tree.groups())
+                band = {"tree": "dynamic", "top_k": t, "num_speculative_tokens": d,
+                        "total_tokens": n}  # fmt: skip
+            elif shape.startswith("c"):
+                band = {"tree": "chain", "num_speculative_tokens": int(shape[1:])}
+            else:
+                band = int(shape)
+            if at:
+                if not isinstance(band, dict) or not device:
+                    raise ValueError(f"{pair}: @DEVICE follows a shape (t..-d..-n.. or cK)")
+                band["device"] = device
+            bands.append([int(batch), band])
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{value!r}: use MAX_BATCH:K pairs, e.g. 4:5 or 2:6,8:4 (or none)"
+            f"{value!r}: use MAX_BATCH:K pairs, e.g. 4:5 or 2:6,8:4, a shape per band "
+            "(1:t8-d6-n32 a dynamic tree, 4:c5 a chain; 1:t8-d6-n32@cuda on CUDA only), "
+            "or none"
         ) from None
+    return bands
 
 
 def _on_off(value: str) -> bool:

@@ -75,27 +75,60 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
 
 
+Band = list[Any]
+"""One entry of ``num_speculative_tokens_by_batch_size``: ``[max_batch, k]`` (the config's
+shape at depth ``k``) or ``[max_batch, {shape fields}]`` (another shape: ``SHAPE_FIELDS``
+keys, the rest taken from the config), e.g. ``[1, {"tree": "dynamic",
+"num_speculative_tokens": 6, "top_k": 8, "total_tokens": 32}]``. A shape may add
+``"device": "cuda"`` (or "cpu"): the band holds on that device type only, and elsewhere
+the next band takes its batch sizes (a 33-node tree verify is nearly free where the
+GPU's forward is launch-bound, and costs ~5x a chain's on a CPU)."""
+
+BAND_DEVICES = ("cuda", "cpu")
+
+
 def check_depth_bands(
-    pairs: list[list[int]] | None, tree: str, disable_by_batch_size: int | None
+    pairs: list[Band] | None, tree: str, disable_by_batch_size: int | None
 ) -> None:
     """Validate ``num_speculative_tokens_by_batch_size`` (``SpeculativeConfig``): ``[max_batch,
-    k]`` pairs of positive integers by increasing ``max_batch``, below the batch size
-    where speculation stops, on a shape whose depth can change."""
+    k | shape]`` pairs by increasing positive ``max_batch``, below the batch size where
+    speculation stops; a depth ``k`` needs a shape whose depth can change (not static),
+    a shape names ``SHAPE_FIELDS`` only. The shapes themselves validate where they are
+    made (``SpeculativeConfig.bands``)."""
     if pairs is None:
         return
-    example = "e.g. [[4, 5]]: batches of at most 4 requests draft 5 tokens"
-    if tree == "static":
-        raise ValueError(
-            "num_speculative_tokens_by_batch_size sets a depth per batch size, which a "
-            "static tree's choices fix; use tree='chain' or 'dynamic', or drop it"
-        )
+    example = (
+        'e.g. [[4, 5]]: batches of at most 4 requests draft 5 tokens; [[1, {"tree": '
+        '"dynamic", "num_speculative_tokens": 6}], [4, 5]]: a tree while one request runs'
+    )
     last = 0
     for pair in pairs:
-        if len(pair) != 2 or not all(isinstance(v, int) and v >= 1 for v in pair):
+        ok_batch = len(pair) == 2 and isinstance(pair[0], int) and pair[0] >= 1
+        value = pair[1] if len(pair) == 2 else None
+        is_depth = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        if not ok_batch or not (is_depth or (isinstance(value, dict) and value)):
             raise ValueError(
                 f"num_speculative_tokens_by_batch_size entry {pair!r} must be [max_batch, k] "
-                f"with positive integers ({example})"
+                f"or [max_batch, {{shape fields}}] with positive integers ({example})"
             )
+        if is_depth and tree == "static":
+            raise ValueError(
+                f"num_speculative_tokens_by_batch_size entry {pair!r} sets a depth, which a "
+                "static tree's choices fix; give that band a shape ({...}), use tree='chain' "
+                "or 'dynamic', or drop it"
+            )
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - SHAPE_FIELDS - {"device"})
+            if unknown:
+                raise ValueError(
+                    f"num_speculative_tokens_by_batch_size entry {pair!r} names {unknown}; a "
+                    f"band's shape takes {sorted(SHAPE_FIELDS)} and device"
+                )
+            if value.get("device", "cuda") not in BAND_DEVICES:
+                raise ValueError(
+                    f"num_speculative_tokens_by_batch_size entry {pair!r}: device "
+                    f"{value['device']!r} must be one of {list(BAND_DEVICES)}"
+                )
         if pair[0] <= last:
             raise ValueError(
                 f"num_speculative_tokens_by_batch_size {pairs!r}: max_batch must increase "
@@ -109,6 +142,31 @@ def check_depth_bands(
             f"num_speculative_tokens would never apply; keep every max_batch below "
             f"{disable_by_batch_size}"
         )
+
+
+def make_shape(
+    tree: str,
+    num_speculative_tokens: int,
+    top_k: int,
+    total_tokens: int,
+    choices: list[list[int]] | None,
+) -> TreeShape:
+    """The ``TreeShape`` that ``SHAPE_FIELDS`` values name (each shape validates its sizes)."""
+    if tree not in ("chain", "dynamic", "static"):
+        raise ValueError(f"tree={tree!r}; choose chain, dynamic or static")
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+    if tree == "chain":
+        return ChainShape(num_speculative_tokens)
+    if tree == "static":
+        if not choices:
+            raise ValueError("tree='static' needs choices, e.g. [[0], [1], [0, 0]]")
+        return StaticTreeShape(choices)
+    if not 1 <= top_k <= total_tokens:
+        raise ValueError(
+            f"dynamic tree needs 1 <= top_k ({top_k}) <= total_tokens ({total_tokens})"
+        )
+    return DynamicTreeShape(top_k, num_speculative_tokens, total_tokens)
 
 
 def band_shape(bands: list[tuple[int | None, TreeShape]], batch_size: int) -> TreeShape:
@@ -148,7 +206,10 @@ class SpeculativeConfig:
     k]`` (ascending ``max_batch``) give the steps of at most ``max_batch`` running
     requests a depth of ``k`` instead; larger batches keep ``num_speculative_tokens``.
     Each pair is a *band* (``bands``): deeper drafts pay where the target's forward costs
-    little more for their extra nodes (small batches), shallower ones where it does.
+    little more for their extra nodes (small batches), shallower ones where it does. A
+    band may name a whole shape instead of a depth (``Band``): a tree while one request
+    runs, where its verify costs what a chain's does and its drafting is cheap enough
+    (BENCHMARKS.md, session 26), chains above.
     """
 
     method: str = "ngram"
@@ -162,9 +223,10 @@ class SpeculativeConfig:
     ngram_max: int = 4
     # Above this many running requests, speculation stops paying; None = always on.
     disable_by_batch_size: int | None = None
-    # [[max_batch, k], ...]: steps of at most max_batch running requests draft to depth k
-    # (the class docstring); None: num_speculative_tokens at every batch size.
-    num_speculative_tokens_by_batch_size: list[list[int]] | None = None
+    # [[max_batch, k | {shape fields}], ...]: steps of at most max_batch running requests
+    # draft to depth k, or another shape (``Band``; the class docstring); None:
+    # num_speculative_tokens at every batch size.
+    num_speculative_tokens_by_batch_size: list[Band] | None = None
     # Pipelined speculative steps (engine/spec_pipeline.py: the next step launches before
     # the host reads this one) for greedy requests of proposers that support it (eagle3).
     # None: on where the device runs ahead of the host (the GPU path with CUDA graphs).
@@ -215,20 +277,39 @@ class SpeculativeConfig:
         ``specdec.spec.tree``)."""
         return self._shape(self.num_speculative_tokens)
 
-    def _shape(self, depth: int) -> TreeShape:
-        if self.tree == "chain":
-            return ChainShape(depth)
-        if self.tree == "static":
-            return StaticTreeShape(self.choices or [])
-        return DynamicTreeShape(self.top_k, depth, self.total_tokens)
+    def _shape(self, depth: int | dict[str, Any]) -> TreeShape:
+        """This config's shape at ``depth``, or with a band's shape fields on top."""
+        fields = {
+            "tree": self.tree,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "top_k": self.top_k,
+            "total_tokens": self.total_tokens,
+            "choices": self.choices,
+        }
+        if isinstance(depth, dict):
+            fields.update({k: v for k, v in depth.items() if k != "device"})
+        else:
+            fields["num_speculative_tokens"] = depth
+        return make_shape(**fields)
 
     @property
     def bands(self) -> list[tuple[int | None, TreeShape]]:
         """``(max_batch, shape)`` by ascending ``max_batch``: a step of ``b`` running
         requests drafts the first band's shape with ``b <= max_batch``; the last band
         (``max_batch`` None) holds ``tree_shape``."""
+        return self.bands_on(None)
+
+    def bands_on(self, device_type: str | None) -> list[tuple[int | None, TreeShape]]:
+        """``bands`` without those a band's ``device`` confines to another device type
+        (``Band``); what a proposer on ``device_type`` drafts. None: every band."""
+
+        def holds(band: int | dict[str, Any]) -> bool:
+            device = band.get("device") if isinstance(band, dict) else None
+            return device_type is None or device is None or device == device_type
+
         pairs = self.num_speculative_tokens_by_batch_size or []
-        return [(m, self._shape(k)) for m, k in pairs] + [(None, self.tree_shape)]
+        kept = [(m, self._shape(k)) for m, k in pairs if holds(k)]
+        return [*kept, (None, self.tree_shape)]
 
     def shape_at(self, batch_size: int) -> TreeShape:
         """The shape a step of ``batch_size`` running requests drafts."""

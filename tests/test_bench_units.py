@@ -3,6 +3,7 @@ interleaving, summaries, the analysis helpers, and the CLI's errors."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import itertools
 import json
@@ -104,6 +105,33 @@ def test_sweep_points_drop_the_bases_depths_by_batch_size():
     configs, _ = sweep(base, chain=[3], top_k=[8], depth=[5])
     assert [label(c) for c in configs] == ["eagle3-k3", "eagle3-tree-t8-d5-n48"]
     assert all(c.num_speculative_tokens_by_batch_size is None for c in configs)
+
+
+def test_bands_naming_shapes_parse_from_the_flag_and_label_by_shape():
+    """``--num-speculative-tokens-by-batch-size 1:t8-d6-n32,2:c5,4:5``: a tree, a chain and a
+    depth; the label names each band's shape."""
+    from specdec.cli import _depth_bands
+
+    bands = _depth_bands("1:t8-d6-n32,2:c5,4:5")
+    assert bands == [
+        [1, {"tree": "dynamic", "top_k": 8, "num_speculative_tokens": 6, "total_tokens": 32}],
+        [2, {"tree": "chain", "num_speculative_tokens": 5}],
+        [4, 5],
+    ]
+    spec = SpeculativeConfig(
+        method="eagle3", model="head", num_speculative_tokens_by_batch_size=bands
+    )
+    assert label(spec) == "eagle3-k3-b1t8d6n32-b2c5-b4k5"
+    with pytest.raises(argparse.ArgumentTypeError, match="1:t8-d6-n32 a dynamic tree"):
+        _depth_bands("1:t8-d6")
+    with pytest.raises(argparse.ArgumentTypeError):
+        _depth_bands("1:5@cuda")  # a device confines a shape, not a depth
+    gpu = _depth_bands("1:t8-d6-n32@cuda,4:5")
+    assert gpu[0][1]["device"] == "cuda"
+    spec = SpeculativeConfig(
+        method="eagle3", model="head", num_speculative_tokens_by_batch_size=gpu
+    )
+    assert label(spec) == "eagle3-k3-b1t8d6n32@cuda-b4k5"
 
 
 def test_sweep_pairs_each_shape_with_the_synchronous_and_pipelined_step():

@@ -13,7 +13,9 @@ import pytest
 from specdec.bench.cli import config_from_args
 from specdec.cli import _engine_kwargs, build_parser, main
 from specdec.models import packaged_heads
+from specdec.models.eagle3_head import TreeDefaults
 from specdec.serve.cli import serve_config_from_args
+from specdec.spec.tree import ChainShape, DynamicTreeShape
 
 MODEL = "smollm2-135m-instruct"
 TREE = {
@@ -91,6 +93,27 @@ def test_the_heads_depths_by_batch_size_go_with_its_shape(shipped):
     assert spec_of("bench", "--sweep-chain", "3").num_speculative_tokens_by_batch_size is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--num-speculative-tokens-by-batch-size", "4-5"])
+
+
+def test_a_heads_band_may_record_a_tree(shipped):
+    """tree_defaults with a tree while one request runs: the default serve config drafts
+    it at batch 1, the chains above; a band shape the head cannot grow is refused."""
+    config = json.loads((shipped / "config.json").read_text())
+    tree = {"tree": "dynamic", "num_speculative_tokens": 6, "top_k": 8, "total_tokens": 32}
+    bands = {"tree": "chain", "num_speculative_tokens": 3,
+             "num_speculative_tokens_by_batch_size": [[1, tree], [4, 5]]}  # fmt: skip
+    (shipped / "config.json").write_text(json.dumps({**config, "tree_defaults": bands}))
+    spec = spec_of("serve")
+    assert spec.shape_at(1) == DynamicTreeShape(top_k=8, depth=6, total_tokens=32)
+    assert [spec.shape_at(b).depth for b in (2, 8)] == [5, 3]
+    on_cuda = [[1, {**tree, "device": "cuda"}], [4, 5]]
+    (shipped / "config.json").write_text(json.dumps({**config, "tree_defaults": {
+        **bands, "num_speculative_tokens_by_batch_size": on_cuda}}))  # fmt: skip
+    assert spec_of("serve").bands_on("cpu")[0] == (4, ChainShape(5))
+    with pytest.raises(ValueError, match=r"tree defaults: .*top_k \(8\) <= total_tokens \(4\)"):
+        TreeDefaults(
+            **{**bands, "num_speculative_tokens_by_batch_size": [[1, {**tree, "total_tokens": 4}]]}
+        )
 
 
 def test_draft_none_turns_it_off(shipped):

@@ -212,8 +212,26 @@ def test_pipelined_steps_count_as_synchronous_ones(smollm2_dir, trained_head_dir
             True,
             {"num_speculative_tokens": 3, "num_speculative_tokens_by_batch_size": [[4, 5]]},
         ),
+        # A dynamic tree while one request runs, chains above (the shipped head's bands).
+        (
+            True,
+            True,
+            {
+                "num_speculative_tokens": 3,
+                "num_speculative_tokens_by_batch_size": [
+                    [1, DYNAMIC],
+                    [4, 5],
+                ],
+            },
+        ),
     ],
-    ids=["eager-head", "compiled-head", "compiled-growth", "compiled-growth-chain-bands"],
+    ids=[
+        "eager-head",
+        "compiled-head",
+        "compiled-growth",
+        "compiled-growth-chain-bands",
+        "compiled-growth-tree-band",
+    ],
 )
 def test_pipelined_graph_replays_keep_outputs(
     smollm2_dir, trained_head_dir, chats, reference, monkeypatch, compile_head, compile_growth, tree
@@ -261,8 +279,10 @@ def test_pipelined_graph_replays_keep_outputs(
     engine._capture_graphs()
     assert engine.proposer.compiles_growth == compile_growth
     picked = PICKED[:5]  # the 8-bucket pads three sequences
-    outs = llm.generate([chats[i] for i in picked], greedy(48), use_tqdm=False)
-    assert token_ids(outs) == [reference[i][:48] for i in picked]
+    # Staggered ends: the running batch shrinks 5 -> 1, through every band.
+    lengths = [48, 40, 32, 24, 16]
+    outs = llm.generate([chats[i] for i in picked], [greedy(n) for n in lengths], use_tqdm=False)
+    assert token_ids(outs) == [reference[i][:n] for i, n in zip(picked, lengths, strict=True)]
     q = engine.proposer.shape_at(len(picked)).max_draft_tokens + 1
     assert engine.pipeline.num_launches > 0
     # Every launch replayed the whole step's graph; the synchronous steps after each

@@ -320,10 +320,53 @@ def test_depth_follows_the_batch_size_bands() -> None:
     assert tree.shape_at(3) == DynamicTreeShape(top_k=4, depth=3, total_tokens=16)
 
 
+def test_a_band_may_name_its_own_shape() -> None:
+    """A band given as shape fields: a dynamic tree while one request runs, a chain of 5
+    up to 4, the config's chain of 3 above; unnamed fields come from the config."""
+    from specdec.config import SpeculativeConfig
+
+    tree = {"tree": "dynamic", "num_speculative_tokens": 6, "total_tokens": 32}
+    spec = SpeculativeConfig(
+        num_speculative_tokens=3, top_k=8, num_speculative_tokens_by_batch_size=[[1, tree], [4, 5]]
+    )
+    assert spec.bands == [
+        (1, DynamicTreeShape(top_k=8, depth=6, total_tokens=32)),
+        (4, ChainShape(5)),
+        (None, ChainShape(3)),
+    ]
+    assert spec.max_draft_tokens == 32
+    chain = SpeculativeConfig(
+        tree="dynamic", num_speculative_tokens=4, top_k=4, total_tokens=16,
+        num_speculative_tokens_by_batch_size=[[2, {"tree": "chain"}]],
+    )  # fmt: skip
+    assert chain.shape_at(2) == ChainShape(4)  # the config's depth, a chain's shape
+    # A band confined to CUDA: a proposer on the CPU drafts the next band's shape there.
+    gpu_tree = SpeculativeConfig(
+        num_speculative_tokens=3,
+        num_speculative_tokens_by_batch_size=[[1, {**tree, "device": "cuda"}], [4, 5]],
+    )
+    assert gpu_tree.bands_on("cuda") == spec.bands
+    assert gpu_tree.bands_on("cpu") == [(4, ChainShape(5)), (None, ChainShape(3))]
+    assert gpu_tree.bands == spec.bands  # every band (validation, reports)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"num_speculative_tokens_by_batch_size": [[4, 0]]}, r"entry \[4, 0\] must be"),
+        ({"num_speculative_tokens_by_batch_size": [[4, {}]]}, r"entry \[4, \{\}\] must be"),
+        (
+            {"num_speculative_tokens_by_batch_size": [[1, {"tree": "dynamic", "depth": 6}]]},
+            r"names \['depth'\]; a band's shape takes",
+        ),
+        (
+            {"num_speculative_tokens_by_batch_size": [[1, {"tree": "chain", "device": "tpu"}]]},
+            r"device 'tpu' must be one of \['cuda', 'cpu'\]",
+        ),
+        (
+            {"num_speculative_tokens_by_batch_size": [[1, {"tree": "dynamic", "top_k": 64}]]},
+            r"needs 1 <= top_k \(64\) <= total_tokens \(48\)",
+        ),
         ({"num_speculative_tokens_by_batch_size": [[4]]}, r"entry \[4\] must be"),
         ({"num_speculative_tokens_by_batch_size": [[4, 5], [2, 6]]}, "must increase"),
         (

@@ -9,6 +9,7 @@ from typing import Any
 
 from specdec.bench.sets import DEFAULT_SETS, SetOptions, get_set
 from specdec.config import SpeculativeConfig
+from specdec.spec.tree import ChainShape, DynamicTreeShape, TreeShape
 
 
 @dataclass(frozen=True)
@@ -85,14 +86,31 @@ def label(spec: SpeculativeConfig) -> str:
     """A short unique name: ``ngram-k3``, ``eagle3-tree-t8-d5-n64``, ``eagle3-static-n12``;
     ``-sync`` / ``-pipelined`` when ``pipelined`` is forced off / on."""
     suffix = {None: "", False: "-sync", True: "-pipelined"}[spec.pipelined]
-    # Depths by batch size: -b4k5 = chains (or trees) of depth 5 while <= 4 requests run.
-    bands = "".join(f"-b{m}k{k}" for m, k in spec.num_speculative_tokens_by_batch_size or [])
+    # Bands: -b4k5 = chains (or trees) of depth 5 while <= 4 requests run; -b1t8d6n32 = a
+    # t8-d6-n32 tree, -b1c5 a chain of 5 (a band naming its shape; @cuda: on CUDA only).
+    pairs = spec.num_speculative_tokens_by_batch_size or []
+    # bands holds one more entry than pairs (the last band, tree_shape): zip stops before it
+    bands = "".join(
+        f"-b{m}{_band_label(b, shape)}"
+        for (m, b), (_, shape) in zip(pairs, spec.bands, strict=False)
+    )
     if spec.tree == "chain":
         return f"{spec.method}-k{spec.num_speculative_tokens}{bands}{suffix}"
     if spec.tree == "dynamic":
         t, d, n = spec.top_k, spec.num_speculative_tokens, spec.total_tokens
         return f"{spec.method}-tree-t{t}-d{d}-n{n}{bands}{suffix}"
     return f"{spec.method}-static-n{spec.max_draft_tokens}{suffix}"
+
+
+def _band_label(band: int | dict, shape: TreeShape) -> str:
+    if not isinstance(band, dict):
+        return f"k{band}"
+    where = f"@{band['device']}" if "device" in band else ""
+    if isinstance(shape, DynamicTreeShape):
+        return f"t{shape.top_k}d{shape.depth}n{shape.total_tokens}{where}"
+    if isinstance(shape, ChainShape):
+        return f"c{shape.depth}{where}"
+    return f"s{shape.max_draft_tokens}{where}"
 
 
 def shape_fields(spec: SpeculativeConfig) -> dict[str, Any]:

@@ -162,9 +162,10 @@ class LLMEngine:
             q = shape.max_draft_tokens + 1
             tree_sizes[q] = sorted({*tree_sizes.get(q, []), *buckets})
         # Chains need no tree mask, so a step that mixes prompt tokens with them (an
-        # arrival) fits a prefill graph with room for their logits rows.
-        chains = all(shape.max_draft_tokens == shape.depth for shape in sizes)
-        runner.capture_graphs(tree_sizes, max(tree_sizes) if chains else 1)
+        # arrival) fits a prefill graph with room for their logits rows; a tree band's
+        # steps (say, batch 1's) never do, and must not cost the chain bands that room.
+        chains = [s.max_draft_tokens + 1 for s in sizes if s.max_draft_tokens == s.depth]
+        runner.capture_graphs(tree_sizes, max(chains, default=1))
         self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len)
         if self.pipeline is not None:
             self.pipeline.capture_graphs(sizes)

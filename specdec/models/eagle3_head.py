@@ -68,16 +68,17 @@ class TreeDefaults:
     "dynamic" grows an EAGLE-2 tree of that depth with ``top_k`` children per node and
     keeps the ``total_tokens`` best nodes; above ``disable_by_batch_size`` running requests
     the engine decodes plainly (where the benchmark showed speculation stops paying; None:
-    always on); ``num_speculative_tokens_by_batch_size`` ``[[max_batch, k], ...]`` gives
-    smaller batches another depth (where the benchmark showed a deeper draft pays there).
-    The engine's speculation config may override."""
+    always on); ``num_speculative_tokens_by_batch_size`` ``[[max_batch, k | shape], ...]``
+    gives smaller batches another depth or shape (``config.Band``: where the benchmark
+    showed a deeper draft, or a tree, pays there). The engine's speculation config may
+    override."""
 
     tree: str
     num_speculative_tokens: int
     top_k: int = 1
     total_tokens: int = 1
     disable_by_batch_size: int | None = None
-    num_speculative_tokens_by_batch_size: list[list[int]] | None = None
+    num_speculative_tokens_by_batch_size: list[list] | None = None
 
     def __post_init__(self) -> None:
         if self.tree not in ("chain", "dynamic"):
@@ -96,12 +97,22 @@ class TreeDefaults:
                 f"tree defaults: a dynamic tree needs 1 <= top_k ({self.top_k}) <= "
                 f"total_tokens ({self.total_tokens})"
             )
-        from specdec.config import check_depth_bands
+        from specdec.config import check_depth_bands, make_shape
 
+        fields = {
+            "tree": self.tree,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "top_k": self.top_k,
+            "total_tokens": self.total_tokens,
+            "choices": None,
+        }
         try:
             check_depth_bands(
                 self.num_speculative_tokens_by_batch_size, self.tree, self.disable_by_batch_size
             )
+            for _, band in self.num_speculative_tokens_by_batch_size or []:
+                if isinstance(band, dict):
+                    make_shape(**{**fields, **{k: v for k, v in band.items() if k != "device"}})
         except ValueError as e:
             raise ValueError(f"tree defaults: {e}") from e
 

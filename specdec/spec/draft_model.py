@@ -47,7 +47,7 @@ class DraftModelProposer(Proposer):
     name = "draft_model"
 
     def __init__(self, config: SpeculativeConfig, *, runner) -> None:
-        super().__init__(config)
+        super().__init__(config, runner=runner)
         if config.model is None:
             raise ValueError("method='draft_model' needs model=<draft model alias/dir/gguf>")
         resolved = resolve_model(config.model)

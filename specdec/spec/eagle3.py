@@ -77,7 +77,7 @@ class Eagle3Proposer(Proposer):
     name = "eagle3"
 
     def __init__(self, config: SpeculativeConfig, *, runner) -> None:
-        super().__init__(config)
+        super().__init__(config, runner=runner)
         if config.model is None:
             raise ValueError("method='eagle3' needs model=<EAGLE-3 head directory>")
         self.device = runner.device

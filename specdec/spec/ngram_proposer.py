@@ -26,8 +26,8 @@ def chain_tree(root: int, drafts: Sequence[int]) -> DraftTree:
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, config: SpeculativeConfig, **_unused) -> None:
-        super().__init__(config)
+    def __init__(self, config: SpeculativeConfig, *, runner=None, **_unused) -> None:
+        super().__init__(config, runner=runner)
         if config.tree != "chain":
             raise ValueError(
                 f"the ngram proposer drafts the one continuation it finds (a chain); got "

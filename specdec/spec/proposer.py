@@ -33,10 +33,12 @@ class Proposer(ABC):
         if getattr(cls, "name", None):
             _PROPOSERS[cls.name] = cls
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, *, runner=None) -> None:
         self.config = config
-        # (max running requests, shape) by ascending batch size; the last unbounded.
-        self.bands: list[tuple[int | None, TreeShape]] = config.bands
+        # (max running requests, shape) by ascending batch size; the last unbounded. Bands
+        # confined to another device type are left out (``config.Band``).
+        device_type = runner.device.type if runner is not None else None
+        self.bands: list[tuple[int | None, TreeShape]] = config.bands_on(device_type)
         self.shapes: list[TreeShape] = list(dict.fromkeys(s for _, s in self.bands))
 
     def shape_at(self, batch_size: int) -> TreeShape:
