@@ -57,3 +57,17 @@ def test_incremental_index_refuses_a_different_sequence():
     index.propose([1, 2, 3, 1, 2])
     with pytest.raises(ValueError, match="does not extend"):
         index.propose([1, 2])
+
+
+def test_the_proposer_refuses_tree_bands():
+    """Prompt lookup finds one continuation: a band naming a tree is refused by name, a
+    band of another depth is kept."""
+    from specdec.config import SpeculativeConfig
+    from specdec.spec.ngram_proposer import NgramProposer
+    from specdec.spec.tree import ChainShape
+
+    tree = {"tree": "dynamic", "num_speculative_tokens": 4, "top_k": 4, "total_tokens": 8}
+    with pytest.raises(ValueError, match=r"drafts chains only, but bands \[\(1, Dynamic"):
+        NgramProposer(SpeculativeConfig(num_speculative_tokens_by_batch_size=[[1, tree]]))
+    chains = NgramProposer(SpeculativeConfig(num_speculative_tokens_by_batch_size=[[1, 5]]))
+    assert chains.bands == [(1, ChainShape(5)), (None, ChainShape(3))]

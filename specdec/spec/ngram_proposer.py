@@ -9,7 +9,7 @@ import torch
 from specdec.config import SpeculativeConfig
 from specdec.spec.ngram import NgramConfig, NgramIndex
 from specdec.spec.proposer import Proposer
-from specdec.spec.tree import DraftTree
+from specdec.spec.tree import ChainShape, DraftTree
 
 
 def chain_tree(root: int, drafts: Sequence[int]) -> DraftTree:
@@ -32,6 +32,12 @@ class NgramProposer(Proposer):
             raise ValueError(
                 f"the ngram proposer drafts the one continuation it finds (a chain); got "
                 f"tree={config.tree!r}, use tree='chain'"
+            )
+        trees = [(m, s) for m, s in self.bands if not isinstance(s, ChainShape)]
+        if trees:
+            raise ValueError(
+                f"the ngram proposer drafts chains only, but bands {trees} are trees; give "
+                "those bands a depth (num_speculative_tokens_by_batch_size [max_batch, k])"
             )
         # Up to the deepest band's length; each step cuts to its own band's.
         self.ngram = NgramConfig(self.max_depth, config.ngram_min, config.ngram_max)
