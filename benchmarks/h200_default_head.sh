@@ -9,6 +9,7 @@
 #   STAGES="regenerate" bash benchmarks/h200_default_head.sh
 #   STAGES="regenerate train" bash benchmarks/h200_default_head.sh   # next call
 #   STAGES="train bench" bash benchmarks/h200_default_head.sh        # the last
+#   STAGES="regenerate documents docregen" ...  # prompts with academic papers (session 27)
 #
 # The prompts are made here (where the data packages are: `scripts/default_head.sh
 # prompts`) and travel as one archive of the stage directory, .gpu/<name>/prompts.tar.xz,

@@ -25,8 +25,9 @@ def _prompts_args(p: argparse.ArgumentParser) -> None:
         dest="sources",
         help="mix (the default: bigbench, reasoning_gym and chatterbot), one of those, "
         "writing (composed long-form writing requests), code (composed programming "
-        "requests), math (composed arithmetic word problems), a JSONL file (ShareGPT / "
-        "messages / prompt), a stage directory, or hf:NAME[:SPLIT]; repeatable",
+        "requests), math (composed arithmetic word problems), academic (composed "
+        "research-paper requests), a JSONL file (ShareGPT / messages / prompt), a stage "
+        "directory, or hf:NAME[:SPLIT]; repeatable",
     )
     p.add_argument("--records-per-shard", type=int, default=10000)
     p.add_argument("--max-records", type=int, default=None, help="a seeded sample of the mix")
@@ -42,6 +43,12 @@ def _prompts_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--code-prompts", type=int, default=5000, help="requests of the code source")
     p.add_argument("--math-prompts", type=int, default=5000, help="problems of the math source")
+    p.add_argument(
+        "--academic-papers",
+        type=int,
+        default=1000,
+        help="papers of the academic source (7 requests each: six sections and a short task)",
+    )
     p.add_argument("--gsm-symbolic-size", type=int, default=1000)
     p.add_argument("--ngram", type=int, default=13, help="decontamination word n-gram")
     p.add_argument("--cache-dir", help="downloaded data packages (default ~/.cache/specdec/data)")
@@ -70,6 +77,22 @@ def _regenerate_args(p: argparse.ArgumentParser) -> None:
         "(0: inline; default: a quarter of the cores, at most 4, none below 8 cores)",
     )
     _add_engine_args(p)
+
+
+def _documents_args(p: argparse.ArgumentParser) -> None:
+    from specdec.data_gen.documents import TASKS
+
+    p.add_argument(
+        "--input", "-i", required=True, help="regenerate directory with the academic answers"
+    )
+    p.add_argument("--output", "-o", required=True, help="directory for prompts-*.jsonl")
+    p.add_argument("--tasks-per-paper", type=int, default=2)
+    p.add_argument("--tasks", nargs="*", help=f"default: all of {', '.join(t.key for t in TASKS)}")
+    p.add_argument(
+        "--min-sections", type=int, default=4, help="papers with fewer answered sections skip"
+    )
+    p.add_argument("--records-per-shard", type=int, default=10000)
+    p.add_argument("--seed", type=int, default=0)
 
 
 def _dump_args(p: argparse.ArgumentParser) -> None:
@@ -162,6 +185,7 @@ def _exit_labels_args(p: argparse.ArgumentParser) -> None:
 SUBCOMMANDS = {
     "prompts": (_prompts_args, "build the prompt mix: dedup, decontaminate, shard"),
     "regenerate": (_regenerate_args, "answer every conversation with the target"),
+    "documents": (_documents_args, "long requests around papers the target wrote (academic)"),
     "dump": (_dump_args, "store the target's aux and last hidden states per token"),
     "vocab": (_vocab_args, "draft vocabulary (d2t / t2d) from loss-token frequencies"),
     "merge": (_dir_args, "write a stage directory's manifest once all shards exist"),
@@ -199,6 +223,7 @@ def _prompts(args) -> int:
         writing_prompts=args.writing_prompts,
         code_prompts=args.code_prompts,
         math_prompts=args.math_prompts,
+        academic_papers=args.academic_papers,
         cache_dir=args.cache_dir,
         allow_download=not args.no_download,
     )
@@ -255,6 +280,21 @@ def _regenerate(args) -> int:
         f"{stats['shards_written']} shards written"
     )
     return _report(stats["manifest"])
+
+
+def _documents(args) -> int:
+    from specdec.data_gen.documents import DocumentsConfig, run_documents
+
+    config = DocumentsConfig(
+        input=args.input,
+        output=args.output,
+        tasks_per_paper=args.tasks_per_paper,
+        min_sections=args.min_sections,
+        records_per_shard=args.records_per_shard,
+        seed=args.seed,
+        **({"tasks": tuple(args.tasks)} if args.tasks else {}),
+    )
+    return _report(run_documents(config))
 
 
 def _dump(args) -> int:
@@ -398,6 +438,7 @@ def _report(manifest: dict | None) -> int:
 STAGES = {
     "prompts": _prompts,
     "regenerate": _regenerate,
+    "documents": _documents,
     "dump": _dump,
     "vocab": _vocab,
     "merge": _merge,

@@ -1,14 +1,15 @@
 """The offline training sources: BIG-bench task inputs, reasoning-gym generators (not
 gsm_symbolic, a benchmark set), chatterbot dialogs (together the default mix, ``mix``),
 composed long-form writing requests (``writing``, writing.py; opt-in), composed
-programming requests (``code``, coding.py; opt-in) and composed arithmetic word problems
-(``math``, word_problems.py; opt-in), deduplicated and decontaminated.
+programming requests (``code``, coding.py; opt-in), composed arithmetic word problems
+(``math``, word_problems.py; opt-in) and composed research-paper requests (``academic``,
+academic.py; opt-in), deduplicated and decontaminated.
 
 Everything here is seeded and ordered: the same config gives the same conversations in
 the same order, which is what lets the prompts stage resume byte-identically. Each source
 yields ``Conversation``s with stable ids (``bigbench/<task>#<example>``,
 ``reasoning_gym/<generator>#<i>``, ``chatterbot/<lang>/<file>#<i>``, ``writing/<i>``,
-``code/<i>``, ``math/<i>``).
+``code/<i>``, ``math/<i>``, ``academic/<paper>/<part>``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import yaml
 from tqdm.auto import tqdm
 
+from specdec.data_gen.academic import academic_conversations
 from specdec.data_gen.coding import code_conversations
 from specdec.data_gen.decontam import Decontaminator
 from specdec.data_gen.package_files import (
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 # What ``mix`` means: the sources the shipped head was trained on (docs/default_head.md).
 MIX_SOURCES = ("bigbench", "reasoning_gym", "chatterbot")
-BUILTIN_SOURCES = (*MIX_SOURCES, "writing", "code", "math")
+BUILTIN_SOURCES = (*MIX_SOURCES, "writing", "code", "math", "academic")
 # Benchmark sets (never training data) and meta-generators that need other generators.
 REASONING_GYM_EXCLUDED = frozenset({"gsm_symbolic", "composite"})
 
@@ -64,6 +66,7 @@ class MixConfig:
     writing_prompts: int = 5000
     code_prompts: int = 5000
     math_prompts: int = 5000
+    academic_papers: int = 1000  # each gives len(academic.SECTIONS) + 1 requests
     min_chars: int = 4
     max_chars: int = 16000
     cache_dir: str | None = None
@@ -79,6 +82,8 @@ class MixConfig:
             raise ValueError(f"code_prompts={self.code_prompts} must be >= 0")
         if self.math_prompts < 0:
             raise ValueError(f"math_prompts={self.math_prompts} must be >= 0")
+        if self.academic_papers < 0:
+            raise ValueError(f"academic_papers={self.academic_papers} must be >= 0")
         if self.reasoning_gym_generators:
             bad = REASONING_GYM_EXCLUDED & set(self.reasoning_gym_generators)
             if bad:
@@ -214,6 +219,13 @@ def composed_math_conversations(config: MixConfig, skipped: SkipCounts) -> Itera
     return math_conversations(config.math_prompts, config.seed)
 
 
+def composed_academic_conversations(
+    config: MixConfig, skipped: SkipCounts
+) -> Iterator[Conversation]:
+    """``academic_papers`` papers' section requests and short tasks (academic.py)."""
+    return academic_conversations(config.academic_papers, config.seed)
+
+
 BUILDERS = {
     "bigbench": bigbench_conversations,
     "reasoning_gym": reasoning_gym_conversations,
@@ -221,6 +233,7 @@ BUILDERS = {
     "writing": composed_writing_conversations,
     "code": composed_code_conversations,
     "math": composed_math_conversations,
+    "academic": composed_academic_conversations,
 }
 
 

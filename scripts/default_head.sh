@@ -9,6 +9,8 @@
 #   PROMPT_SOURCES="mix writing code" CODE_PROMPTS=10000 scripts/default_head.sh prompts
 #                                           # with programming requests (CODE_PROMPTS, 0 by default)
 #   PROMPT_SOURCES="mix writing code math" CODE_PROMPTS=15000 MATH_PROMPTS=8000 ...  # and word problems
+#   PROMPT_SOURCES="mix academic" ACADEMIC_PAPERS=1500 scripts/default_head.sh prompts regenerate \
+#       documents docregen train   # research papers, then long requests around them (session 27)
 #
 # Every stage resumes: rerun the same command after a kill (or a time limit) and it
 # continues where it stopped (finished shards are kept, training restarts from its newest
@@ -35,6 +37,15 @@ CODE_PROMPTS=${CODE_PROMPTS:-0}
 # Arithmetic word problems (data_gen/word_problems.py); they count only with `math` in
 # PROMPT_SOURCES, e.g. PROMPT_SOURCES="mix writing code math" MATH_PROMPTS=8000.
 MATH_PROMPTS=${MATH_PROMPTS:-0}
+# Research papers (data_gen/academic.py): six section requests and a short task each; they
+# count only with `academic` in PROMPT_SOURCES. The documents stage joins each paper's
+# answered sections into a document and asks DOCS_PER_PAPER long requests around it.
+ACADEMIC_PAPERS=${ACADEMIC_PAPERS:-0}
+DOCS_PER_PAPER=${DOCS_PER_PAPER:-2}
+DOC_MAX_MODEL_LEN=${DOC_MAX_MODEL_LEN:-8192}  # a document is 2-4k tokens, its answer MAX_TOKENS
+# Training reads the documents' answers too once the docregen stage has written them; a
+# sequence longer than MAX_SEQ_LEN is skipped (counted), so it follows DOC_MAX_MODEL_LEN then.
+MAX_SEQ_LEN=${MAX_SEQ_LEN:-}
 PROMPT_SEED=${PROMPT_SEED:-0}         # the prompts' shuffle and composed requests (0: sessions 17-19)
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
@@ -69,7 +80,7 @@ stage_prompts() {
     specdec data-gen prompts -o "$DATA/prompts" --max-records "$NUM_PROMPTS" "${sources[@]}" \
         --bigbench-per-task "$BIGBENCH_PER_TASK" --reasoning-gym-per-generator "$RG_PER_GENERATOR" \
         --writing-prompts "$WRITING_PROMPTS" --code-prompts "$CODE_PROMPTS" \
-        --math-prompts "$MATH_PROMPTS" --seed "$PROMPT_SEED"
+        --math-prompts "$MATH_PROMPTS" --academic-papers "$ACADEMIC_PAPERS" --seed "$PROMPT_SEED"
 }
 
 stage_regenerate() {
@@ -77,6 +88,20 @@ stage_regenerate() {
     specdec data-gen regenerate -i "${PROMPTS:-$DATA/prompts}" -o "$DATA/regen" --model "$MODEL" \
         --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" --seed "$SEED" \
         --max-num-seqs "$MAX_NUM_SEQS" "${DEVICE_ARGS[@]}"
+}
+
+stage_documents() {
+    # Long requests (abstract, introduction, outline, review, ...) around documents joined
+    # from the target's own answers to the academic source's section requests.
+    specdec data-gen documents -i "$DATA/regen" -o "$DATA/documents" \
+        --tasks-per-paper "$DOCS_PER_PAPER" --seed "$SEED"
+}
+
+stage_docregen() {
+    # The target answers them; the context holds the whole document.
+    specdec data-gen regenerate -i "$DATA/documents" -o "$DATA/documents-regen" --model "$MODEL" \
+        --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" --seed "$SEED" \
+        --max-num-seqs "$MAX_NUM_SEQS" --max-model-len "$DOC_MAX_MODEL_LEN" "${DEVICE_ARGS[@]}"
 }
 
 stage_vocab() {
@@ -93,10 +118,14 @@ stage_train() {
         [ "$NEW_VOCAB" = 1 ] || vocab=()
         vocab+=(model.init_head="$INIT_HEAD")
     fi
+    local paths="$DATA/regen" seq_len=${MAX_SEQ_LEN:-2048}
+    if [ -f "$DATA/documents-regen/manifest.json" ]; then
+        paths="[$DATA/regen,$DATA/documents-regen]" seq_len=${MAX_SEQ_LEN:-$DOC_MAX_MODEL_LEN}
+    fi
     # shellcheck disable=SC2086  # EXTRA_TRAIN is a list of key=value overrides
     specdec train-draft --config configs/train/smollm2.yaml \
         model.target="$MODEL" "${vocab[@]}" \
-        data.mode=online data.path="$DATA/regen" \
+        data.mode=online data.path="$paths" data.max_seq_len="$seq_len" \
         optim.max_steps="$STEPS" run.output_dir="$RUN" ttt.attention="$ATTENTION" \
         ${TIME_LIMIT:+run.time_limit_s=$TIME_LIMIT} $EXTRA_TRAIN
 }
@@ -113,8 +142,9 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(prompts regenerate vocab train bench)
 for stage in "${STAGES[@]}"; do
     case "$stage" in
-        prompts | regenerate | vocab | train | bench) ;;
-        *) echo "unknown stage '$stage'; stages: prompts regenerate vocab train bench" >&2; exit 2 ;;
+        prompts | regenerate | documents | docregen | vocab | train | bench) ;;
+        *) echo "unknown stage '$stage'; stages: prompts regenerate documents docregen vocab" \
+               "train bench" >&2; exit 2 ;;
     esac
     echo "=== $stage ($(date -u +%H:%M:%S))"
     "stage_$stage"

@@ -203,6 +203,14 @@ def test_config_errors_name_the_key():
         TrainConfig.load(None, ["lr=1"])
     cfg = TrainConfig.load("configs/train/smollm2.yaml", ["optim.lr=3e-4", "data.path=d"])
     assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.9, 0.95)
+    assert cfg.data.paths == ("d",)
+    # Online training reads several regenerate directories; a dump is one directory.
+    cfg = TrainConfig.load(None, ["data.mode=online", "data.path=[a/regen,b/regen]"])
+    assert cfg.data.paths == ("a/regen", "b/regen")
+    with pytest.raises(ValueError, match=r"data\.path=\['a', 'b'\]: offline training reads one"):
+        TrainConfig.load(None, ["data.path=[a,b]"])
+    with pytest.raises(ValueError, match=r"data\.path is empty"):
+        TrainConfig.load(None, ["data.mode=online", "data.path=[a,'']"])
 
 
 def test_max_seq_len_past_the_targets_context_is_refused(data, tmp_path):
@@ -242,6 +250,10 @@ def test_online_mode_computes_the_dumped_states_and_trains(data, tmp_path):
     assert sorted(r.id for r in held.train + held.eval) == sorted(ids)
     assert evenly_spaced(10, 3) == [0, 4, 9] and evenly_spaced(5, 9) == [0, 1, 2, 3, 4]
     assert evenly_spaced(5, 0) == []
+    # Several directories train as one list, in the order given.
+    both = OnlineRecords((str(data / "regen"), data / "regen"), forward, max_tokens=4096,
+                         max_seq_len=2048, eval_records=0, seed=0, vocab_size=49152)  # fmt: skip
+    assert [r.id for r in both.train] == ids + ids
 
     cfg = config(data, tmp_path, data={"mode": "online", "path": str(data / "regen"),
                                        "eval_records": 4},

@@ -44,7 +44,9 @@ class ModelSection:
 @dataclass
 class DataSection:
     mode: str = "offline"  # offline: data_gen dump shards; online: the target runs in the loop
-    path: str = ""  # dump directory (offline) or regenerate directory (online)
+    # dump directory (offline), or one or more regenerate directories (online), e.g.
+    # data.path=[data/smollm2/regen,data/smollm2/documents-regen]: their records train as one
+    path: str | tuple[str, ...] = ""
     max_tokens: int = 4096  # tokens per micro-batch (whole sequences packed)
     max_seq_len: int = 2048  # longer sequences are cut (and counted)
     eval_shards: int = 1  # offline: the manifest's last N shards form the held-out split
@@ -53,10 +55,17 @@ class DataSection:
 
     def __post_init__(self) -> None:
         _choice("data", "mode", self.mode, ("offline", "online"))
-        _require(bool(self.path), "data.path is empty: set the dump (offline) or regenerate "
-                 "(online) directory")  # fmt: skip
+        _require(bool(self.path) and all(self.paths), "data.path is empty: set the dump "
+                 "(offline) or regenerate (online) directory")  # fmt: skip
+        _require(self.mode == "online" or len(self.paths) == 1,
+                 f"data.path={list(self.paths)}: offline training reads one dump directory; "
+                 "pass one, or train online from regenerate directories")  # fmt: skip
         _at_least("data", self, 2, "max_tokens", "max_seq_len")
         _at_least("data", self, 0, "eval_shards", "eval_records")
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path,) if isinstance(self.path, str) else self.path
 
 
 @dataclass

@@ -276,19 +276,26 @@ class OfflineShards:
 
 
 class OnlineRecords:
-    """data_gen regenerate records (token ids + loss mask); the target computes the aux
-    and final hidden states of each micro-batch inside the training loop."""
+    """data_gen regenerate records (token ids + loss mask) of one or more directories,
+    concatenated in order; the target computes the aux and final hidden states of each
+    micro-batch inside the training loop."""
 
-    def __init__(self, root: str | Path, target_forward, *, max_tokens: int, max_seq_len: int,
-                 eval_records: int, seed: int, vocab_size: int,
+    def __init__(self, roots: str | Path | tuple[str | Path, ...], target_forward, *,
+                 max_tokens: int, max_seq_len: int, eval_records: int, seed: int, vocab_size: int,
                  labeler: ExitLabeler | None = None) -> None:  # fmt: skip
         from specdec.data_gen.dump import load_records
         from specdec.data_gen.records import SkipCounts
 
-        skipped = SkipCounts()
-        records = load_records(str(root), vocab_size, max_seq_len, skipped)
-        if not records:
-            raise ValueError(f"{root} holds no usable token records ({skipped.as_dict()})")
+        roots = (roots,) if isinstance(roots, str | Path) else roots
+        records = []
+        for root in roots:
+            skipped = SkipCounts()
+            found = load_records(str(root), vocab_size, max_seq_len, skipped)
+            if not found:
+                raise ValueError(f"{root} holds no usable token records ({skipped.as_dict()})")
+            if skipped.as_dict():
+                logger.info("%s: %d records, skipped %s", root, len(found), skipped.as_dict())
+            records += found
         self.forward = target_forward
         self.target = target_forward.model_name
         self.aux_layer_ids = tuple(target_forward.aux_layer_ids)

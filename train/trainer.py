@@ -268,8 +268,9 @@ def _source(config: TrainConfig, target: TargetIO, device: torch.device) -> Sour
     data = config.data
     labeler = _exit_labeler(config)
     if data.mode == "offline":
-        shards = OfflineShards(data.path, max_tokens=data.max_tokens, max_seq_len=data.max_seq_len,
-                               eval_shards=data.eval_shards, seed=data.seed,
+        shards = OfflineShards(data.paths[0], max_tokens=data.max_tokens,
+                               max_seq_len=data.max_seq_len, eval_shards=data.eval_shards,
+                               seed=data.seed,
                                labeler=labeler)  # fmt: skip
         cfg, dumped = target.config, shards.manifest
         if (dumped["hidden_size"], dumped["vocab_size"]) != (cfg.hidden_size, cfg.vocab_size):
@@ -288,7 +289,7 @@ def _source(config: TrainConfig, target: TargetIO, device: torch.device) -> Sour
         config.model.target, device=device, dtype=torch.float32,
         aux_layer_ids=config.model.aux_layer_ids, max_seq_len=data.max_seq_len,
     )  # fmt: skip
-    return OnlineRecords(data.path, forward, max_tokens=data.max_tokens,
+    return OnlineRecords(data.paths, forward, max_tokens=data.max_tokens,
                          max_seq_len=data.max_seq_len, eval_records=data.eval_records,
                          seed=data.seed, vocab_size=target.config.vocab_size,
                          labeler=labeler)  # fmt: skip
@@ -297,7 +298,7 @@ def _source(config: TrainConfig, target: TargetIO, device: torch.device) -> Sour
 def _vocab_path(config: TrainConfig) -> Path:
     if config.model.vocab:
         return Path(config.model.vocab)
-    data = Path(config.data.path)
+    data = Path(config.data.paths[0])
     for candidate in (data / "vocab.safetensors", data.parent / "vocab.safetensors"):
         if candidate.is_file():
             return candidate
