@@ -117,7 +117,7 @@ def serve_config_from_args(args: argparse.Namespace):
     """The ServeConfig that ``specdec serve ARGS`` runs with."""
     from specdec.config import SpeculativeConfig, override_fields
     from specdec.engine.llm import build_engine_config
-    from specdec.models.packaged_heads import packaged_head
+    from specdec.models.packaged_heads import head_speculative, packaged_head
     from specdec.serve.config import ServeConfig, default_speculative
     from specdec.spec.spec_exit import spec_exit_fields
 
@@ -161,6 +161,10 @@ def serve_config_from_args(args: argparse.Namespace):
             spec_fields = _as_fields(SpeculativeConfig())
             if "method" not in flags:
                 spec_fields = _as_fields(default_speculative(flat["model"]))
+        method = flags.get("method", spec_fields["method"])
+        if method == "eagle3" and flags.get("model", spec_fields["model"]) != spec_fields["model"]:
+            # Another head drafts in the tree its own config records, not the replaced one's.
+            spec_fields = _as_fields(head_speculative(flags["model"]))
         spec_fields = override_fields(spec_fields, flags)
     flat["speculative"] = SpeculativeConfig(**spec_fields) if spec_fields is not None else None
     engine = build_engine_config(flat.pop("model"), **flat)

@@ -230,10 +230,11 @@ def _speculative(args: argparse.Namespace, fallback: str | None = None):
 
     ``auto`` drafts with the model's shipped head (``specdec.models.packaged_heads``),
     else with ``fallback`` (None: plain decoding); ``eagle3`` without ``--draft-model``
-    uses the shipped head. Tree flags given override the head's recorded tree, which
-    overrides ``SpeculativeConfig``'s defaults."""
+    uses the shipped head. Tree flags given override the head's recorded tree (the
+    shipped head's, or ``--draft-model``'s own), which overrides ``SpeculativeConfig``'s
+    defaults."""
     from specdec.config import SpeculativeConfig
-    from specdec.models.packaged_heads import default_speculative
+    from specdec.models.packaged_heads import default_speculative, head_speculative
 
     method = args.draft
     if method in (None, "none"):
@@ -256,6 +257,8 @@ def _speculative(args: argparse.Namespace, fallback: str | None = None):
                 f"--draft eagle3 needs --draft-model HEAD_DIR: {args.model!r} ships no head"
             )
         return spec
+    if method == "eagle3":
+        return head_speculative(args.draft_model, **tree)
     return SpeculativeConfig(method=method, model=args.draft_model, **tree)
 
 

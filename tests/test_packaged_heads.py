@@ -12,6 +12,7 @@ import pytest
 
 from specdec.bench.cli import config_from_args
 from specdec.cli import _engine_kwargs, build_parser, main
+from specdec.config import SpeculativeConfig
 from specdec.models import packaged_heads
 from specdec.models.eagle3_head import TreeDefaults
 from specdec.serve.cli import serve_config_from_args
@@ -116,6 +117,24 @@ def test_a_heads_band_may_record_a_tree(shipped):
         )
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_a_head_named_by_directory_drafts_in_its_recorded_tree(shipped, random_head_dir, command):
+    """``--draft eagle3 --draft-model DIR`` takes DIR's recorded tree as the shipped head
+    does, flags still win; a head recording none, or a hub name, keeps the defaults."""
+    spec = spec_of(command, "--draft", "eagle3", "--draft-model", str(shipped))
+    assert (spec.model, spec.tree, spec.num_speculative_tokens, spec.top_k, spec.total_tokens,
+            spec.disable_by_batch_size) == (str(shipped), "dynamic", 4, 3, 12, 8)  # fmt: skip
+    chain = spec_of(command, "--draft", "eagle3", "--draft-model", str(shipped),
+                    "--spec-tree", "chain", "--num-speculative-tokens", "2")  # fmt: skip
+    assert (chain.tree, chain.num_speculative_tokens, chain.disable_by_batch_size) == (
+        "chain", 2, 8
+    )  # fmt: skip
+    default = SpeculativeConfig(method="eagle3", model=str(random_head_dir))
+    assert spec_of(command, "--draft", "eagle3", "--draft-model", str(random_head_dir)) == default
+    hub = spec_of(command, "--draft", "eagle3", "--draft-model", "org/some-eagle3-head")
+    assert hub == SpeculativeConfig(method="eagle3", model="org/some-eagle3-head")
+
+
 def test_draft_none_turns_it_off(shipped):
     assert spec_of("generate", "--draft", "none") is None
     assert spec_of("serve", "--draft", "none") is None
@@ -136,6 +155,10 @@ def test_without_a_shipped_head_each_command_keeps_its_default(tmp_path, monkeyp
 
 def test_serve_with_another_model_does_not_inherit_the_default_models_head(shipped, tmp_path):
     assert spec_of("serve", "--model", str(tmp_path)).method == "ngram"
+    # A head named for it drafts in that head's recorded tree.
+    spec = spec_of("serve", "--model", str(tmp_path), "--draft", "eagle3",
+                   "--draft-model", str(shipped))  # fmt: skip
+    assert (spec.model, spec.tree, spec.total_tokens) == (str(shipped), "dynamic", 12)
 
 
 def test_generate_runs_the_shipped_head(shipped, capsys):

@@ -3,9 +3,11 @@
 A shipped head is its model's default speculation: ``specdec generate``, ``serve`` and
 ``bench`` draft with it unless told otherwise (``--draft none`` or another proposer), in
 the tree shape recorded in its config (``tree_defaults``), which explicit ``--spec-*``
-flags override. A head with SpecExit channels may also record its exit setting
-(``spec_exit_defaults``); that one reaches requests through the loaded head
-(``SpecExitRuntime.head_defaults``, docs/spec_exit.md). A model without a shipped head
+flags override. A head named by directory (``--draft eagle3 --draft-model DIR``) drafts
+in the shape its own config records the same way (``head_speculative``). A head with
+SpecExit channels may also record its exit setting (``spec_exit_defaults``); that one
+reaches requests through the loaded head (``SpecExitRuntime.head_defaults``,
+docs/spec_exit.md). A model without a shipped head
 keeps each command's own default.
 """
 
@@ -35,21 +37,27 @@ def packaged_head(model: str) -> Path | None:
 
 def tree_defaults(head_dir: str | Path) -> dict[str, Any]:
     """The ``SpeculativeConfig`` fields of the tree a head was tuned for ({} if its config
-    records none); validated as ``TreeDefaults``."""
+    records none, or if ``head_dir`` is not a local directory with a config, e.g. a hub
+    name); validated as ``TreeDefaults``."""
     from specdec.models.eagle3_head import TreeDefaults
 
-    config = json.loads((Path(head_dir) / "config.json").read_text())
-    tree = config.get("tree_defaults")
+    path = Path(head_dir) / "config.json"
+    if not path.is_file():
+        return {}
+    tree = json.loads(path.read_text()).get("tree_defaults")
     return asdict(TreeDefaults(**tree)) if tree else {}
 
 
-def default_speculative(model: str, **overrides: Any) -> SpeculativeConfig | None:
-    """EAGLE-3 with ``model``'s shipped head in its tree shape, ``overrides`` (fields of
-    ``SpeculativeConfig``) applied on top; None when the model ships no head."""
+def head_speculative(head: str | Path, **overrides: Any) -> SpeculativeConfig:
+    """EAGLE-3 with the head at ``head`` in the tree shape its config records,
+    ``overrides`` (fields of ``SpeculativeConfig``) applied on top."""
     from specdec.config import SpeculativeConfig, override_fields
 
-    head = packaged_head(model)
-    if head is None:
-        return None
     base = {"method": "eagle3", "model": str(head), **tree_defaults(head)}
     return SpeculativeConfig(**override_fields(base, overrides))
+
+
+def default_speculative(model: str, **overrides: Any) -> SpeculativeConfig | None:
+    """``head_speculative`` of ``model``'s shipped head; None when the model ships none."""
+    head = packaged_head(model)
+    return None if head is None else head_speculative(head, **overrides)
