@@ -773,6 +773,10 @@ def test_prefill_graphs_keep_outputs(
     picked = [0, 3, 5, 7, 9, 12] if case != "prefix-cached" else [3, 3, 5, 5]
     # Uneven lengths, so requests finish one by one and each arrival joins running ones.
     lengths = [32 - 6 * i for i in range(len(picked))]
+    if case == "arrivals-next-to-chains":
+        # Rising, so the last arrivals outlive the rest and run two and then one at a
+        # time (the deeper band) for many steps, whatever the head accepts.
+        lengths.reverse()
     waiting = list(range(len(picked)))
     running: dict[str, int] = {}
     outs: dict[int, list[int]] = {}
