@@ -3,7 +3,8 @@
 # one lease: each stage starts only while the call has time left, so a call never outruns
 # its 10 minutes and the next call resumes where this one stopped (regenerate keeps its
 # finished shards; training is given the time that is left as its own limit and stops
-# with a checkpoint and the head). On the GPU machine, from the repository root:
+# with a checkpoint and the head). Here first: `bash benchmarks/h200_prepare.sh` (the gguf
+# wheel, the GGUF in parts, the bench sets). On the GPU machine, from the repository root:
 #
 #   source benchmarks/h200_setup.sh > /tmp/setup.log 2>&1     # wheels, GGUF joined
 #   STAGES="regenerate" bash benchmarks/h200_default_head.sh
