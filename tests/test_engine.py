@@ -97,10 +97,13 @@ def hf_greedy(model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
     ],
     ids=["prefix-cache", "chunk64", "chunk64+prefix-cache"],
 )
-def test_batch_invariance(smollm2_dir, chats, reference, kwargs):
-    """Each prompt alone equals the same prompt batched with 15 others of other lengths."""
+def test_batch_invariance(smollm2_dir, lossless, kwargs):
+    """Each prompt equals the same prompt batched with 7 others of other lengths (~40-590
+    tokens: LOSSLESS's chats, their first LOSSLESS_TOKENS), prefilled in chunks next to
+    the others' decodes and with their cached prefixes."""
+    prompts, expected = lossless
     llm = make_llm(smollm2_dir, **kwargs)
-    assert token_ids(llm.generate(chats, greedy(), use_tqdm=False)) == reference
+    assert token_ids(llm.generate(prompts, greedy(LOSSLESS_TOKENS), use_tqdm=False)) == expected
     pool = llm.engine.kv_manager.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
 
