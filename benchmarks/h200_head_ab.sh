@@ -1,38 +1,45 @@
 #!/usr/bin/env bash
 # A new head against the shipped one on the bench sets, both in the shipped bands as one
 # config (a chain of 3, the t8-d6-n32 tree at batch 1 on CUDA, chains of 5 up to batch 4):
-# batch 1 for both heads, batch 16 for the new one; bf16, 16 prompts, 256 tokens, the
-# pipelined step. On the GPU machine, from the repository root, after
-# `source benchmarks/h200_setup.sh` (sessions 27 and 28):
+# batch 1 and batch 16 for each head; bf16, 16 prompts, 256 tokens, the pipelined step.
+# Batch 16 runs WAVES (default 4) batches' worth of requests, the 16 prompts cycled, so
+# the batch stays full for all but the last wave (`specdec bench --waves`; session 29
+# found one drained batch of 16 measures the tail as much as batch 16). On the GPU
+# machine, from the repository root, after `source benchmarks/h200_setup.sh`:
 #
 #   NEW=/tmp/default-head-run/head OLD=/tmp/head PROMPTS=.gpu/bench_sets \
 #       bash benchmarks/h200_head_ab.sh
 #
-# Reports in $OUT (<TAG>_{new_b1,old_b1,new_b16}.{json,md}, one archive of the logs: seven
-# files, under the device's eight); RUN_S caps each bench command (default 200 s).
+# Reports in $OUT: <TAG>_<run>.json per run and one archive of the tables and logs (at
+# most five files, under the device's eight). RUNS picks the runs (default "new_b1 old_b1
+# new_b16 old_b16"); RUN_S caps each bench command (default 200 s); REPEATS its timed
+# rounds (default 1).
 set -uo pipefail
 : "${NEW:?NEW=<new head dir>}" "${OLD:?OLD=<shipped head dir>}" "${PROMPTS:?PROMPTS=<bench set JSONLs>}"
-OUT=${OUT:-/tmp/head_ab} TAG=${TAG:-ab}
+OUT=${OUT:-/tmp/head_ab} TAG=${TAG:-ab} RUNS=${RUNS:-new_b1 old_b1 new_b16 old_b16}
 mkdir -p "$OUT"
 common=(--model smollm2-135m-instruct --draft eagle3 --num-prompts 16 --max-tokens 256
-    --dtype bfloat16 --spec-pipelined on --repeats 1 --no-progress
+    --dtype bfloat16 --spec-pipelined on --repeats "${REPEATS:-1}" --no-progress
     --num-speculative-tokens 3 --num-speculative-tokens-by-batch-size 1:t8-d6-n32@cuda,4:5)
 for set in humaneval gsm_symbolic writingbench; do common+=(--prompts "$PROMPTS/$set.jsonl"); done
-for run in new_b1 old_b1 new_b16; do
+for run in $RUNS; do
     case $run in
-        new_b1) args=(--draft-model "$NEW" --batch-sizes 1) ;;
-        old_b1) args=(--draft-model "$OLD" --batch-sizes 1) ;;
-        new_b16) args=(--draft-model "$NEW" --batch-sizes 16) ;;
+        new_*) args=(--draft-model "$NEW") ;;
+        old_*) args=(--draft-model "$OLD") ;;
+        *) echo "unknown run '$run': new_b1 old_b1 new_b16 old_b16"; continue ;;
+    esac
+    case $run in
+        *_b1) args+=(--batch-sizes 1) ;;
+        *_b16) args+=(--batch-sizes 16 --waves "${WAVES:-4}") ;;
     esac
     t0=$(date +%s)
     timeout "${RUN_S:-200}" specdec bench "${common[@]}" "${args[@]}" \
-        --json "$OUT/${TAG}_$run.json" > "$OUT/${TAG}_$run.log" 2>&1
+        --json "$OUT/${TAG}_$run.json" --markdown "$OUT/${TAG}_$run.md" > "$OUT/${TAG}_$run.log" 2>&1
     echo "$run: rc=$? $(($(date +%s) - t0)) s"
 done
-tar czf "$OUT/${TAG}_logs.tgz" -C "$OUT" "${TAG}_new_b1.log" "${TAG}_old_b1.log" "${TAG}_new_b16.log" \
-    && rm -f "$OUT/${TAG}"_*.log
-# The short table last: set, batch, speedup, τ per run.
-for run in new_b1 old_b1 new_b16; do
+# The short table last (set, batch, requests, speedup, τ per run), then the archive.
+for run in $RUNS; do
     echo "== $run"
-    grep "^| [hgw]" "$OUT/${TAG}_$run.md" 2>/dev/null | cut -d'|' -f2,4,7,8
+    grep "^| [hgw]" "$OUT/${TAG}_$run.md" 2>/dev/null | cut -d'|' -f2,4,5,8,9
 done
+(cd "$OUT" && tar czf "${TAG}_tables_logs.tgz" "${TAG}"_*.md "${TAG}"_*.log && rm -f "${TAG}"_*.md "${TAG}"_*.log)

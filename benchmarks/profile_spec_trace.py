@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--batch", type=parse_int_list, default=[1])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=4096, help="8192 for WritingBench's papers")
     p.add_argument("--pipelined", choices=["on", "off"], default="on")
     p.add_argument("--compile-head", choices=["on", "off"], default="off")
     p.add_argument(
@@ -112,7 +113,7 @@ def build(a: argparse.Namespace, shape: str):
         a.model,
         speculative=spec,
         dtype=a.dtype,
-        max_model_len=4096,
+        max_model_len=a.max_model_len,
         max_num_seqs=max(a.batch),
         cuda_graph_max_batch_size=max(a.batch),
         kv_cache_memory=2 << 30,

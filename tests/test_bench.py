@@ -40,7 +40,8 @@ CPU = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", str(64 << 2
 
 @pytest.fixture(scope="session")
 def bench_json(tmp_path_factory, smollm2_dir) -> Path:
-    """Three sets × chains K=2,3 × batch sizes 1,2, with the analysis passes."""
+    """Three sets × chains K=2,3 × batch sizes 1,2, with the analysis passes; two waves,
+    so batch 2 cycles the two prompts to four requests and batch 1 runs each once."""
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     result = specdec_bench(
         [
@@ -54,6 +55,7 @@ def bench_json(tmp_path_factory, smollm2_dir) -> Path:
             "--repeats", "1",
             "--warmup", "0",
             "--batch-sizes", "1,2",
+            "--waves", "2",
             "--sweep-chain", "2,3",
             "--analysis",
             "--json", str(out),
@@ -77,10 +79,11 @@ def test_writes_both_reports(report, bench_json):
     assert {r["label"] for r in report["rows"]} == {"ngram-k2", "ngram-k3"}
     assert len(report["rows"]) == 2 * len(SETS) * 2  # configs × sets × batch sizes
     table = bench_json.with_suffix(".md").read_text()
-    assert "| set | proposer | batch | plain tok/s | spec tok/s | speedup | τ |" in table
+    assert "| set | proposer | batch | requests | plain tok/s | spec tok/s | speedup | τ |" in table
     assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + 12
     for row in report["rows"]:
-        assert f"| {row['set']} | {row['label']} | {row['batch_size']} |" in table
+        cells = f"| {row['set']} | {row['label']} | {row['batch_size']} | {row['num_requests']} |"
+        assert cells in table
 
 
 def test_sets_keep_prompts_outputs_and_entropy(report):
@@ -120,8 +123,11 @@ def test_rows_are_internally_consistent(report):
         for p in per:
             if p["steps"]:
                 assert math.isclose(p["tau"], 1 + p["accepted_tokens"] / p["steps"])
-        # fp32: speculation is lossless
-        assert r["identical"] == r["compared"] == r["num_prompts"] * r["repeats"]
+        # two waves: batch 2 runs the 2 prompts twice each, batch 1 once
+        assert r["num_requests"] == max(r["num_prompts"], 2 * r["batch_size"])
+        assert len(per) == r["num_prompts"]
+        # fp32: speculation is lossless, every request of every cycled prompt
+        assert r["identical"] == r["compared"] == r["num_requests"] * r["repeats"]
         assert r["vocab_coverage"] is None and r["note"] == ""
     # ngram drafts on these sets: the checks above ran on real acceptance
     assert sum(r["accepted_tokens"] for r in report["rows"]) > 0

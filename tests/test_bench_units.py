@@ -153,6 +153,16 @@ def test_config_validation():
         BenchConfig(repeats=0)
     with pytest.raises(ValueError, match="repeat"):
         BenchConfig(speculative=(SpeculativeConfig(), SpeculativeConfig()))
+    with pytest.raises(ValueError, match="waves=0 must be >= 1"):
+        BenchConfig(waves=0)
+
+
+def test_waves_fill_the_batch_and_keep_every_prompt():
+    """A batch size runs ``waves`` batches' worth of requests, never fewer than the set's
+    prompts (each prompt at least once, also when the batch is smaller than the set)."""
+    assert [BenchConfig().num_requests(16, b) for b in (1, 16)] == [16, 16]
+    assert [BenchConfig(waves=4).num_requests(16, b) for b in (1, 2, 16)] == [16, 16, 64]
+    assert BenchConfig(waves=3).num_requests(2, 5) == 15
 
 
 def test_cli_errors_are_clear(capsys):
@@ -209,6 +219,14 @@ def test_summaries():
         (3, 9, 1),
     ]
     assert counts[0].tau == 1 + 10 / 6
+    # Cycled prompts (waves): request j is prompt j mod 2, and its counters fold into it.
+    cycled = [_run(1.0, [[1], [2], [1]], [(2, 6, 3), (1, 3, 0), (4, 8, 5)])]
+    folded = per_prompt_counts(cycled, num_prompts=2)
+    assert [(c.steps, c.drafted_tokens, c.accepted_tokens) for c in folded] == [
+        (6, 14, 8),
+        (1, 3, 0),
+    ]
+    assert len(folded[0].ttft_s) == 2 and len(folded[1].ttft_s) == 1
     agreement = Agreement.of(runs, [[1, 2, 3], [4, 5]])
     assert (agreement.identical, agreement.compared, agreement.first_mismatch_at) == (5, 6, 1)
     assert agreement.note == "MISMATCH from token 1"

@@ -71,6 +71,15 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=3, help="timed runs; medians reported")
     g.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
     g.add_argument(
+        "--waves",
+        type=int,
+        default=1,
+        metavar="W",
+        help="at batch size B, run max(--num-prompts, W x B) requests, the prompts cycled: "
+        "1 measures one batch that drains as its requests finish; 4 or more keeps the batch "
+        "full for most of the run, as under steady load (default: 1)",
+    )
+    g.add_argument(
         "--analysis",
         action="store_true",
         help="untimed extra passes for the notebooks: every verify step per prompt, and the "
@@ -148,6 +157,7 @@ def config_from_args(args: argparse.Namespace):
         ignore_eos=args.ignore_eos,
         repeats=args.repeats,
         warmup=args.warmup,
+        waves=args.waves,
         speculative=tuple(specs),
         analysis=args.analysis,
         peers=PeerConfig(

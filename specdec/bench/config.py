@@ -37,6 +37,11 @@ class BenchConfig:
     ``batch_sizes`` are concurrencies: at most that many requests in flight, the next
     prompt submitted as one finishes. ``num_prompts`` per set are the set's first prompts
     that fit ``max_prompt_tokens`` (default: the context left after ``max_tokens``).
+    ``waves``: a run at batch size ``b`` submits ``num_requests`` requests, the set's
+    prompts cycled (request ``j`` is prompt ``j mod num_prompts``). With one wave and as
+    many prompts as the batch, the batch starts to drain at the first finished request, so
+    the figure mixes batch ``b`` with every smaller one down to 1; with ``waves`` batches'
+    worth it stays full for all but the last wave, as a server under steady load does.
     ``engine`` holds ``LLM`` keyword arguments (device, dtype, KV cache size, ...).
     """
 
@@ -50,6 +55,7 @@ class BenchConfig:
     ignore_eos: bool = False
     repeats: int = 3
     warmup: int = 1
+    waves: int = 1
     speculative: tuple[SpeculativeConfig, ...] = (SpeculativeConfig(method="ngram"),)
     analysis: bool = False  # untimed passes: per-step acceptance traces, target entropy
     peers: PeerConfig = field(default_factory=PeerConfig)
@@ -68,6 +74,7 @@ class BenchConfig:
             ("num_prompts", self.num_prompts),
             ("max_tokens", self.max_tokens),
             ("repeats", self.repeats),
+            ("waves", self.waves),
         ):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
@@ -80,6 +87,11 @@ class BenchConfig:
         labels = [label(s) for s in self.speculative]
         if len(set(labels)) != len(labels):
             raise ValueError(f"speculation configs repeat: {labels}")
+
+    def num_requests(self, num_prompts: int, batch_size: int) -> int:
+        """Requests one run of a set submits at ``batch_size``: ``waves`` batches' worth,
+        and every prompt at least once."""
+        return max(num_prompts, self.waves * batch_size)
 
 
 def label(spec: SpeculativeConfig) -> str:

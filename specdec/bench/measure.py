@@ -163,12 +163,14 @@ class PromptCounts:
         return 1.0 + self.accepted_tokens / self.steps if self.steps else None
 
 
-def per_prompt_counts(runs: list[Run]) -> list[PromptCounts]:
-    """Per prompt, in prompt order. Invariant: summed over prompts, steps / drafted /
-    accepted equal ``merged_stats(runs)``'s."""
-    counts = [PromptCounts() for _ in runs[0].requests]
+def per_prompt_counts(runs: list[Run], num_prompts: int | None = None) -> list[PromptCounts]:
+    """Per prompt, in prompt order; request ``j`` of a run is prompt ``j mod num_prompts``
+    (default: one request per prompt; ``BenchConfig.waves`` cycles them). Invariant:
+    summed over prompts, steps / drafted / accepted equal ``merged_stats(runs)``'s."""
+    counts = [PromptCounts() for _ in range(num_prompts or len(runs[0].requests))]
     for r in runs:
-        for c, q in zip(counts, r.requests, strict=True):
+        for j, q in enumerate(r.requests):
+            c = counts[j % len(counts)]
             c.steps += q.spec_steps
             c.drafted_tokens += q.spec_drafted
             c.accepted_tokens += q.spec_accepted

@@ -43,7 +43,8 @@ class SetReport:
 
 @dataclass
 class PromptRow:
-    """One prompt within a row (engine ``RequestMetrics``, summed over the timed runs)."""
+    """One prompt within a row (engine ``RequestMetrics``, summed over the timed runs and
+    over the prompt's requests when ``waves`` cycles the prompts)."""
 
     index: int  # into the set's prompts
     output_tokens: int
@@ -70,6 +71,7 @@ class BenchRow:
     num_prompts: int
     max_tokens: int
     repeats: int
+    num_requests: int = 0  # per run: the prompts cycled to waves x batch_size (BenchConfig)
     plain: Timing | None = None
     spec: Timing | None = None
     speedup: float | None = None
@@ -152,11 +154,12 @@ def markdown(report: Report) -> str:
     peers = [p for p in PEER_NAMES if any(r.peer == p for r in report.peers)]
     peer_rate = {(r.set, r.peer): r.timing.tokens_per_s for r in report.peers}
     head = (
-        "| set | proposer | batch | plain tok/s | spec tok/s | speedup | τ | accept a1/a2/... "
-        "| drafted | accepted | TTFT ms plain/spec | TPOT ms plain/spec | identical | coverage "
+        "| set | proposer | batch | requests | plain tok/s | spec tok/s | speedup | τ "
+        "| accept a1/a2/... | drafted | accepted | TTFT ms plain/spec | TPOT ms plain/spec "
+        "| identical | coverage "
     )
     head += "".join(f"| {p} tok/s " for p in peers) + "| note |"
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     lines[-1] += "---:|" * len(peers) + "---|"
     for r in report.rows:
         plain, spec = r.plain, r.spec
@@ -169,6 +172,7 @@ def markdown(report: Report) -> str:
             r.set,
             r.label,
             str(r.batch_size),
+            str(r.num_requests or r.num_prompts),
             _f(plain and plain.tokens_per_s, 1),
             _f(spec and spec.tokens_per_s, 1),
             _f(r.speedup, 2),

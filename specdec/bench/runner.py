@@ -2,6 +2,7 @@
 decoding on the same engine settings, interleaved; then the optional analysis passes and
 peers. The plain engine lives for the whole run; one speculating engine at a time.
 
+A row's requests are the set's prompts cycled to ``BenchConfig.waves`` batches' worth.
 Prefix caching is off (repeats would otherwise skip their prefill), ``max_num_seqs`` and
 the CUDA-graph batch limit are the largest batch size. A config or row that fails is
 reported with its error and the run goes on: one broken config must not hide the rest.
@@ -130,7 +131,9 @@ def bench_sets(config: BenchConfig) -> list[BenchSet]:
 def summarize_row(
     row: BenchRow, plain_runs: list[Run], spec_runs: list[Run], depth: int
 ) -> BenchRow:
-    """Fill ``row``'s figures from its interleaved runs (``BenchRow`` invariants)."""
+    """Fill ``row``'s figures from its interleaved runs (``BenchRow`` invariants). Outputs
+    are compared request by request (a cycled prompt's every request with plain's);
+    per-prompt counters fold each prompt's requests (``per_prompt_counts``)."""
     row.plain, row.spec = Timing.of(plain_runs), Timing.of(spec_runs)
     row.speedup = row.spec.tokens_per_s / row.plain.tokens_per_s
     stats = merged_stats(spec_runs)
@@ -159,7 +162,7 @@ def summarize_row(
             ttft_s=statistics.median(c.ttft_s) if c.ttft_s else None,
             tpot_s=statistics.median(c.tpot_s) if c.tpot_s else None,
         )
-        for i, c in enumerate(per_prompt_counts(spec_runs))
+        for i, c in enumerate(per_prompt_counts(spec_runs, row.num_prompts))
     ]
     return row
 
@@ -171,12 +174,14 @@ def measure_row(
     row: BenchRow,
     prompts: list[list[int]],
 ) -> tuple[BenchRow, list[Run]]:
-    """Plain and speculative runs of one set at one batch size, interleaved."""
+    """Plain and speculative runs of one set at one batch size, interleaved; the set's
+    prompts cycled to ``config.num_requests`` requests."""
     run = RunParams(config.max_tokens, config.ignore_eos, concurrency=row.batch_size)
+    requests = [prompts[j % len(prompts)] for j in range(row.num_requests)]
     pipeline = spec_llm.engine.pipeline
     launches = pipeline.num_launches if pipeline is not None else 0
     runs = measure_engines(
-        {"plain": plain, "spec": spec_llm}, prompts, run, config.repeats, config.warmup
+        {"plain": plain, "spec": spec_llm}, requests, run, config.repeats, config.warmup
     )
     depth = spec_llm.engine.config.speculative.tree_shape.depth
     summarize_row(row, runs["plain"], runs["spec"], depth)
@@ -199,6 +204,7 @@ def _new_row(config: BenchConfig, spec: SpeculativeConfig, set_name: str, n: int
         shape=shape_fields(spec),
         batch_size=batch,
         num_prompts=n,
+        num_requests=config.num_requests(n, batch),
         max_tokens=config.max_tokens,
         repeats=config.repeats,
     )
@@ -233,7 +239,8 @@ class _Bench:
         infos = self.report.sets[set_name].prompts
         if infos[0].output_ids:
             return
-        for info, request in zip(infos, plain_runs[0].requests, strict=True):
+        # Request i < num_prompts is prompt i (cycled prompts repeat after them).
+        for info, request in zip(infos, plain_runs[0].requests[: len(infos)], strict=True):
             info.output_ids = request.output_ids
             info.output_text = self.plain.tokenizer.decode(
                 request.output_ids, skip_special_tokens=True
