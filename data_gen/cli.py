@@ -112,7 +112,13 @@ def _dump_args(p: argparse.ArgumentParser) -> None:
 
 
 def _vocab_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", "-i", required=True, help="a regenerate or dump directory")
+    p.add_argument(
+        "--input",
+        "-i",
+        required=True,
+        action="append",
+        help="a regenerate or dump directory; repeat to count several together",
+    )
     p.add_argument("--output", "-o", required=True, help="directory or .safetensors path")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--target-vocab-size", type=int, default=None)
@@ -329,7 +335,7 @@ def _vocab(args) -> int:
 
     meta = run_vocab(
         VocabConfig(
-            input=args.input,
+            inputs=tuple(args.input),
             output=args.output,
             draft_vocab_size=args.draft_vocab_size,
             target_vocab_size=args.target_vocab_size,

@@ -33,15 +33,18 @@ VOCAB_FILE = "vocab.safetensors"
 
 @dataclass(frozen=True)
 class VocabConfig:
-    """``input``: a regenerate or dump directory (its manifest lists the shards)."""
+    """``inputs``: regenerate or dump directories (their manifests list the shards), whose
+    loss tokens are counted together: e.g. a mix's answers and the long documents' ones."""
 
-    input: str
+    inputs: tuple[str, ...]
     output: str
     draft_vocab_size: int = 32000
     target_vocab_size: int | None = None  # default: the dump manifest's, else the model's
     model: str = "smollm2-135m-instruct"
 
     def __post_init__(self) -> None:
+        if isinstance(self.inputs, str) or not self.inputs:
+            raise ValueError(f"inputs={self.inputs!r} must be a non-empty tuple of directories")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1")
 
@@ -112,16 +115,23 @@ def coverage_by_size(counts: np.ndarray) -> dict[str, float]:
 def run_vocab(config: VocabConfig) -> dict:
     """Count, build and save ``vocab.safetensors`` atomically; returns its metadata."""
     vocab_size = config.target_vocab_size
-    if vocab_size is None:
-        vocab_size = load_manifest(config.input).get("vocab_size")
+    if vocab_size is None:  # a dump's manifest records it; regenerate's do not
+        recorded = {load_manifest(d).get("vocab_size") for d in config.inputs} - {None}
+        if len(recorded) > 1:
+            raise ValueError(
+                f"the inputs' manifests record different vocabulary sizes {sorted(recorded)}: "
+                "they come from different targets; pass one target's directories"
+            )
+        vocab_size = recorded.pop() if recorded else None
     if vocab_size is None:
         from specdec.models import load_config
 
         vocab_size = load_config(config.model).vocab_size
-    counts = count_tokens(config.input, vocab_size)
+    counts = sum(count_tokens(d, vocab_size) for d in config.inputs)
     d2t, t2d = build_vocab_map(counts, config.draft_vocab_size)
     total = int(counts.sum())
     meta = {
+        "inputs": list(config.inputs),
         "draft_vocab_size": config.draft_vocab_size,
         "target_vocab_size": vocab_size,
         "loss_tokens": total,

@@ -105,8 +105,11 @@ stage_docregen() {
 }
 
 stage_vocab() {
-    # d2t / t2d: the DRAFT_VOCAB most frequent target tokens among the answers' loss tokens.
-    specdec data-gen vocab -i "$DATA/regen" -o "$DATA/vocab" --draft-vocab-size "$DRAFT_VOCAB" \
+    # d2t / t2d: the DRAFT_VOCAB most frequent target tokens among the answers' loss tokens,
+    # the documents' answers counted too once the docregen stage has written them.
+    local inputs=(-i "$DATA/regen")
+    [ -f "$DATA/documents-regen/manifest.json" ] && inputs+=(-i "$DATA/documents-regen")
+    specdec data-gen vocab "${inputs[@]}" -o "$DATA/vocab" --draft-vocab-size "$DRAFT_VOCAB" \
         --model "$MODEL"
 }
 

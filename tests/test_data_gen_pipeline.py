@@ -383,7 +383,7 @@ def test_dump_skips_and_counts_bad_records(regen_dir, tmp_path):
 
 
 def test_vocab_from_regenerated_data_round_trips(regen_dir, dump_dir, tmp_path):
-    meta = run_vocab(VocabConfig(str(regen_dir), str(tmp_path / "a"), draft_vocab_size=500))
+    meta = run_vocab(VocabConfig((str(regen_dir),), str(tmp_path / "a"), draft_vocab_size=500))
     with safe_open(meta["path"], "pt") as f:
         d2t, t2d, counts = f.get_tensor("d2t"), f.get_tensor("t2d"), f.get_tensor("token_counts")
     kept = torch.arange(500) + d2t
@@ -395,9 +395,19 @@ def test_vocab_from_regenerated_data_round_trips(regen_dir, dump_dir, tmp_path):
     assert int(counts.sum()) == load_manifest(regen_dir)["counts"]["loss_tokens"]
     assert meta["coverage"] == 1.0
     # The dump directory gives the same counts (it stores ids and masks too).
-    meta2 = run_vocab(VocabConfig(str(dump_dir), str(tmp_path / "b"), draft_vocab_size=500))
+    meta2 = run_vocab(VocabConfig((str(dump_dir),), str(tmp_path / "b"), draft_vocab_size=500))
     with safe_open(meta2["path"], "pt") as f:
         assert torch.equal(f.get_tensor("token_counts"), counts)
+    # Several inputs count together (a mix's answers and the documents' ones).
+    both = run_vocab(
+        VocabConfig((str(regen_dir), str(dump_dir)), str(tmp_path / "c"), draft_vocab_size=500)
+    )
+    with safe_open(both["path"], "pt") as f:
+        assert torch.equal(f.get_tensor("token_counts"), 2 * counts)
+    assert both["inputs"] == [str(regen_dir), str(dump_dir)]
+    assert both["loss_tokens"] == 2 * meta["loss_tokens"]
+    with pytest.raises(ValueError, match="non-empty tuple"):
+        VocabConfig(str(regen_dir), str(tmp_path / "d"))
 
 
 def _assert_same_files(want: Path, got: Path) -> None:

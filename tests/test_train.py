@@ -56,7 +56,7 @@ def data(tmp_path_factory) -> Path:
     dump = DumpConfig(input=str(root / "regen"), output=str(root / "dump"), dtype="float32",
                       compute_dtype="float32", shard_bytes=1 << 20, batch_tokens=2048)  # fmt: skip
     run_dump(dump, RankInfo())
-    run_vocab(VocabConfig(input=str(root / "dump"), output=str(root), draft_vocab_size=512))
+    run_vocab(VocabConfig(inputs=(str(root / "dump"),), output=str(root), draft_vocab_size=512))
     return root
 
 
@@ -288,7 +288,7 @@ def test_init_head_continues_with_its_own_draft_vocabulary(trained, data, tmp_pa
     beside.mkdir()
     (beside / "dump").symlink_to(data / "dump", target_is_directory=True)
     other = beside / "vocab.safetensors"
-    run_vocab(VocabConfig(input=str(data / "dump"), output=str(other), draft_vocab_size=256))
+    run_vocab(VocabConfig(inputs=(str(data / "dump"),), output=str(other), draft_vocab_size=256))
     cfg = config(data, tmp_path / "a", model=init, data={"path": str(beside / "dump")},
                  optim={"max_steps": 1, "grad_accum": 1})  # fmt: skip
     assert train(cfg)["step"] == 1
