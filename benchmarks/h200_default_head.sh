@@ -51,9 +51,10 @@ for stage in ${STAGES:-regenerate train bench}; do
 done
 
 # What comes back (at most 8 files, two folders down): the head's files (shards <= 16 MB),
-# the bench reports, and one archive of the stage logs, the training log and the manifests.
+# the bench reports, and one archive of the stage logs, the training log, the manifests and
+# the vocab stage's draft vocabulary (0.6 MB, with its token counts).
 if [ -f "$RUN/head/config.json" ]; then mkdir -p "$OUT/head" && cp "$RUN"/head/* "$OUT/head/"; fi
 tar czf "$OUT/reports.tgz" --ignore-failed-read "$OUT"/*.log "$RUN"/log.jsonl \
-    "$DATA"/*/manifest.json 2>/dev/null
+    "$DATA"/*/manifest.json "$DATA"/vocab/vocab.safetensors 2>/dev/null
 rm -f "$OUT"/*.log
 ls -la "$OUT" "$OUT/head" 2>/dev/null

@@ -1,0 +1,76 @@
+"""Which draft vocabulary covers the bench sets' answers: the share of each set's plain
+greedy output tokens inside each vocabulary's ``t2d``, and the tokens most often left out.
+
+A token outside the draft vocabulary can never be drafted, so a step meeting one accepts
+nothing past it. This is the bench-side check of a vocabulary built by ``data-gen vocab``
+(its own metadata reports the coverage of the training answers), before any training:
+
+    python benchmarks/vocab_bench_coverage.py --bench results/2026-12-04_h200_s29_old_b1.json \
+        --vocab specdec/heads/smollm2-135m-instruct --vocab data/s30/vocab/vocab.safetensors
+
+Session 29 (the shipped head's 16,384 ids, session 17's vocabulary; the batch-1 run's
+plain bf16 greedy outputs, 16 prompts, 256 tokens): humaneval 0.978, gsm_symbolic 0.985,
+writingbench 0.948, whose most frequent miss is ' Methodology' (47 of 3,907 tokens). The
+batch-16 run's writing outputs (bf16 batching flips near-tied tokens) covered 0.932.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specdec.models.loader import load_tokenizer
+
+
+def load_t2d(path: str | Path) -> torch.Tensor:
+    """[target vocab] bool: a ``vocab.safetensors`` file, or a head directory whose shards
+    hold ``t2d``."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    for file in files:
+        with safe_open(file, "pt") as f:
+            if "t2d" in f.keys():  # noqa: SIM118  (safe_open has no __contains__)
+                return f.get_tensor("t2d").bool()
+    raise ValueError(f"no t2d tensor in {path}: pass a vocab.safetensors or a head directory")
+
+
+def outputs_by_set(bench_json: str | Path) -> dict[str, list[list[int]]]:
+    """Each set's plain greedy output ids from a ``specdec bench`` JSON."""
+    report = json.loads(Path(bench_json).read_text())
+    return {name: [p["output_ids"] for p in s["prompts"]] for name, s in report["sets"].items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bench", required=True, help="a specdec bench JSON (its plain outputs)")
+    p.add_argument("--vocab", action="append", required=True, help="vocab file or head dir")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer for the misses")
+    p.add_argument("--top", type=int, default=12, help="most frequent misses shown per set")
+    a = p.parse_args()
+    tokenizer = load_tokenizer(a.model)
+    sets = outputs_by_set(a.bench)
+    rows = []
+    for vocab in a.vocab:
+        t2d = load_t2d(vocab)
+        print(f"## {vocab} ({int(t2d.sum()):,} ids)")
+        cells = []
+        for name, outputs in sets.items():
+            ids = [i for out in outputs for i in out]
+            missed = collections.Counter(i for i in ids if not t2d[i])
+            share = 1 - sum(missed.values()) / len(ids)
+            cells.append(f"{share:.3f}")
+            top = ", ".join(f"{tokenizer.decode([i])!r} {n}" for i, n in missed.most_common(a.top))
+            print(f"- {name}: {share:.3f} of {len(ids):,} tokens; missed: {top}")
+        rows.append(f"| {vocab} | {int(t2d.sum()):,} | " + " | ".join(cells) + " |")
+    print("\n| vocabulary | ids | " + " | ".join(sets) + " |")
+    print("|---|---:|" + "---:|" * len(sets))
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
