@@ -1,5 +1,7 @@
 """Which draft vocabulary covers the bench sets' answers: the share of each set's plain
-greedy output tokens inside each vocabulary's ``t2d``, and the tokens most often left out.
+greedy output tokens inside each vocabulary's ``t2d``, and the tokens most often left out;
+from a bench run with ``--analysis`` (fp32), also how many verify steps stopped at a token
+the vocabulary lacks and the τ those steps could have added (``cut_steps``).
 
 A token outside the draft vocabulary can never be drafted, so a step meeting one accepts
 nothing past it. This is the bench-side check of a vocabulary built by ``data-gen vocab``
@@ -11,7 +13,9 @@ nothing past it. This is the bench-side check of a vocabulary built by ``data-ge
 Session 29 (the shipped head's 16,384 ids, session 17's vocabulary; the batch-1 run's
 plain bf16 greedy outputs, 16 prompts, 256 tokens): humaneval 0.978, gsm_symbolic 0.985,
 writingbench 0.948, whose most frequent miss is ' Methodology' (47 of 3,907 tokens). The
-batch-16 run's writing outputs (bf16 batching flips near-tied tokens) covered 0.932.
+batch-16 run's writing outputs (bf16 batching flips near-tied tokens) covered 0.932. On
+the CPU (chain of 3, 8 prompts, 128 tokens, ``--analysis``), 11.5% of humaneval's and of
+writingbench's verify steps stopped at a token outside the vocabulary (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -45,6 +49,41 @@ def outputs_by_set(bench_json: str | Path) -> dict[str, list[list[int]]]:
     return {name: [p["output_ids"] for p in s["prompts"]] for name, s in report["sets"].items()}
 
 
+def cut_steps(
+    traces: list[list[list[int]]], outputs: list[list[int]], t2d: torch.Tensor
+) -> tuple[int, int, float]:
+    """From a bench's ``--analysis`` traces (per prompt, per verify step: output position
+    of the step's first token, drafted, accepted), in fp32 where outputs equal plain
+    decoding: (steps, steps whose first rejected draft was meant for a token outside
+    ``t2d``, the accepted tokens those steps could add). The estimate gives each such step
+    the chain of conditional acceptance rates measured at in-vocabulary rejections' depths:
+    rate ``j`` = P(draft ``j`` accepted | drafts before it accepted, its token in ``t2d``)."""
+    reached: collections.Counter = collections.Counter()  # depth -> in-vocabulary tries
+    passed: collections.Counter = collections.Counter()  # depth -> accepted
+    cuts: list[tuple[int, int]] = []  # (accepted, drafted) of out-of-vocabulary cuts
+    steps = 0
+    for prompt, out in zip(traces, outputs, strict=True):
+        for position, drafted, accepted in prompt:
+            steps += 1
+            for j in range(min(accepted + 1, drafted)):
+                at = position + j
+                if at >= len(out) or not t2d[out[at]]:
+                    break
+                reached[j] += 1
+                passed[j] += j < accepted
+            miss = position + accepted
+            if accepted < drafted and miss < len(out) and not t2d[out[miss]]:
+                cuts.append((accepted, drafted))
+    rate = {j: passed[j] / reached[j] for j in reached}
+    extra = 0.0
+    for accepted, drafted in cuts:
+        chain = 1.0
+        for j in range(accepted, drafted):
+            chain *= rate.get(j, 0.0)
+            extra += chain
+    return steps, len(cuts), extra
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bench", required=True, help="a specdec bench JSON (its plain outputs)")
@@ -54,6 +93,7 @@ def main() -> None:
     a = p.parse_args()
     tokenizer = load_tokenizer(a.model)
     sets = outputs_by_set(a.bench)
+    traces = json.loads(Path(a.bench).read_text())["traces"]  # with --analysis
     rows = []
     for vocab in a.vocab:
         t2d = load_t2d(vocab)
@@ -67,6 +107,16 @@ def main() -> None:
             top = ", ".join(f"{tokenizer.decode([i])!r} {n}" for i, n in missed.most_common(a.top))
             print(f"- {name}: {share:.3f} of {len(ids):,} tokens; missed: {top}")
         rows.append(f"| {vocab} | {int(t2d.sum()):,} | " + " | ".join(cells) + " |")
+        for trace in traces:
+            outputs = sets[trace["set"]]
+            steps, cut, extra = cut_steps(trace["steps"], outputs, t2d)
+            accepted = sum(a for prompt in trace["steps"] for _, _, a in prompt)
+            tau = 1 + accepted / steps
+            print(
+                f"- {trace['set']} {trace['label']}: {cut} of {steps} steps stopped at a token "
+                f"outside the vocabulary; τ {tau:.2f}, {tau + extra / steps:.2f} had each of "
+                "them gone on at the measured rates"
+            )
     print("\n| vocabulary | ids | " + " | ".join(sets) + " |")
     print("|---|---:|" + "---:|" * len(sets))
     print("\n".join(rows))
