@@ -8,6 +8,7 @@ import gzip
 import itertools
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -277,3 +278,23 @@ def test_load_report_rejects_other_json(tmp_path):
     expected = r"not a specdec\.bench/1 or specdec\.bench-serve/1 report"
     with pytest.raises(ValueError, match=expected):
         analysis.load_report(path)
+
+
+def test_vocab_cut_steps_counts_out_of_vocabulary_stops():
+    """benchmarks/vocab_bench_coverage.py: a step whose first rejected draft was meant for
+    a token outside the draft vocabulary is a cut; the estimate lets it go on at the
+    conditional rates measured on in-vocabulary tries."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from vocab_bench_coverage import cut_steps
+
+    outputs = [[10, 11, 12, 13, 14, 15, 16]]
+    t2d = torch.ones(20, dtype=torch.bool)
+    t2d[13] = False
+    # (first output index, drafted, accepted): a miss at 12 (in the vocabulary), a cut at
+    # 13, then two accepted before a miss at 16. Rates: depth 0 2/2, depth 1 1/2, depth 2 0/1.
+    traces = [[(1, 3, 1), (3, 3, 0), (4, 3, 2)]]
+    assert cut_steps(traces, outputs, t2d) == (3, 1, 1.0 + 1.0 * 0.5 + 0.0)
+    t2d[13] = True  # every token drafted: nothing to add
+    assert cut_steps(traces, outputs, t2d) == (3, 0, 0.0)
