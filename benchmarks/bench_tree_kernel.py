@@ -119,6 +119,12 @@ def main() -> None:
         (PrefillConfig(block_m=m, block_n=n), split)
         for m, n, split in itertools.product((16, 32, 64, 128), (32, 64), (None, 1, 4, 8))
     ]
+    # The decode kernel's knobs (128-key iterations, three stages) on small tiles: is the
+    # gap between a few-token verify and a decode the kernel's loop or its launch shape?
+    sweep += [
+        (PrefillConfig(block_m=m, block_n=128, num_stages=3), split)
+        for m, split in itertools.product((16, 32), (None, 4, 8))
+    ]
     if a.smoke:
         sweep = sweep[:2]
     gen = torch.Generator().manual_seed(0)
@@ -146,7 +152,8 @@ def main() -> None:
                 err = (launch()[:q].float() - ref).abs().max().item()
                 us = median_us(launch, device, a.repeats)
                 split_name = "auto" if split is None else str(split)
-                name = f"{cfg.block_m}/{cfg.block_n}/{split_name}" + (
+                stages = "" if cfg.num_stages == 2 else f"/s{cfg.num_stages}"
+                name = f"{cfg.block_m}/{cfg.block_n}/{split_name}{stages}" + (
                     "*" if (cfg, split) == default else ""
                 )
                 rows.append(Row(batch, context, q, name, us, us / decode_us, err))

@@ -5,8 +5,8 @@
 #
 # 1. The verify attention alone (bench_tree_kernel.py) at the shapes the shipped bands
 #    launch: the t8-d6-n32 tree (q = 33) at batch 1, the chain of 3 (q = 4) and the head's
-#    7-column catch-up (q = 7) at batch 16, at 512 to 4,096 tokens of context, every tile
-#    and split configuration against the heuristic's (`*`). The heuristic runs 16-row
+#    7-column catch-up (q = 7) at batch 16, at 512 and 4,096 tokens of context, every tile
+#    and split configuration against the heuristic's (`*`), the decode kernel's knobs too. The heuristic runs 16-row
 #    tiles whenever the grid leaves SMs idle, so 33 tree tokens take 7 query tiles, each
 #    re-reading the whole context's K/V; one 128-row tile split 32 ways reads it once.
 # 2. Where the step's device time goes (profile_spec_trace.py): writingbench against
@@ -26,8 +26,8 @@ log=$OUT/long_context.log
 {
     if [[ $PARTS == *" kernel "* ]]; then
         echo "== verify attention (bench_tree_kernel.py)"
-        timeout "${KERNEL_S:-150}" python3 benchmarks/bench_tree_kernel.py --batch-sizes 1,16 \
-            --contexts 512,2048,4096 --q 4,7,33 --json "$OUT/tree_kernel.json" \
+        timeout "${KERNEL_S:-200}" python3 benchmarks/bench_tree_kernel.py --batch-sizes 1,16 \
+            --contexts 512,4096 --q 4,7,33 --json "$OUT/tree_kernel.json" \
             | grep -v "^| " || echo "kernel sweep: rc=$?"
     fi
     if [[ $PARTS == *" profile "* ]]; then
