@@ -37,9 +37,10 @@ for run in $RUNS; do
         --json "$OUT/${TAG}_$run.json" --markdown "$OUT/${TAG}_$run.md" > "$OUT/${TAG}_$run.log" 2>&1
     echo "$run: rc=$? $(($(date +%s) - t0)) s"
 done
-# The short table last (set, batch, requests, speedup, τ per run), then the archive.
+# The short table last (set, batch, requests, in flight plain/spec, speedup, τ per run),
+# then the archive.
 for run in $RUNS; do
     echo "== $run"
-    grep "^| [hgw]" "$OUT/${TAG}_$run.md" 2>/dev/null | cut -d'|' -f2,4,5,8,9
+    grep "^| [hgw]" "$OUT/${TAG}_$run.md" 2>/dev/null | cut -d'|' -f2,4,5,6,9,10
 done
 (cd "$OUT" && tar czf "${TAG}_tables_logs.tgz" "${TAG}"_*.md "${TAG}"_*.log && rm -f "${TAG}"_*.md "${TAG}"_*.log)

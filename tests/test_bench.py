@@ -79,7 +79,8 @@ def test_writes_both_reports(report, bench_json):
     assert {r["label"] for r in report["rows"]} == {"ngram-k2", "ngram-k3"}
     assert len(report["rows"]) == 2 * len(SETS) * 2  # configs × sets × batch sizes
     table = bench_json.with_suffix(".md").read_text()
-    assert "| set | proposer | batch | requests | plain tok/s | spec tok/s | speedup | τ |" in table
+    header = "| set | proposer | batch | requests | in flight plain/spec | plain tok/s |"
+    assert header in table
     assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + 12
     for row in report["rows"]:
         cells = f"| {row['set']} | {row['label']} | {row['batch_size']} | {row['num_requests']} |"
@@ -125,6 +126,12 @@ def test_rows_are_internally_consistent(report):
                 assert math.isclose(p["tau"], 1 + p["accepted_tokens"] / p["steps"])
         # two waves: batch 2 runs the 2 prompts twice each, batch 1 once
         assert r["num_requests"] == max(r["num_prompts"], 2 * r["batch_size"])
+        # batch 1 always has its one request in flight; batch 2 up to two
+        for t in (plain, spec):
+            if r["batch_size"] == 1:
+                assert t["mean_in_flight"] == 1.0
+            else:
+                assert 1.0 < t["mean_in_flight"] <= 2.0
         assert len(per) == r["num_prompts"]
         # fp32: speculation is lossless, every request of every cycled prompt
         assert r["identical"] == r["compared"] == r["num_requests"] * r["repeats"]

@@ -88,6 +88,9 @@ class Run:
     requests: list[RequestRecord]  # in prompt order
     stats: SpecStats = field(default_factory=SpecStats)
     engine_steps: int = 0  # engine.step() calls
+    # Requests submitted and unfinished per engine step, averaged over the drive's steps: a
+    # batch that drains as its requests finish runs below its concurrency (BenchConfig.waves).
+    mean_in_flight: float = 0.0
     graph_steps: int = 0  # of those, target forwards replayed from a CUDA graph
     draft_graph_steps: int = 0  # proposals replayed from the proposer's CUDA graphs
 
@@ -109,9 +112,11 @@ def drive(
     prompts: list[list[int]],
     params: SamplingParams,
     concurrency: int | None = None,
+    in_flight_log: list[int] | None = None,
 ) -> Iterator[tuple[int, RequestOutput]]:
     """(prompt index, output) for every output the engine returns, per ``params``'s
-    output kind. Requests still in flight when the caller stops are aborted."""
+    output kind. Requests still in flight when the caller stops are aborted.
+    ``in_flight_log`` gets the number of requests in flight at each engine step."""
     limit = len(prompts) if concurrency is None else concurrency
     index: dict[str, int] = {}
     pending = iter(enumerate(prompts))
@@ -126,6 +131,8 @@ def drive(
                 in_flight += 1
             if not engine.has_unfinished_requests():
                 return
+            if in_flight_log is not None:
+                in_flight_log.append(in_flight)
             for out in engine.step():
                 i = index.get(out.request_id)
                 if i is None:  # someone else's request sharing the engine
@@ -147,8 +154,9 @@ def generate(llm: LLM, prompts: list[list[int]], run: RunParams) -> Run:
     replays0, draft_replays0 = graph_replays(engine), draft_graph_replays(engine)
     records: list[RequestRecord | None] = [None] * len(prompts)
     synchronize(engine.runner.device)
+    in_flight: list[int] = []
     t0 = time.perf_counter()
-    for i, out in drive(engine, prompts, run.sampling(), run.concurrency):
+    for i, out in drive(engine, prompts, run.sampling(), run.concurrency, in_flight):
         if out.finished:
             records[i] = RequestRecord.from_output(out)
     synchronize(engine.runner.device)
@@ -159,6 +167,7 @@ def generate(llm: LLM, prompts: list[list[int]], run: RunParams) -> Run:
         requests=records,  # type: ignore[arg-type]
         stats=engine.spec_stats,
         engine_steps=engine.num_steps - steps0,
+        mean_in_flight=sum(in_flight) / len(in_flight) if in_flight else 0.0,
         graph_steps=graph_replays(engine) - replays0,
         draft_graph_steps=draft_graph_replays(engine) - draft_replays0,
     )

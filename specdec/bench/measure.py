@@ -78,6 +78,7 @@ class Timing:
     ttft_s: float | None
     tpot_s: float | None
     engine_steps: float = 0.0  # per run, mean
+    mean_in_flight: float = 0.0  # requests in flight per engine step, mean over runs
     graph_steps: float = 0.0  # per run, mean: target forwards replayed from a CUDA graph
     draft_graph_steps: float = 0.0  # per run, mean: proposals replayed from graphs
 
@@ -91,6 +92,7 @@ class Timing:
             ttft_s=_median([q.ttft_s for q in requests if q.ttft_s is not None]),
             tpot_s=_median([q.tpot_s for q in requests if q.tpot_s is not None]),
             engine_steps=statistics.mean(r.engine_steps for r in runs),
+            mean_in_flight=statistics.mean(r.mean_in_flight for r in runs),
             graph_steps=statistics.mean(r.graph_steps for r in runs),
             draft_graph_steps=statistics.mean(r.draft_graph_steps for r in runs),
         )

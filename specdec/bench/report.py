@@ -154,18 +154,20 @@ def markdown(report: Report) -> str:
     peers = [p for p in PEER_NAMES if any(r.peer == p for r in report.peers)]
     peer_rate = {(r.set, r.peer): r.timing.tokens_per_s for r in report.peers}
     head = (
-        "| set | proposer | batch | requests | plain tok/s | spec tok/s | speedup | τ "
+        "| set | proposer | batch | requests | in flight plain/spec | plain tok/s | spec tok/s "
+        "| speedup | τ "
         "| accept a1/a2/... | drafted | accepted | TTFT ms plain/spec | TPOT ms plain/spec "
         "| identical | coverage "
     )
     head += "".join(f"| {p} tok/s " for p in peers) + "| note |"
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     lines[-1] += "---:|" * len(peers) + "---|"
     for r in report.rows:
         plain, spec = r.plain, r.spec
         rates = "/".join(f"{a:.2f}" for a in r.acceptance_rates)
         ttft = f"{_f(plain and plain.ttft_s, 1, 1e3)}/{_f(spec and spec.ttft_s, 1, 1e3)}"
         tpot = f"{_f(plain and plain.tpot_s, 2, 1e3)}/{_f(spec and spec.tpot_s, 2, 1e3)}"
+        flight = f"{_f(plain and plain.mean_in_flight, 1)}/{_f(spec and spec.mean_in_flight, 1)}"
         same = f"{r.identical}/{r.compared}" if r.compared else ""
         coverage = "n/a" if r.vocab_coverage is None else f"{r.vocab_coverage:.3f}"
         cells = [
@@ -173,6 +175,7 @@ def markdown(report: Report) -> str:
             r.label,
             str(r.batch_size),
             str(r.num_requests or r.num_prompts),
+            flight,
             _f(plain and plain.tokens_per_s, 1),
             _f(spec and spec.tokens_per_s, 1),
             _f(r.speedup, 2),
