@@ -12,8 +12,9 @@
 #
 # Reports in $OUT: <TAG>_<run>.json per run and one archive of the tables and logs (at
 # most five files, under the device's eight). RUNS picks the runs (default "new_b1 old_b1
-# new_b16 old_b16"); RUN_S caps each bench command (default 200 s); REPEATS its timed
-# rounds (default 1).
+# new_b16 old_b16"; old_b16_shapes, not by default: the shipped head at batch 16 in chains
+# of 3 and 4 and four small trees, one engine each, ~3 min); RUN_S caps each bench command
+# (default 200 s); REPEATS its timed rounds (default 1).
 set -uo pipefail
 : "${NEW:?NEW=<new head dir>}" "${OLD:?OLD=<shipped head dir>}" "${PROMPTS:?PROMPTS=<bench set JSONLs>}"
 OUT=${OUT:-/tmp/head_ab} TAG=${TAG:-ab} RUNS=${RUNS:-new_b1 old_b1 new_b16 old_b16}
@@ -26,11 +27,13 @@ for run in $RUNS; do
     case $run in
         new_*) args=(--draft-model "$NEW") ;;
         old_*) args=(--draft-model "$OLD") ;;
-        *) echo "unknown run '$run': new_b1 old_b1 new_b16 old_b16"; continue ;;
+        *) echo "unknown run '$run': new_b1 old_b1 new_b16 old_b16 old_b16_shapes"; continue ;;
     esac
     case $run in
         *_b1) args+=(--batch-sizes 1) ;;
         *_b16) args+=(--batch-sizes 16 --waves "${WAVES:-4}") ;;
+        *_b16_shapes) args+=(--batch-sizes 16 --waves "${WAVES:-4}" --sweep-chain 3,4
+            --sweep-top-k 2,4 --sweep-depth 3,4 --sweep-total-tokens 8) ;;
     esac
     t0=$(date +%s)
     timeout "${RUN_S:-200}" specdec bench "${common[@]}" "${args[@]}" \
