@@ -85,7 +85,7 @@ class Run:
     requests, so its totals equal the sums of the per-request spec fields."""
 
     seconds: float
-    requests: list[RequestRecord]  # in prompt order
+    requests: list[RequestRecord]  # in submission order (the prompts, cycled with waves)
     stats: SpecStats = field(default_factory=SpecStats)
     engine_steps: int = 0  # engine.step() calls
     # Requests submitted and unfinished per engine step, averaged over the drive's steps: a
