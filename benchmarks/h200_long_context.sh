@@ -10,13 +10,14 @@
 #    tiles whenever the grid leaves SMs idle, so 33 tree tokens take 7 query tiles, each
 #    re-reading the whole context's K/V; one 128-row tile split 32 ways reads it once.
 # 2. Where the step's device time goes (profile_spec_trace.py): writingbench against
-#    humaneval, the tree and the chain of 3 at batches 1 and 16 (the head eager: no compile
-#    time in the call; the question is what grows with the context).
+#    humaneval, plain decoding, the tree and the chain of 3 at batches 1 and 16 (the head
+#    eager: no compile time in the call; the question is what grows with the context).
 #
 # On the GPU machine, from the repository root, after `source benchmarks/h200_setup.sh`:
 #   HEAD=/tmp/head PROMPTS=.gpu/bench_sets bash benchmarks/h200_long_context.sh
 # PARTS picks the parts (default "kernel profile"): the kernel sweep needs no model (random
-# caches), so it fits the lease's first call, before the GGUF's parts have all arrived.
+# caches), so it fits the lease's first call, before the GGUF's parts have all arrived;
+# the profile takes ~2 min a set.
 # Reports in $OUT (tree_kernel.json and the printed tables in long_context.log).
 set -uo pipefail
 PARTS=" ${PARTS:-kernel profile} "
@@ -34,8 +35,8 @@ log=$OUT/long_context.log
         : "${HEAD:?HEAD=<EAGLE-3 head dir>}" "${PROMPTS:?PROMPTS=<dir with the bench set JSONLs>}"
         for set in writingbench humaneval; do
             echo "== step profile: $set"
-            timeout "${PROFILE_S:-90}" python3 benchmarks/profile_spec_trace.py --head "$HEAD" \
-                --prompts "$PROMPTS/$set.jsonl" --shapes tree,chain3 --batch 1,16 \
+            timeout "${PROFILE_S:-120}" python3 benchmarks/profile_spec_trace.py --head "$HEAD" \
+                --prompts "$PROMPTS/$set.jsonl" --shapes plain,tree,chain3 --batch 1,16 \
                 --max-tokens 128 --max-model-len 8192 || echo "profile $set: rc=$?"
         done
     fi

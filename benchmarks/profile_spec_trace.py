@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import parse_int_list, parse_str_list, union_length
 
-SHAPES = {
+SHAPES: dict[str, dict | None] = {
+    "plain": None,  # no speculation: the decode step the speedups are measured against
     "chain2": {"num_speculative_tokens": 2},
     "chain3": {"num_speculative_tokens": 3},
     "chain5": {"num_speculative_tokens": 5},
@@ -83,9 +84,11 @@ def main() -> None:
         print(f"## {shape}: engine built in {time.perf_counter() - t0:.1f} s", flush=True)
         for batch in a.batch:
             trace = profile(llm, prompts(llm, a.prompts, batch), a.max_tokens)
-            name = f"{shape}-b{batch}-{'pipelined' if a.pipelined == 'on' else 'sync'}"
-            if a.compile_head == "on":
-                name += "-compiled" if a.compile_growth == "on" else "-regions"
+            name = f"{shape}-b{batch}"
+            if SHAPES[shape] is not None:
+                name += "-pipelined" if a.pipelined == "on" else "-sync"
+                if a.compile_head == "on":
+                    name += "-compiled" if a.compile_growth == "on" else "-regions"
             if a.trace_dir:
                 path = Path(a.trace_dir) / f"trace_{name}.json.gz"
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,14 +104,16 @@ def build(a: argparse.Namespace, shape: str):
     from specdec import LLM
     from specdec.config import SpeculativeConfig
 
-    spec = SpeculativeConfig(
-        method="eagle3",
-        model=a.head,
-        pipelined=a.pipelined == "on",
-        compile_head=a.compile_head == "on",
-        compile_growth=a.compile_growth == "on",
-        **SHAPES[shape],
-    )
+    spec = None
+    if SHAPES[shape] is not None:
+        spec = SpeculativeConfig(
+            method="eagle3",
+            model=a.head,
+            pipelined=a.pipelined == "on",
+            compile_head=a.compile_head == "on",
+            compile_growth=a.compile_growth == "on",
+            **SHAPES[shape],
+        )
     return LLM(
         a.model,
         speculative=spec,
@@ -198,7 +203,8 @@ def profile(llm, prompt_ids: list[list[int]], max_tokens: int) -> dict:
             pipeline._accept_and_stage = accept
         for obj, attr in patched:  # instance attributes shadowing the methods
             delattr(obj, attr)
-    trace["specdec"] = {"tau": engine.spec_stats.tau, "batch": len(prompt_ids)}
+    tau = engine.spec_stats.tau if engine.spec_stats.steps else None  # None: plain decoding
+    trace["specdec"] = {"tau": tau, "batch": len(prompt_ids)}
     return trace
 
 
