@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Why a speculative step costs more on long prompts (session 29: writing's spec step is
-# 1.51x its plain step at batch 16, code's 1.25x; at batch 1 the tree's step is 0.3 ms
-# dearer on writing than on code, plain decoding's 0.08 ms). One device call, ~4 min:
+# 1.51x its plain step at batch 16, code's 1.25x; at batch 1 the tree's step is 0.22 ms
+# dearer on writing than on code, plain decoding's 0.06 ms). One device call, ~6 min:
 #
 # 1. The verify attention alone (bench_tree_kernel.py) at the shapes the shipped bands
 #    launch: the t8-d6-n32 tree (q = 33) at batch 1, the chain of 3 (q = 4) and the head's
 #    7-column catch-up (q = 7) at batch 16, at 512 and 4,096 tokens of context, every tile
-#    and split configuration against the heuristic's (`*`), the decode kernel's knobs too. The heuristic runs 16-row
-#    tiles whenever the grid leaves SMs idle, so 33 tree tokens take 7 query tiles, each
-#    re-reading the whole context's K/V; one 128-row tile split 32 ways reads it once.
+#    and split configuration against the heuristic's (`*`), the decode kernel's knobs too.
+#    The heuristic runs 16-row tiles whenever the grid leaves SMs idle, so 33 tree tokens
+#    take 7 query tiles, each re-reading the whole context's K/V; one 128-row tile split 32
+#    ways reads it once.
 # 2. Where the step's device time goes (profile_spec_trace.py): writingbench against
 #    humaneval, plain decoding, the tree and the chain of 3 at batches 1 and 16 (the head
 #    eager: no compile time in the call; the question is what grows with the context).
