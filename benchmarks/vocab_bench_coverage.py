@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from specdec.bench.passes import vocab_coverage
 from specdec.models.loader import load_tokenizer
 
 
@@ -43,9 +44,8 @@ def load_t2d(path: str | Path) -> torch.Tensor:
     raise ValueError(f"no t2d tensor in {path}: pass a vocab.safetensors or a head directory")
 
 
-def outputs_by_set(bench_json: str | Path) -> dict[str, list[list[int]]]:
-    """Each set's plain greedy output ids from a ``specdec bench`` JSON."""
-    report = json.loads(Path(bench_json).read_text())
+def outputs_by_set(report: dict) -> dict[str, list[list[int]]]:
+    """Each set's plain greedy output ids from a ``specdec bench`` report."""
     return {name: [p["output_ids"] for p in s["prompts"]] for name, s in report["sets"].items()}
 
 
@@ -92,8 +92,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12, help="most frequent misses shown per set")
     a = p.parse_args()
     tokenizer = load_tokenizer(a.model)
-    sets = outputs_by_set(a.bench)
-    traces = json.loads(Path(a.bench).read_text())["traces"]  # with --analysis
+    report = json.loads(Path(a.bench).read_text())
+    sets = outputs_by_set(report)
+    traces = report["traces"]  # empty without --analysis
     rows = []
     for vocab in a.vocab:
         t2d = load_t2d(vocab)
@@ -102,7 +103,7 @@ def main() -> None:
         for name, outputs in sets.items():
             ids = [i for out in outputs for i in out]
             missed = collections.Counter(i for i in ids if not t2d[i])
-            share = 1 - sum(missed.values()) / len(ids)
+            share = vocab_coverage(t2d, outputs)  # what the bench's coverage column reports
             cells.append(f"{share:.3f}")
             top = ", ".join(f"{tokenizer.decode([i])!r} {n}" for i, n in missed.most_common(a.top))
             print(f"- {name}: {share:.3f} of {len(ids):,} tokens; missed: {top}")
@@ -110,7 +111,7 @@ def main() -> None:
         for trace in traces:
             outputs = sets[trace["set"]]
             steps, cut, extra = cut_steps(trace["steps"], outputs, t2d)
-            accepted = sum(a for prompt in trace["steps"] for _, _, a in prompt)
+            accepted = sum(n for prompt in trace["steps"] for _, _, n in prompt)
             tau = 1 + accepted / steps
             print(
                 f"- {trace['set']} {trace['label']}: {cut} of {steps} steps stopped at a token "
