@@ -129,15 +129,16 @@ def test_pipelined_steps_keep_greedy_outputs(
     assert engine.pipeline.num_launches > 0.8 * stats.steps / len(PICKED)  # mostly pipelined
     assert stats.accepted_tokens / stats.steps > 0.25  # drafts accepted: moves, catch-ups
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
-    assert not engine.proposer._states and engine._spec_in_flight is None
+    assert not engine.proposer._states and not engine._spec_in_flight
 
 
 def test_pipelined_stops_and_arrivals_keep_outputs(
     smollm2_dir, trained_head_dir, smollm2_tokenizer, chats
 ) -> None:
     """Requests stop mid-step (EOS, stop strings, max_tokens: the step in flight's work
-    for them is dropped) and new requests arrive while others decode (the pipeline drains,
-    prefills, and resumes): each output equals plain decoding's with the same params."""
+    for them is dropped) and new requests arrive while others decode (each is prefilled
+    beside the step in flight and joins the next launch, no drain): each output equals
+    plain decoding's with the same params."""
     params = [
         SamplingParams(temperature=0, max_tokens=n, stop=stop)
         for n, stop in [(40, None), (7, None), (64, ["\n"]), (33, None), (64, [". "]), (21, None)]
@@ -159,7 +160,7 @@ def test_pipelined_stops_and_arrivals_keep_outputs(
             prompt, p = pending[len(ids)]
             ids.append(engine.add_request(prompt, p))
         prev, running = engine._spec_in_flight, engine.scheduler.running
-        if prev is not None and running == prev.requests:  # _can_pipeline's shortcut
+        if prev and running == [r for launch in prev for r in launch.requests]:  # shortcut
             shortcuts += 1
             assert engine._may_pipeline(running, prev)  # still holds: skipping it is exact
         for out in engine.step():
@@ -167,6 +168,7 @@ def test_pipelined_stops_and_arrivals_keep_outputs(
                 got[out.request_id] = out.outputs[0].token_ids
     assert [got[i] for i in ids] == expected
     assert shortcuts > 0
+    assert engine.pipeline.num_arrivals == 3  # every arrival joined without a drain
     assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
 
@@ -293,6 +295,38 @@ def test_pipelined_graph_replays_keep_outputs(
     assert replayed == set(engine.proposer.shapes)  # both bands' shapes launched
     assert engine.runner.prefill_graphs.num_replays > 0  # the five prompts' prefill
     assert (compiled_calls[0] > 0) == compile_head
+
+
+def test_pipelined_arrivals_replay_graphs_and_keep_outputs(
+    smollm2_dir, trained_head_dir, chats, reference, monkeypatch
+) -> None:
+    """Six prompts through three slots on the GPU path's replays (CPU stand-ins): each
+    prompt after the first three arrives as a request finishes, is prefilled beside the
+    step in flight (a prefill graph) and joins the next launch (the whole step's graph),
+    so after the first launch every step is pipelined; plain greedy tokens."""
+    from specdec.engine import model_runner, spec_pipeline
+    from specdec.spec import tree_draft
+
+    spec = SpeculativeConfig(
+        method="eagle3", model=str(trained_head_dir), pipelined=True, num_speculative_tokens=3
+    )
+    llm = make_llm(smollm2_dir, speculative=spec, max_num_seqs=3, cuda_graph_max_batch_size=4)
+    engine = llm.engine
+    monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
+    monkeypatch.setattr(model_runner, "PrefillGraphs", EagerPrefillGraphs)
+    monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
+    monkeypatch.setattr(spec_pipeline, "SpecStepGraphs", EagerSpecStepGraphs)
+    engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
+    engine._capture_graphs()
+    lengths = [20, 36, 28, 24, 32, 16]
+    outs = llm.generate([chats[i] for i in PICKED], [greedy(n) for n in lengths], use_tqdm=False)
+    assert token_ids(outs) == [reference[i][:n] for i, n in zip(PICKED, lengths, strict=True)]
+    pipeline = engine.pipeline
+    assert pipeline.num_arrivals == 3
+    assert pipeline.graphs.num_replays == pipeline.num_launches > 0
+    # The first three prompts' prefill and first drafts ran synchronously; nothing since.
+    assert engine.num_steps - pipeline.num_launches == 2
+    assert engine.runner.prefill_graphs.num_replays > 0
 
 
 def test_pipelining_is_off_by_default_on_cpu(smollm2_dir, trained_head_dir) -> None:
@@ -431,7 +465,7 @@ def test_pipelined_spec_exit_cuts_as_the_synchronous_step(
         assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
         if pipelined:
             assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0
-            assert not engine.proposer._states and engine._spec_in_flight is None
+            assert not engine.proposer._states and not engine._spec_in_flight
     assert outputs[True] == outputs[False]
     for i, k in enumerate(cuts):
         check_exit(plain, prompts[i], outputs[True][i], expected[i], k, end=CLOSE_IDS)

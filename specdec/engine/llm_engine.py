@@ -29,7 +29,7 @@ from specdec.engine.kv_cache_manager import KVCacheManager, cdiv
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.request import Request, RequestStatus
 from specdec.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
-from specdec.engine.scheduler import Scheduler
+from specdec.engine.scheduler import ScheduledRequest, Scheduler
 from specdec.engine.seeded_stream import SeededStream
 from specdec.engine.spec_pipeline import SpecLaunch, SpecPipeline
 from specdec.engine.staging import to_device, to_host
@@ -126,7 +126,8 @@ class LLMEngine:
                 pipelined = self.runner.runtime.use_cuda_graphs
             if pipelined:
                 self.pipeline = SpecPipeline(self.runner, self.proposer)
-        self._spec_in_flight: SpecLaunch | None = None
+        # The launches in flight: a step, then arrivals' prefills (SpecPipeline.arrive).
+        self._spec_in_flight: list[SpecLaunch] = []
         self._capture_graphs()
         self.async_scheduling = self.config.async_scheduling
         if self.async_scheduling is None:  # auto: where the device runs ahead of the host
@@ -286,7 +287,7 @@ class LLMEngine:
         return (
             self.scheduler.has_unfinished()
             or self._in_flight is not None
-            or self._spec_in_flight is not None
+            or bool(self._spec_in_flight)
         )
 
     @property
@@ -303,9 +304,9 @@ class LLMEngine:
         if self.pipeline is not None:
             if self._can_pipeline():
                 return self._step_pipelined()
-            if self._spec_in_flight is not None:  # the next step needs every token read
-                done, self._spec_in_flight = self._spec_in_flight, None
-                return self._finish_spec(done)
+            if self._spec_in_flight:  # the next step needs every token read
+                done, self._spec_in_flight = self._spec_in_flight, []
+                return self._finish_specs(done)
         if self.async_scheduling and not self._speculates_next():
             return self._step_async()
         if self._in_flight is not None:  # speculation needs every sampled token on the host
@@ -381,25 +382,34 @@ class LLMEngine:
 
     # ---- pipelined speculative steps ---------------------------------------------------
     def _can_pipeline(self) -> bool:
-        """Whether the next step can be pipelined (spec_pipeline.py): nothing waits, every
-        running request decodes greedily with drafts (no prefill chunk, no pending plain
-        or forced token), continues the step in flight (or, with none, can start from
-        the host state), and the worst-case slots of two steps fit its context and the
-        free blocks, so scheduling preempts nobody."""
+        """Whether the next step can be pipelined (spec_pipeline.py): every running
+        request decodes greedily with drafts (no prefill chunk, no pending plain or
+        forced token), continues a launch in flight (or, with none, can start from the
+        host state), and the worst-case slots of two steps fit its context and the free
+        blocks, so scheduling preempts nobody; the request first in line, if any, can
+        join as an arrival (``_joins_pipeline``)."""
         scheduler = self.scheduler
         running = scheduler.running
-        if scheduler.num_waiting or not running:
+        if not running:
             return False
         limit = self.config.speculative.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return False
-        if len(running) > scheduler.config.max_num_batched_tokens:
+        budget = scheduler.config.max_num_batched_tokens - len(running)
+        if budget < 0:
             return False
+        if scheduler.num_waiting:
+            first = scheduler.waiting[0]
+            # Its whole prompt next to the decodes (a prefix-cache hit may need less).
+            if first.num_tokens > budget or not self._joins_pipeline(first):
+                return False
         prev = self._spec_in_flight
         # What cannot change for a request after a launch (greedy, drafting, min_tokens
-        # reached) was checked when its step in flight launched: only a batch that is not
-        # exactly the step in flight's rows needs those checks again.
-        if (prev is None or running != prev.requests) and not self._may_pipeline(running, prev):
+        # reached) was checked when its launch in flight did: only a batch that is not
+        # exactly the launches' rows needs those checks again.
+        if (
+            not prev or running != [r for launch in prev for r in launch.requests]
+        ) and not self._may_pipeline(running, prev):
             return False
         reserve = 1 + self.lookahead + self.pipeline.extra_lookahead
         bs, needed = self.block_size, 0
@@ -414,11 +424,11 @@ class LLMEngine:
             needed += max(0, cdiv(computed + reserve, bs) - len(request.block_ids))
         return needed <= self.kv_manager.pool.num_free_blocks
 
-    def _may_pipeline(self, requests: list[Request], prev: SpecLaunch | None) -> bool:
+    def _may_pipeline(self, requests: list[Request], prev: list[SpecLaunch]) -> bool:
         """``_can_pipeline``'s checks that hold for a request from its first pipelined
-        launch on: greedy with drafts (min_tokens reached), and continuing the step in
+        launch on: greedy with drafts (min_tokens reached), and continuing a launch in
         flight or, with none, ready to start from the host state."""
-        in_flight = {r.request_id for r in prev.requests} if prev is not None else None
+        in_flight = {r.request_id for launch in prev for r in launch.requests} if prev else None
         for request in requests:
             if not request.sampling_params.is_greedy or _decodes_plainly(request):
                 return False
@@ -429,17 +439,57 @@ class LLMEngine:
                 return False
         return True
 
+    def _joins_pipeline(self, request: Request) -> bool:
+        """Whether a waiting request can be admitted as a pipelined arrival
+        (``SpecPipeline.arrive``): new (not recomputed after preemption), greedy with
+        drafts from its first token, and not opted into SpecExit (whose cut is judged per
+        read step with the tree's signals)."""
+        return (
+            request.status is RequestStatus.WAITING
+            and request.sampling_params.is_greedy
+            and not _decodes_plainly(request)
+            and self._states[request.request_id].spec_exit is None
+        )
+
     def _step_pipelined(self) -> list[RequestOutput]:
-        """Launch speculative step N+1 from step N's device outcome, then read N and update
-        its requests while the device runs N+1."""
-        sched = self.scheduler.schedule(self.lookahead + self.pipeline.extra_lookahead)
-        requests = [s.request for s in sched.scheduled]
-        if sched.preempted or len(requests) != self.scheduler.num_running:
+        """Launch speculative step N+1 from the device outcomes in flight (step N and the
+        arrivals prefilled with it), prefill the requests arriving now beside it, then
+        read what was in flight and update its requests while the device runs N+1."""
+        scheduler = self.scheduler
+        num_running = scheduler.num_running
+        sched = scheduler.schedule(
+            self.lookahead + self.pipeline.extra_lookahead,
+            admit_whole=self._joins_pipeline if scheduler.num_waiting else None,
+        )
+        requests = [s.request for s in sched.scheduled[:num_running]]
+        if sched.preempted or len(requests) != num_running:
             raise RuntimeError("a pipelined step must schedule every running request")
-        launched = self.pipeline.launch(requests, self._spec_in_flight)
+        launches = [self.pipeline.launch(requests, self._spec_in_flight)]
+        if arrivals := sched.scheduled[num_running:]:
+            launches.append(self._arrive(arrivals))
         self.num_steps += 1
-        done, self._spec_in_flight = self._spec_in_flight, launched
-        return self._finish_spec(done) if done is not None else []
+        done, self._spec_in_flight = self._spec_in_flight, launches
+        return self._finish_specs(done)
+
+    def _arrive(self, arrivals: list[ScheduledRequest]) -> SpecLaunch:
+        """Prefill the arrivals' whole prompts (a step's prefill, graphs where they fit),
+        pick each first token on the device and start the head over the prompt; the
+        engine then holds each request one step behind, at its prompt's last token."""
+        starts = [s.request.num_computed_tokens for s in arrivals]
+        inputs = self.runner.prepare(arrivals)
+        logits, aux = self.runner.execute(inputs)  # [n, vocab]: each prompt's last row
+        if len(inputs.sampled_rows) != len(arrivals):
+            raise RuntimeError("a pipelined arrival must prefill its whole prompt")
+        self._observe(arrivals, inputs, starts, {}, aux)
+        requests = [s.request for s in arrivals]
+        for s in arrivals:
+            s.request.num_computed_tokens += s.num_new_tokens - 1
+        first = logits.argmax(dim=-1)  # greedy (_joins_pipeline), min_tokens reached
+        return self.pipeline.arrive(requests, first, self.proposer.start_pipelined(requests))
+
+    def _finish_specs(self, done: list[SpecLaunch]) -> list[RequestOutput]:
+        """``_finish_spec`` of each launch read (a request is a row of one of them)."""
+        return [out for launch in done for out in self._finish_spec(launch)]
 
     def _finish_spec(self, done: SpecLaunch) -> list[RequestOutput]:
         """Append a pipelined step's tokens (its host sync); each request's computed tokens
@@ -457,9 +507,11 @@ class LLMEngine:
                     state.stale_launch = None
                 continue
             num_accepted = len(tokens) - 1
-            counted = self._counted_as_synchronous(
-                request, done.num_draft_tokens, done.depth, num_accepted
-            )
+            counted = None
+            if done.num_draft_tokens:  # an arrival's prefill drafted nothing: not a step
+                counted = self._counted_as_synchronous(
+                    request, done.num_draft_tokens, done.depth, num_accepted
+                )
             if counted is not None:
                 self.spec_stats.record(*counted)
                 state.spec_stats.record(*counted)
@@ -469,10 +521,12 @@ class LLMEngine:
             if cut is not None:
                 tokens = [*tokens[: cut.keep], *cut.tokens]
                 num_accepted = min(num_accepted, cut.keep)  # the bonus has no K/V yet
-                state.stale_launch = self._spec_in_flight
+                state.stale_launch = self._spec_in_flight[0]  # the step launched since
             root = request.num_computed_tokens  # one step behind: this step's root
             request.num_computed_tokens = root + 1 + num_accepted
-            self.proposer.resume(request, root, done.state.aux, row, num_accepted + 1)
+            self.proposer.resume(
+                request, root, done.state.aux, done.state_row(row), num_accepted + 1
+            )
             for token_id in tokens:
                 self._append_token(state, token_id, None, now)
                 if request.is_finished:

@@ -12,6 +12,7 @@ produced, so nothing is lost or repeated.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.config import SchedulerConfig
@@ -97,9 +98,15 @@ class Scheduler:
         )
 
     # ---- the step ---------------------------------------------------------------------
-    def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
+    def schedule(
+        self,
+        num_lookahead_tokens: int = 0,
+        admit_whole: Callable[[Request], bool] | None = None,
+    ) -> SchedulerOutput:
         """Pick this step's work. ``num_lookahead_tokens`` reserves slots for draft tokens
-        (speculation) on requests that are decoding."""
+        (speculation) on requests that are decoding. ``admit_whole``: admit only waiting
+        requests it accepts, each with its whole prompt (no chunk), stopping at the first
+        that fails either (a pipelined speculative step's arrivals)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # This loop runs once per running request and step, so it reads each request's
@@ -154,6 +161,10 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(request)
             num_cached = len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
+            if admit_whole is not None and (
+                num_new < request.num_tokens - num_cached or not admit_whole(request)
+            ):
+                break
             if not self.kv.allocate_slots(request, num_new, computed_blocks=computed):
                 break
             self.waiting.popleft()

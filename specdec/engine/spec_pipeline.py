@@ -31,9 +31,18 @@ through the delimiter and forces the think-end marker; the request's row of N+1 
 from the uncut outcome) is dropped when read, like a stopped request's, and the forced
 tokens make the next step synchronous.
 
+Arrivals join without a drain (``SpecPipeline.arrive``): a waiting greedy request whose
+prompt fits one step is prefilled right after the step is launched, its first token picked
+on the device, and the head runs over its prompt; the prefill then counts as the
+request's step in flight, with root the prompt's last token and nothing accepted (its
+catch-up state in a row of the arrivals' region, read back with the main step). The next
+launch takes it like any other row. Without this every arrival cost a read of the step in
+flight and two synchronous steps (the prefill, then the first draft from the prompt), and
+at batch 16 with requests arriving as others finish about a quarter of all steps ran so.
+
 Greedy requests of an EAGLE-3-style proposer only (``Proposer.pipelines``): sampled
-acceptance, logprobs, prefills, forced tokens and admissions run the synchronous step,
-after the step in flight is read (``LLMEngine`` decides per step).
+acceptance, logprobs, chunked prefills, forced tokens and SpecExit's admissions run the
+synchronous step, after the steps in flight are read (``LLMEngine`` decides per step).
 """
 
 from __future__ import annotations
@@ -101,10 +110,11 @@ class CatchUpState:
 
 @dataclass
 class SpecLaunch:
-    """A launched speculative step whose outcome the host has not read. Row ``b`` is
-    ``requests[b]``; the pipeline's ``CatchUpState`` rows hold its device outcome until
-    the next launch (``state.aux[b, : accepted + 1]``: the aux rows the proposer resumes
-    from), the host copy feeds ``read`` and ``exit_signals``."""
+    """A launched speculative step (or arrivals' prefill: ``depth == 0``, nothing
+    drafted) whose outcome the host has not read. Host row ``b`` is ``requests[b]``; the
+    pipeline's ``CatchUpState`` row ``state_rows[b]`` holds its device outcome until the
+    row is written again (``state.aux[state_rows[b], : accepted + 1]``: the aux rows the
+    proposer resumes from), the host copy feeds ``read`` and ``exit_signals``."""
 
     requests: list[Request]
     num_draft_tokens: int  # per tree (all trees have one shape: the step's band)
@@ -114,7 +124,12 @@ class SpecLaunch:
     # tree's SpecExit signals as float32 bit patterns (``pack_signals``).
     _host: HostCopy
     num_signals: int = 0
+    state_rows: list[int] | None = None  # None: rows 0 .. batch (a step's outcome rows)
     _rows: list[list[int]] | None = None
+
+    def state_row(self, b: int) -> int:
+        """The catch-up state row of host row ``b``."""
+        return b if self.state_rows is None else self.state_rows[b]
 
     def _read(self) -> list[list[int]]:
         if self._rows is None:  # the pinned buffer is reused later: read it once
@@ -209,12 +224,18 @@ class SpecPipeline:
         # depth + 1 tokens before this one's tree starts.
         self.extra_lookahead = proposer.catch_up_width
         self.rows = runner.config.scheduler.max_num_seqs
-        # One more state row, never written and so all zeros: what a graph's padding rows
-        # take (no tokens, a catch-up from cache index 0 through a null block table).
+        # State rows: a step's outcome in 0 .. rows; then one row never written and so all
+        # zeros, what a graph's padding rows take (no tokens, a catch-up from cache index
+        # 0 through a null block table); then the arrivals' region, used round-robin
+        # (``arrive``): a step of at most ``rows`` requests never writes it, and a row is
+        # reused only ``rows`` arrivals later, after the launch that took it.
         self.pad_row = self.rows
+        self.arrivals_at = self.rows + 1
+        self._next_arrival = 0
+        self.num_arrivals = 0
         aux_width = len(proposer.aux_layer_ids) * runner.model_config.hidden_size
         self.state = CatchUpState.zeros(
-            self.rows + 1, proposer.catch_up_width, aux_width, runner.dtype, runner.device
+            2 * self.rows + 1, proposer.catch_up_width, aux_width, runner.dtype, runner.device
         )
         # [max q] int64: node i of a tree sits at cache index root + i.
         q = max(s.max_draft_tokens for s in proposer.shapes) + 1
@@ -242,19 +263,24 @@ class SpecPipeline:
         self.graphs = SpecStepGraphs(self, batch_sizes)
 
     @torch.inference_mode()
-    def launch(self, requests: list[Request], prev: SpecLaunch | None) -> SpecLaunch:
+    def launch(self, requests: list[Request], prev: list[SpecLaunch]) -> SpecLaunch:
         """Draft, verify and accept one step for ``requests`` (all decoding, greedy) without
-        reading anything back. ``prev``: the step in flight; every request is then one of
-        its rows and continues from its device outcome, else all start from the host
-        state (``Proposer.pipeline_inputs``)."""
+        reading anything back. ``prev``: the launches in flight (a step, arrivals'
+        prefills); every request is then a row of one of them and continues from its
+        device outcome. With none, all start from the host state
+        (``Proposer.pipeline_inputs``)."""
         runner = self.runner
         b = len(requests)
         shape = self.proposer.shape_at(b)  # the step's band
-        if prev is None:
+        if not prev:
             self.state.put(CatchUpState(*self.proposer.pipeline_inputs(requests).root_state))
             src = list(range(b))
         else:
-            rows = {r.request_id: i for i, r in enumerate(prev.requests)}
+            rows = {
+                r.request_id: launch.state_row(i)
+                for launch in prev
+                for i, r in enumerate(launch.requests)
+            }
             src = [rows[r.request_id] for r in requests]
         tables = self.block_tables.update([r.block_ids for r in requests])
         graphs = self.graphs
@@ -276,6 +302,45 @@ class SpecPipeline:
             state=self.state,
             _host=to_host(packed),
             num_signals=packed.shape[1] - (shape.depth + 2),  # what pack_signals appended
+        )
+
+    @torch.inference_mode()
+    def arrive(
+        self,
+        requests: list[Request],
+        first_tokens: torch.Tensor,  # [n] int64: each prompt's next token, picked on device
+        aux: torch.Tensor,  # [n, aux width]: the target's aux states at each prompt's end
+    ) -> SpecLaunch:
+        """Arrivals' prefills as launches in flight: request ``i``'s prompt ends at cache
+        index ``r = num_computed_tokens`` (the engine holds it one step behind, as for a
+        step: the prompt's last token is the root, nothing accepted, the first token the
+        bonus), so its catch-up state row gets token ``first_tokens[i]``, aux ``aux[i]``,
+        ``last = 0`` and ``start = r``: the next launch catches the head up there and
+        drafts from the first token. The head's K/V below ``r`` is the caller's
+        (``Eagle3Proposer.start_pipelined``). Device ops only; nothing is read back."""
+        n = len(requests)
+        rows = [self.arrivals_at + (self._next_arrival + i) % self.rows for i in range(n)]
+        self._next_arrival = (self._next_arrival + n) % self.rows
+        self.num_arrivals += n
+        device = first_tokens.device
+        staged = to_device(
+            np.array([rows, [r.num_computed_tokens for r in requests]], dtype=np.int64), device
+        )
+        index, roots = staged[0], staged[1]
+        state = self.state
+        state.tokens[index, 0] = first_tokens
+        state.aux[index, 0] = aux.to(state.aux.dtype)
+        state.last[index] = 0
+        state.start[index] = roots
+        # The read-back row as a step's: nothing accepted, then the emitted token.
+        packed = torch.stack([torch.zeros_like(first_tokens), first_tokens], dim=1)
+        return SpecLaunch(
+            requests=list(requests),
+            num_draft_tokens=0,
+            depth=0,
+            state=state,
+            _host=to_host(packed),
+            state_rows=rows,
         )
 
     def _step(

@@ -221,6 +221,32 @@ class Eagle3Proposer(Proposer):
         spans, aux = self._take_catch_ups(group)
         return self._padded_inputs(group, spans, aux)
 
+    @torch.inference_mode()
+    def start_pipelined(self, requests: Sequence[Request]) -> torch.Tensor:
+        """Arrivals joining the pipeline (``SpecPipeline.arrive``), right after the prefill
+        that ``observe``d each prompt through its last index ``r``: the head's K/V at
+        positions ``head_computed .. r - 1`` (one varlen forward; their tokens are the
+        prompt's), leaving position ``r`` to the first pipelined step's catch-up, whose
+        token (the first output) is still on the device. Returns the aux rows at each
+        ``r`` [n, aux width]; the head counts positions below ``r`` as computed, as the
+        engine does until it reads the first token (``resume`` then)."""
+        chunks: list[Chunk] = []
+        fused: list[torch.Tensor] = []
+        last: list[torch.Tensor] = []
+        for request in requests:
+            state = self._states[request.request_id]
+            start = state.head_computed
+            aux = torch.cat(state.take_rows())  # [r + 1 - start, aux width]
+            end = start + aux.shape[0] - 1  # r: the prompt's last index
+            if end > start:
+                chunks.append(Chunk(request, start, request.token_ids(start + 1, end + 1)))
+                fused.append(aux[:-1])
+            last.append(aux[-1])
+            state.head_computed, state.pending, state.resumed = end, [], None
+        if chunks:
+            self._forward(chunks, self.head.fuse(torch.cat(fused)))
+        return torch.stack(last)
+
     def grow_pipelined(
         self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int, captured: bool = False
     ) -> TreeBatch:

@@ -77,8 +77,8 @@ class Proposer(ABC):
     spec_exit_defaults: dict[str, Any] | None = None
 
     # Whether this proposer runs pipelined speculative steps (engine/spec_pipeline.py):
-    # it then has ``pipeline_ready``, ``pipeline_inputs``, ``grow_pipelined`` and
-    # ``resume`` (Eagle3Proposer).
+    # it then has ``pipeline_ready``, ``pipeline_inputs``, ``grow_pipelined``,
+    # ``start_pipelined`` and ``resume`` (Eagle3Proposer).
     pipelines: ClassVar[bool] = False
     # Whether the growth its captured graphs run is one compiled region
     # (``SpeculativeConfig.compile_growth``); a pipeline then compiles its own draft
