@@ -121,6 +121,41 @@ def test_chunked_prefill_respects_budget_and_decodes_go_first():
     ]
 
 
+def test_admit_whole_admits_whole_prompts_in_order_until_one_is_refused():
+    """``admit_whole`` (a pipelined step's arrivals): waiting requests start only with
+    their whole prompt and only while the predicate accepts them; the first refusal (or
+    a prompt the budget would chunk) stops admission, leaving the queue's order intact
+    and nothing allocated for the refused."""
+    pool = BlockPool(200)
+    sched = Scheduler(SchedulerConfig(8, 24), KVCacheManager(pool, 4), 10_000)
+    running = make_request(0, list(range(5)), 10)
+    sched.add_request(running)
+    sched.schedule()
+    running.num_computed_tokens = 5
+    running.output_token_ids.append(7)
+    # Distinct prompts: no prefix-cache hits.
+    ok, refused, after = (make_request(i, list(range(100 * i, 100 * i + 6)), 3) for i in (1, 2, 3))
+    for r in (ok, refused, after):
+        sched.add_request(r)
+    out = sched.schedule(admit_whole=lambda r: r is not refused)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("0", 1),
+        ("1", 6),
+    ]
+    assert list(sched.waiting) == [refused, after] and refused.block_ids == []
+    for s in out.scheduled:  # both computed; each samples a token
+        s.request.num_computed_tokens += s.num_new_tokens
+        s.request.output_token_ids.append(7)
+    sched.waiting.clear()
+    long = make_request(4, list(range(400, 430)), 3)  # 30 tokens > the 22 left
+    sched.add_request(long)
+    out = sched.schedule(admit_whole=lambda r: True)
+    assert [s.request.request_id for s in out.scheduled] == ["0", "1"]
+    assert list(sched.waiting) == [long] and long.block_ids == []
+    out = sched.schedule()  # without it the prompt is chunked to the budget
+    assert ("4", 22) in [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
 def test_prefix_cache_hits_shared_system_prompt():
     system = list(range(1, 33))  # 8 full blocks of 4
     pool = BlockPool(100)
