@@ -168,7 +168,9 @@ def test_pipelined_stops_and_arrivals_keep_outputs(
                 got[out.request_id] = out.outputs[0].token_ids
     assert [got[i] for i in ids] == expected
     assert shortcuts > 0
-    assert engine.pipeline.num_arrivals == 3  # every arrival joined without a drain
+    # Every request arrived into the pipeline (the first three together, the rest while
+    # others decode): no drain.
+    assert engine.pipeline.num_arrivals == 6
     assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
 
@@ -287,10 +289,12 @@ def test_pipelined_graph_replays_keep_outputs(
     assert token_ids(outs) == [reference[i][:n] for i, n in zip(picked, lengths, strict=True)]
     q = engine.proposer.shape_at(len(picked)).max_draft_tokens + 1
     assert engine.pipeline.num_launches > 0
-    # Every launch replayed the whole step's graph; the synchronous steps after each
-    # prefill replayed the verify graphs.
+    # Every launch replayed the whole step's graph; the prompts arrived into the pipeline
+    # (a step of their own, the one step without a launch), so no synchronous verify
+    # step replayed the runner's verify graphs.
     assert engine.pipeline.graphs.num_replays == engine.pipeline.num_launches
-    assert engine.runner.graphs.num_replays.get(q, 0) > 0
+    assert engine.num_steps - engine.pipeline.num_launches == 1
+    assert engine.runner.graphs.num_replays.get(q, 0) == 0
     replayed = {shape for shape, _ in engine.pipeline.graphs.replayed}
     assert replayed == set(engine.proposer.shapes)  # both bands' shapes launched
     assert engine.runner.prefill_graphs.num_replays > 0  # the five prompts' prefill
@@ -300,10 +304,10 @@ def test_pipelined_graph_replays_keep_outputs(
 def test_pipelined_arrivals_replay_graphs_and_keep_outputs(
     smollm2_dir, trained_head_dir, chats, reference, monkeypatch
 ) -> None:
-    """Six prompts through three slots on the GPU path's replays (CPU stand-ins): each
-    prompt after the first three arrives as a request finishes, is prefilled beside the
-    step in flight (a prefill graph) and joins the next launch (the whole step's graph),
-    so after the first launch every step is pipelined; plain greedy tokens."""
+    """Six prompts through three slots on the GPU path's replays (CPU stand-ins): the
+    first three are prefilled in a step of their own, each later one as a request
+    finishes, beside the step in flight (a prefill graph); all join the next launch (the
+    whole step's graph), so no step is synchronous; plain greedy tokens."""
     from specdec.engine import model_runner, spec_pipeline
     from specdec.spec import tree_draft
 
@@ -322,10 +326,10 @@ def test_pipelined_arrivals_replay_graphs_and_keep_outputs(
     outs = llm.generate([chats[i] for i in PICKED], [greedy(n) for n in lengths], use_tqdm=False)
     assert token_ids(outs) == [reference[i][:n] for i, n in zip(PICKED, lengths, strict=True)]
     pipeline = engine.pipeline
-    assert pipeline.num_arrivals == 3
+    assert pipeline.num_arrivals == 6
     assert pipeline.graphs.num_replays == pipeline.num_launches > 0
-    # The first three prompts' prefill and first drafts ran synchronously; nothing since.
-    assert engine.num_steps - pipeline.num_launches == 2
+    # Only the first step, the first three prompts' prefill, launched no step.
+    assert engine.num_steps - pipeline.num_launches == 1
     assert engine.runner.prefill_graphs.num_replays > 0
 
 

@@ -387,10 +387,11 @@ class LLMEngine:
         forced token), continues a launch in flight (or, with none, can start from the
         host state), and the worst-case slots of two steps fit its context and the free
         blocks, so scheduling preempts nobody; the request first in line, if any, can
-        join as an arrival (``_joins_pipeline``)."""
+        join as an arrival (``_joins_pipeline``). With nothing running, arrivals alone
+        start the pipeline."""
         scheduler = self.scheduler
         running = scheduler.running
-        if not running:
+        if not running and not scheduler.num_waiting:
             return False
         limit = self.config.speculative.disable_by_batch_size
         if limit is not None and len(running) > limit:
@@ -453,8 +454,9 @@ class LLMEngine:
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Launch speculative step N+1 from the device outcomes in flight (step N and the
-        arrivals prefilled with it), prefill the requests arriving now beside it, then
-        read what was in flight and update its requests while the device runs N+1."""
+        arrivals prefilled with it), prefill the requests arriving now beside it (with
+        nothing running, only them), then read what was in flight and update its
+        requests while the device runs N+1."""
         scheduler = self.scheduler
         num_running = scheduler.num_running
         sched = scheduler.schedule(
@@ -464,7 +466,7 @@ class LLMEngine:
         requests = [s.request for s in sched.scheduled[:num_running]]
         if sched.preempted or len(requests) != num_running:
             raise RuntimeError("a pipelined step must schedule every running request")
-        launches = [self.pipeline.launch(requests, self._spec_in_flight)]
+        launches = [self.pipeline.launch(requests, self._spec_in_flight)] if requests else []
         if arrivals := sched.scheduled[num_running:]:
             launches.append(self._arrive(arrivals))
         self.num_steps += 1
@@ -521,7 +523,10 @@ class LLMEngine:
             if cut is not None:
                 tokens = [*tokens[: cut.keep], *cut.tokens]
                 num_accepted = min(num_accepted, cut.keep)  # the bonus has no K/V yet
-                state.stale_launch = self._spec_in_flight[0]  # the step launched since
+                # The launch since, which holds the request's next row.
+                state.stale_launch = next(
+                    launch for launch in self._spec_in_flight if request in launch.requests
+                )
             root = request.num_computed_tokens  # one step behind: this step's root
             request.num_computed_tokens = root + 1 + num_accepted
             self.proposer.resume(

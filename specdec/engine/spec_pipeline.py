@@ -36,8 +36,9 @@ prompt fits one step is prefilled right after the step is launched, its first to
 on the device, and the head runs over its prompt; the prefill then counts as the
 request's step in flight, with root the prompt's last token and nothing accepted (its
 catch-up state in a row of the arrivals' region, read back with the main step). The next
-launch takes it like any other row. Without this every arrival cost a read of the step in
-flight and two synchronous steps (the prefill, then the first draft from the prompt), and
+launch takes it like any other row; with nothing running, arrivals alone start the
+pipeline. Without this every arrival cost a read of the step in flight and two
+synchronous steps (the prefill, then the first draft from the prompt), and
 at batch 16 with requests arriving as others finish about a quarter of all steps ran so.
 
 Greedy requests of an EAGLE-3-style proposer only (``Proposer.pipelines``): sampled
