@@ -523,9 +523,11 @@ class LLMEngine:
             if cut is not None:
                 tokens = [*tokens[: cut.keep], *cut.tokens]
                 num_accepted = min(num_accepted, cut.keep)  # the bonus has no K/V yet
-                # The launch since, which holds the request's next row.
+                # The launch since, which holds the request's next row (none when the
+                # launches in flight are being drained).
                 state.stale_launch = next(
-                    launch for launch in self._spec_in_flight if request in launch.requests
+                    (launch for launch in self._spec_in_flight if request in launch.requests),
+                    None,
                 )
             root = request.num_computed_tokens  # one step behind: this step's root
             request.num_computed_tokens = root + 1 + num_accepted
