@@ -19,6 +19,9 @@
 # PARTS picks the parts (default "kernel profile"): the kernel sweep needs no model (random
 # caches), so it fits the lease's first call, before the GGUF's parts have all arrived;
 # the profile takes ~2 min a set.
+# CONTEXTS (default 512,4096): session 30 found 128-key tiles with 3 stages 20% faster at
+# batch 1 and 4,096 tokens and 15% slower at 512; `CONTEXTS=1024,2048 BATCH_SIZES=1`
+# finds where a rule by context length should switch (~45 s for two contexts).
 # Reports in $OUT (tree_kernel.json and the printed tables in long_context.log).
 set -uo pipefail
 PARTS=" ${PARTS:-kernel profile} "
@@ -28,8 +31,8 @@ log=$OUT/long_context.log
 {
     if [[ $PARTS == *" kernel "* ]]; then
         echo "== verify attention (bench_tree_kernel.py)"
-        timeout "${KERNEL_S:-200}" python3 benchmarks/bench_tree_kernel.py --batch-sizes 1,16 \
-            --contexts 512,4096 --q 4,7,33 --json "$OUT/tree_kernel.json" \
+        timeout "${KERNEL_S:-200}" python3 benchmarks/bench_tree_kernel.py --batch-sizes "${BATCH_SIZES:-1,16}" \
+            --contexts "${CONTEXTS:-512,4096}" --q 4,7,33 --json "$OUT/tree_kernel.json" \
             | grep -v "^| " || echo "kernel sweep: rc=$?"
     fi
     if [[ $PARTS == *" profile "* ]]; then

@@ -175,6 +175,23 @@ def test_pipelined_stops_and_arrivals_keep_outputs(
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
 
 
+def test_pipelined_arrival_on_a_cached_prompt_keeps_outputs(
+    smollm2_dir, trained_head_dir, chats, reference
+) -> None:
+    """One slot, the same prompt three times: each request arrives into an empty pipeline
+    once the previous one finished, its prompt in the prefix cache but the last token,
+    so its prefill computes one token and the head resumes from the cached blocks (the
+    first's K/V): every output equals plain decoding, and all three arrived pipelined."""
+    llm = _pipelined(smollm2_dir, trained_head_dir, {"num_speculative_tokens": 3}, max_num_seqs=1)
+    engine = llm.engine
+    prompt = chats[PICKED[1]]
+    outs = llm.generate([prompt] * 3, greedy(24), use_tqdm=False)
+    assert token_ids(outs) == [reference[PICKED[1]][:24]] * 3
+    assert engine.pipeline.num_arrivals == 3
+    assert outs[2].metrics.num_cached_tokens >= len(prompt) - engine.block_size
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
+
+
 def test_pipelined_steps_count_as_synchronous_ones(smollm2_dir, trained_head_dir, chats) -> None:
     """Near max_tokens a pipelined step has drafted a full chain before its request's
     length is known; it is counted as the synchronous step would count it (drafts capped
