@@ -318,7 +318,8 @@ class SpecPipeline:
         bonus), so its catch-up state row gets token ``first_tokens[i]``, aux ``aux[i]``,
         ``last = 0`` and ``start = r``: the next launch catches the head up there and
         drafts from the first token. The head's K/V below ``r`` is the caller's
-        (``Eagle3Proposer.start_pipelined``). Device ops only; nothing is read back."""
+        (``Eagle3Proposer.start_pipelined``). Device ops and a queued read-back: no host
+        sync."""
         n = len(requests)
         rows = [self.arrivals_at + (self._next_arrival + i) % self.rows for i in range(n)]
         self._next_arrival = (self._next_arrival + n) % self.rows
