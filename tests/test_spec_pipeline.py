@@ -101,6 +101,20 @@ def test_uniform_greedy_acceptance_equals_the_host_walk(q: int) -> None:
         assert int(got.bonus_token_ids[b]) == r.bonus_token_id
 
 
+def _use_graph_stand_ins(engine, monkeypatch) -> None:
+    """The GPU path's CUDA graphs with CPU stand-ins (captured by ``engine._capture_graphs``
+    after this): verify, prefill, growth and whole-step graphs run eagerly from their
+    static buffers."""
+    from specdec.engine import model_runner, spec_pipeline
+    from specdec.spec import tree_draft
+
+    monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
+    monkeypatch.setattr(model_runner, "PrefillGraphs", EagerPrefillGraphs)
+    monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
+    monkeypatch.setattr(spec_pipeline, "SpecStepGraphs", EagerSpecStepGraphs)
+    engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
+
+
 def _pipelined(smollm2_dir, head_dir, tree: dict, **kwargs):
     spec = SpeculativeConfig(method="eagle3", model=str(head_dir), pipelined=True, **tree)
     return make_llm(smollm2_dir, speculative=spec, **kwargs)
@@ -262,8 +276,6 @@ def test_pipelined_graph_replays_keep_outputs(
     whole draft side as one region without a graph break; chains whose length follows
     the batch size) with CPU stand-ins: plain greedy tokens."""
     from specdec.attention.custom_op import OpaqueAttention
-    from specdec.engine import model_runner, spec_pipeline
-    from specdec.spec import tree_draft
 
     spec = SpeculativeConfig(
         method="eagle3",
@@ -275,11 +287,7 @@ def test_pipelined_graph_replays_keep_outputs(
     )
     llm = make_llm(smollm2_dir, speculative=spec, max_num_seqs=8, cuda_graph_max_batch_size=8)
     engine = llm.engine
-    monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
-    monkeypatch.setattr(model_runner, "PrefillGraphs", EagerPrefillGraphs)
-    monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
-    monkeypatch.setattr(spec_pipeline, "SpecStepGraphs", EagerSpecStepGraphs)
-    engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
+    _use_graph_stand_ins(engine, monkeypatch)
     compiled_calls = [0]
     if compile_head:  # the compiled regions, traced by dynamo without code generation
         real_compile = torch.compile
@@ -325,19 +333,12 @@ def test_pipelined_arrivals_replay_graphs_and_keep_outputs(
     first three are prefilled in a step of their own, each later one as a request
     finishes, beside the step in flight (a prefill graph); all join the next launch (the
     whole step's graph), so no step is synchronous; plain greedy tokens."""
-    from specdec.engine import model_runner, spec_pipeline
-    from specdec.spec import tree_draft
-
     spec = SpeculativeConfig(
         method="eagle3", model=str(trained_head_dir), pipelined=True, num_speculative_tokens=3
     )
     llm = make_llm(smollm2_dir, speculative=spec, max_num_seqs=3, cuda_graph_max_batch_size=4)
     engine = llm.engine
-    monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
-    monkeypatch.setattr(model_runner, "PrefillGraphs", EagerPrefillGraphs)
-    monkeypatch.setattr(tree_draft, "GrowGraphs", EagerGrowGraphs)
-    monkeypatch.setattr(spec_pipeline, "SpecStepGraphs", EagerSpecStepGraphs)
-    engine.runner.runtime = dataclasses.replace(engine.runner.runtime, use_cuda_graphs=True)
+    _use_graph_stand_ins(engine, monkeypatch)
     engine._capture_graphs()
     lengths = [20, 36, 28, 24, 32, 16]
     outs = llm.generate([chats[i] for i in PICKED], [greedy(n) for n in lengths], use_tqdm=False)

@@ -485,9 +485,12 @@ class LLMEngine:
         self._observe(arrivals, inputs, starts, {}, aux)
         requests = [s.request for s in arrivals]
         for s in arrivals:
-            s.request.num_computed_tokens += s.num_new_tokens - 1
+            s.request.num_computed_tokens += s.num_new_tokens
+        last_aux = self.proposer.start_pipelined(requests)
+        for request in requests:  # one step behind: the prompt's last token is the root
+            request.num_computed_tokens -= 1
         first = logits.argmax(dim=-1)  # greedy (_joins_pipeline), min_tokens reached
-        return self.pipeline.arrive(requests, first, self.proposer.start_pipelined(requests))
+        return self.pipeline.arrive(requests, first, last_aux)
 
     def _finish_specs(self, done: list[SpecLaunch]) -> list[RequestOutput]:
         """``_finish_spec`` of each launch read (a request is a row of one of them)."""

@@ -157,20 +157,7 @@ class Eagle3Proposer(Proposer):
         bs = self.block_size
         spans, aux = self._take_catch_ups(group)
         width = self.catch_up_width
-        long = [i for i, (start, end) in enumerate(spans) if end - start > width]
-        if long:
-            chunks = [
-                Chunk(
-                    group[i],
-                    spans[i][0],
-                    group[i].token_ids(spans[i][0] + 1, spans[i][1] - width + 1),
-                )
-                for i in long
-            ]
-            self._forward(chunks, self.head.fuse(torch.cat([aux[i][:-width] for i in long])))
-            for i in long:
-                spans[i] = (spans[i][1] - width, spans[i][1])
-                aux[i] = aux[i][-width:]
+        self._forward_all_but(group, spans, aux, width)
         if all(
             len(r.block_ids) * bs >= start + width
             for r, (start, _) in zip(group, spans, strict=True)
@@ -189,6 +176,28 @@ class Eagle3Proposer(Proposer):
                 [self.head.exit_signals(a[-width:]).mean(0) for a in aux]
             )
         return grown
+
+    def _forward_all_but(
+        self,
+        group: list[Request],
+        spans: list[tuple[int, int]],
+        aux: list[torch.Tensor],
+        keep: int,
+    ) -> None:
+        """The head's K/V over each catch-up span but its last ``keep`` positions (one
+        varlen forward over the spans longer than that); ``spans`` and ``aux`` are then
+        narrowed, in place, to those last positions."""
+        long = [i for i, (start, end) in enumerate(spans) if end - start > keep]
+        if not long:
+            return
+        chunks = []
+        for i in long:
+            start, end = spans[i]
+            chunks.append(Chunk(group[i], start, group[i].token_ids(start + 1, end - keep + 1)))
+        self._forward(chunks, self.head.fuse(torch.cat([aux[i][:-keep] for i in long])))
+        for i in long:
+            spans[i] = (spans[i][1] - keep, spans[i][1])
+            aux[i] = aux[i][-keep:]
 
     def _take_catch_ups(
         self, group: list[Request]
@@ -224,28 +233,18 @@ class Eagle3Proposer(Proposer):
     @torch.inference_mode()
     def start_pipelined(self, requests: Sequence[Request]) -> torch.Tensor:
         """Arrivals joining the pipeline (``SpecPipeline.arrive``), right after the prefill
-        that ``observe``d each prompt through its last index ``r``: the head's K/V at
-        positions ``head_computed .. r - 1`` (one varlen forward; their tokens are the
-        prompt's), leaving position ``r`` to the first pipelined step's catch-up, whose
-        token (the first output) is still on the device. Returns the aux rows at each
-        ``r`` [n, aux width]; the head counts positions below ``r`` as computed, as the
-        engine does until it reads the first token (``resume`` then)."""
-        chunks: list[Chunk] = []
-        fused: list[torch.Tensor] = []
-        last: list[torch.Tensor] = []
-        for request in requests:
-            state = self._states[request.request_id]
-            start = state.head_computed
-            aux = torch.cat(state.take_rows())  # [r + 1 - start, aux width]
-            end = start + aux.shape[0] - 1  # r: the prompt's last index
-            if end > start:
-                chunks.append(Chunk(request, start, request.token_ids(start + 1, end + 1)))
-                fused.append(aux[:-1])
-            last.append(aux[-1])
-            state.head_computed, state.pending, state.resumed = end, [], None
-        if chunks:
-            self._forward(chunks, self.head.fuse(torch.cat(fused)))
-        return torch.stack(last)
+        that ``observe``d each prompt through its last index ``r`` (``num_computed_tokens``
+        is still ``r + 1``): the head's K/V at positions ``head_computed .. r - 1`` (their
+        tokens are the prompt's), leaving position ``r`` to the first pipelined step's
+        catch-up, whose token (the first output) is still on the device. Returns the aux
+        rows at each ``r`` [n, aux width]; the head counts positions below ``r`` as
+        computed, as the engine then does until it reads the first token (``resume``)."""
+        group = list(requests)
+        spans, aux = self._take_catch_ups(group)
+        self._forward_all_but(group, spans, aux, keep=1)
+        for request, (_, end) in zip(group, spans, strict=True):
+            self._states[request.request_id].head_computed = end - 1
+        return torch.cat(aux)
 
     def grow_pipelined(
         self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int, captured: bool = False
