@@ -4,6 +4,7 @@ and flags given on the command line override a config file."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,10 @@ def test_no_arguments_serve_the_default_model_with_default_speculation(monkeypat
     # The default model ships a head: the server drafts with it in its recorded shape.
     spec = config.engine.speculative
     assert (spec.method, spec.model) == ("eagle3", str(packaged_head("smollm2-135m-instruct")))
-    assert (spec.tree, spec.num_speculative_tokens) == ("chain", 3)
+    recorded = json.loads((packaged_head("smollm2-135m-instruct") / "config.json").read_text())
+    tree = recorded["tree_defaults"]
+    assert (spec.tree, spec.num_speculative_tokens) == ("chain", tree["num_speculative_tokens"])
+    assert spec.num_speculative_tokens_by_batch_size == tree["num_speculative_tokens_by_batch_size"]
     # Large batches decode plainly and asynchronously (the head's chain loses there).
     assert spec.disable_by_batch_size == 16
     assert config.model_names == ["smollm2-135m-instruct"]
