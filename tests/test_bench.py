@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from notebook_runner import NOTEBOOKS, ROOT, figures, run_notebook
 
+from specdec.bench import passes
+
 SETS = ["humaneval", "gsm_symbolic", "writingbench"]
 # Figures each notebook draws on the ngram report (no dynamic trees, no draft vocabulary).
 MIN_FIGURES = {"acceptance": 4, "tree_shapes": 2, "entropy": 2, "vocab_coverage": 1}
@@ -135,9 +137,39 @@ def test_rows_are_internally_consistent(report):
         assert len(per) == r["num_prompts"]
         # fp32: speculation is lossless, every request of every cycled prompt
         assert r["identical"] == r["compared"] == r["num_requests"] * r["repeats"]
-        assert r["vocab_coverage"] is None and r["note"] == ""
+        assert r["vocab_coverage"] is None and r["note"] == "" and r["divergence_gaps"] == []
     # ngram drafts on these sets: the checks above ran on real acceptance
     assert sum(r["accepted_tokens"] for r in report["rows"]) > 0
+
+
+def test_divergence_gaps_tell_near_ties_from_tokens_plain_would_not_pick(chats):
+    """A speculative output that leaves plain decoding's at plain's runner-up token gets
+    plain's top-1 minus top-2 logprob gap; at a token outside plain's top 20, a gap at
+    least the top-20 spread (greedy outputs stand in for speculative ones here)."""
+    from specdec.bench.driver import RunParams, drive
+    from specdec.engine.llm import LLM
+    from specdec.sampling_params import MAX_LOGPROBS
+
+    llm = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_memory=64 << 20)
+    requests = [chats[0], chats[1]]
+    params = RunParams(max_tokens=6, ignore_eos=True).sampling(logprobs=MAX_LOGPROBS)
+    reference, tops = [[], []], [[], []]
+    for i, out in drive(llm.engine, requests, params):
+        if out.finished:
+            reference[i] = list(out.outputs[0].token_ids)
+            tops[i] = [lp.top for lp in out.outputs[0].logprobs]
+    near = sorted(tops[0][3].items(), key=lambda kv: -kv[1])
+    far = next(t for t in range(1000) if t not in tops[1][0])
+    outputs = [
+        [*reference[0][:3], near[1][0], *reference[0][4:]],  # the runner-up at index 3
+        [far, *reference[1][1:]],  # a token outside the top 20 at index 0
+    ]
+    divergences = passes.first_divergences(outputs, reference)
+    assert [(d.request, d.at) for d in divergences] == [(0, 3), (1, 0)]
+    near_gap, far_gap = passes.divergence_gaps(llm, requests, reference, divergences)
+    assert near_gap == pytest.approx(near[0][1] - near[1][1], abs=1e-3)
+    spread = max(tops[1][0].values()) - min(tops[1][0].values())
+    assert far_gap == pytest.approx(spread, abs=1e-3) and far_gap > 1.0
 
 
 def test_traces_match_the_engine_counters(report):

@@ -298,3 +298,13 @@ def test_vocab_cut_steps_counts_out_of_vocabulary_stops():
     assert cut_steps(traces, outputs, t2d) == (3, 1, 1.0 + 1.0 * 0.5 + 0.0)
     t2d[13] = True  # every token drafted: nothing to add
     assert cut_steps(traces, outputs, t2d) == (3, 0, 0.0)
+
+
+def test_first_divergences_skip_equal_and_length_only_differences():
+    reference = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [1, 1]]
+    outputs = [[1, 2, 3, 4], [5, 6, 0, 7], [8], [2, 1, 1]]
+    assert passes.first_divergences(outputs, reference) == [
+        passes.Divergence(request=1, at=2, reference_token=7, spec_token=0),
+        passes.Divergence(request=3, at=0, reference_token=1, spec_token=2),
+    ]
+    assert passes.divergence_gaps(None, [], [], []) == []  # nothing to rerun: no engine call

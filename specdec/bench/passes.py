@@ -12,11 +12,18 @@ how uncertain the target was there. Each is one extra drive over a set's prompts
   the distribution is peaked, which is where drafts get accepted).
 - ``vocab_coverage``: the fraction of output tokens a draft head could have proposed at
   all (marked in its ``t2d``); None for proposers without a draft vocabulary.
+- ``divergence_gaps``: where a speculative output first leaves plain decoding's, how far
+  plain decoding was from picking the speculative token there (``Divergence``). Greedy
+  speculation is lossless in exact arithmetic; in bf16 the verify forward runs other GEMM
+  shapes than plain decoding's, so a near-tie can flip. A gap near 0 is such a flip, a
+  large one a token plain decoding would never pick (a bug). Always on: it costs one
+  one-token request per distinct divergence.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -84,3 +91,56 @@ def vocab_coverage(t2d: torch.Tensor | None, outputs: list[list[int]]) -> float 
         return None
     ids = torch.tensor([t for out in outputs for t in out], dtype=torch.int64)
     return float(t2d[ids].float().mean()) if ids.numel() else None
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a speculative output first differs from the reference (plain decoding's) for
+    one request: output index ``at``, the reference's token there and the speculative
+    one. Outputs that differ only in length (one stopped earlier) have none."""
+
+    request: int
+    at: int
+    reference_token: int
+    spec_token: int
+
+
+def first_divergences(outputs: list[list[int]], reference: list[list[int]]) -> list[Divergence]:
+    """Per request whose output differs from its reference within both lengths, its first
+    difference (``outputs[i]`` and ``reference[i]`` are the same request's)."""
+    found = []
+    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
+        at = next((k for k, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), None)
+        if at is not None:
+            found.append(Divergence(i, at, ref[at], out[at]))
+    return found
+
+
+def divergence_gaps(
+    llm: LLM,
+    requests: list[list[int]],
+    reference: list[list[int]],
+    divergences: list[Divergence],
+) -> list[float]:
+    """Per divergence, in order: plain decoding's logprob of the reference token minus its
+    logprob of the speculative token, with the request's prompt and its reference output
+    before ``at`` as the prompt (one greedy token, top-``MAX_LOGPROBS`` logprobs; each
+    distinct prompt runs once, all at once). Near 0: a near-tie that rounding can flip
+    (negative when this rerun itself prefers the speculative token). A token outside the
+    top ``MAX_LOGPROBS`` counts at the last listed logprob, so a speculative token there
+    gives a lower bound on the gap."""
+    if not divergences:
+        return []
+    keys = list(dict.fromkeys((d.request, d.at) for d in divergences))
+    prompts = [requests[r] + reference[r][:at] for r, at in keys]
+    params = RunParams(max_tokens=1).sampling(logprobs=MAX_LOGPROBS)
+    top: dict[tuple[int, int], dict[int, float]] = {}
+    for i, out in drive(llm.engine, prompts, params):
+        if out.finished:
+            top[keys[i]] = out.outputs[0].logprobs[0].top
+    gaps = []
+    for d in divergences:
+        lps = top[(d.request, d.at)]
+        floor = min(lps.values())
+        gaps.append(lps.get(d.reference_token, floor) - lps.get(d.spec_token, floor))
+    return gaps

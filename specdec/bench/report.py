@@ -84,6 +84,9 @@ class BenchRow:
     identical: int = 0  # spec outputs equal to plain's, request by request, all runs
     compared: int = 0
     first_mismatch_at: int | None = None
+    # Per distinct first divergence of a spec output from plain's: plain decoding's logprob
+    # of its own token minus the spec token's there (passes.divergence_gaps; ~0: a near-tie).
+    divergence_gaps: list[float] = field(default_factory=list)
     vocab_coverage: float | None = None  # None: the proposer has no draft vocabulary
     draft_vocab_size: int | None = None  # the head's draft vocabulary (ids in its t2d)
     pipelined_launches: int = 0  # pipelined speculative steps (engine/spec_pipeline.py)

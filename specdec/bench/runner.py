@@ -185,6 +185,14 @@ def measure_row(
     )
     depth = spec_llm.engine.config.speculative.tree_shape.depth
     summarize_row(row, runs["plain"], runs["spec"], depth)
+    reference = runs["plain"][0].token_ids
+    divergences = list(dict.fromkeys(
+        d for r in runs["spec"] for d in passes.first_divergences(r.token_ids, reference)
+    ))  # fmt: skip
+    gaps = passes.divergence_gaps(plain, requests, reference, divergences)
+    row.divergence_gaps = [round(g, 4) for g in gaps]
+    if gaps:
+        row.note += f" (plain's largest logprob gap there {max(gaps):.3f} nats, {len(gaps)} seen)"
     t2d = passes.draft_vocab(spec_llm)
     row.vocab_coverage = passes.vocab_coverage(t2d, runs["spec"][0].token_ids)
     row.draft_vocab_size = int(t2d.sum()) if t2d is not None else None
