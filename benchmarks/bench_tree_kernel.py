@@ -44,8 +44,13 @@ class Row:
     max_err: float  # vs the reference, first sequence
 
 
-def make_inputs(batch: int, context: int, q: int, heads: int, kv_heads: int, dim: int, device, gen):
-    """A random tree of ``q`` nodes (root first) at the end of each sequence's context."""
+def make_inputs(
+    batch: int, context: int, q: int, heads: int, kv_heads: int, dim: int, device, gen,
+    bound: int | None = None,
+):  # fmt: skip
+    """A random tree of ``q`` nodes (root first) at the end of each sequence's context.
+    ``bound``: the host's ``max_seq_len`` (default: the real one), as a CUDA graph captures
+    it (the context limit), which the split-K heuristic reads."""
     block_size = 16
     seq_len = context + q
     nb = -(-seq_len // block_size)
@@ -62,7 +67,7 @@ def make_inputs(batch: int, context: int, q: int, heads: int, kv_heads: int, dim
         seq_lens=torch.full((batch,), seq_len, dtype=torch.int32),
         block_tables=tables,
         max_query_len=q,
-        max_seq_len=seq_len,
+        max_seq_len=max(seq_len, bound or 0),
     )
     if q > 1:
         parents = [0] + [int(torch.randint(i, (1,), generator=gen)) for i in range(1, q)]
@@ -106,6 +111,13 @@ def main() -> None:
     p.add_argument("--q", default="4,6,64,65")
     p.add_argument("--heads", default="9,3,64", help="num_heads,num_kv_heads,head_dim")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument(
+        "--bound",
+        type=int,
+        default=None,
+        help="max_seq_len the heuristic sees, as in the engine's CUDA graphs (the context "
+        "limit, e.g. 8192); default: each launch's real one",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes; CPU interpreter")
     p.add_argument("--json", dest="json_path")
     a = p.parse_args()
@@ -131,12 +143,16 @@ def main() -> None:
     scale = dim**-0.5
     rows: list[Row] = []
     for batch, context in itertools.product(batches, contexts):
-        q1, kc, vc, meta1 = make_inputs(batch, context, 1, heads, kv_heads, dim, device, gen)
+        q1, kc, vc, meta1 = make_inputs(
+            batch, context, 1, heads, kv_heads, dim, device, gen, a.bound
+        )
         decode_us = median_us(partial(paged_decode, q1, kc, vc, meta1, scale), device, a.repeats)
         rows.append(Row(batch, context, 1, "decode", decode_us, 1.0, 0.0))
         print(f"b{batch} ctx{context} decode {decode_us:.1f} us", flush=True)
         for q in qs:
-            qt, kc, vc, meta = make_inputs(batch, context, q, heads, kv_heads, dim, device, gen)
+            qt, kc, vc, meta = make_inputs(
+                batch, context, q, heads, kv_heads, dim, device, gen, a.bound
+            )
             ref = paged_attention_ref(qt[:q].float(), kc.float(), vc.float(), _first(meta), scale)
             default = (
                 default_prefill_config(

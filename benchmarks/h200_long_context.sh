@@ -22,6 +22,11 @@
 # CONTEXTS (default 512,4096): session 30 found 128-key tiles with 3 stages 20% faster at
 # batch 1 and 4,096 tokens and 15% slower at 512; `CONTEXTS=1024,2048 BATCH_SIZES=1`
 # finds where a rule by context length should switch (~45 s for two contexts).
+# Q (default 4,7,33): the verify lengths (session 31 records a chain of 5 up to batch 16:
+# q = 6). BOUND: the max_seq_len the heuristic sees, as the engine's CUDA graphs capture it
+# (the context limit, e.g. 8192; default each launch's real one), so "auto" splits are the
+# graph's: `BOUND=8192 Q=6 BATCH_SIZES=16 CONTEXTS=512,1024,2048,4096` asks which tile a
+# batch-16 chain-of-5 graph should capture for the contexts it will meet.
 # Reports in $OUT (tree_kernel.json and the printed tables in long_context.log).
 set -uo pipefail
 PARTS=" ${PARTS:-kernel profile} "
@@ -32,7 +37,8 @@ log=$OUT/long_context.log
     if [[ $PARTS == *" kernel "* ]]; then
         echo "== verify attention (bench_tree_kernel.py)"
         timeout "${KERNEL_S:-200}" python3 benchmarks/bench_tree_kernel.py --batch-sizes "${BATCH_SIZES:-1,16}" \
-            --contexts "${CONTEXTS:-512,4096}" --q 4,7,33 --json "$OUT/tree_kernel.json" \
+            --contexts "${CONTEXTS:-512,4096}" --q "${Q:-4,7,33}" ${BOUND:+--bound "$BOUND"} \
+            --json "$OUT/tree_kernel.json" \
             | grep -v "^| " || echo "kernel sweep: rc=$?"
     fi
     if [[ $PARTS == *" profile "* ]]; then
