@@ -13,36 +13,40 @@
 #       bash benchmarks/h200_code_ab.sh
 #
 # The old package is unpacked to /tmp/old_code and put first on PYTHONPATH for its run
-# (the model and the head are the same files). Defaults: batch 16 with --waves 4 (requests
-# arrive as others finish), the shipped bands as one config (a chain of 3 at batch 16),
-# SETS "humaneval writingbench"; RUN_S caps each bench command (default 240: on a fresh
-# machine the first converts the GGUF, ~27 s, and compiles the head, ~60 s; session 30's
-# two runs at 95 s each ended before their first set). Reports in $OUT: <TAG>_{new,old}.json and the tables,
-# then a short table last (set, in flight plain/spec, speedup, τ, launches).
+# (the model and the head are the same files). LABELS names the two in the reports and the
+# table (default "new old"; e.g. OLD_TAR=.gpu/cand_code/specdec.tar LABELS="main candidate"
+# for a candidate branch's code against the checkout's). Defaults: batch 16 with --waves 4
+# (requests arrive as others finish), the head's recorded bands (SPEC_ARGS replaces them,
+# e.g. "--num-speculative-tokens 3 --num-speculative-tokens-by-batch-size none"), SETS
+# "humaneval writingbench"; RUN_S caps each bench command (default 240: on a fresh machine
+# the first converts the GGUF, ~27 s, and compiles the head, ~60 s; session 30's two runs
+# at 95 s each ended before their first set). Reports in $OUT: <TAG>_<label>.json and the
+# tables, then a short table last (set, in flight plain/spec, speedup, τ, launches).
 set -uo pipefail
 : "${HEAD_DIR:?HEAD_DIR=<head dir>}" "${PROMPTS:?PROMPTS=<bench set JSONLs>}"
 OUT=${OUT:-/tmp/code_ab} TAG=${TAG:-code_ab} OLD_TAR=${OLD_TAR:-.gpu/old_code/specdec.tar}
-mkdir -p "$OUT" /tmp/old_code
+read -r NEW OLD <<< "${LABELS:-new old}"
+rm -rf /tmp/old_code && mkdir -p "$OUT" /tmp/old_code
 tar xf "$OLD_TAR" -C /tmp/old_code
+# shellcheck disable=SC2206  # SPEC_ARGS: flags, split on purpose
 args=(--model smollm2-135m-instruct --draft eagle3 --draft-model "$HEAD_DIR" --num-prompts 16
     --max-tokens 256 --dtype bfloat16 --spec-pipelined on --repeats "${REPEATS:-1}" --no-progress
-    --num-speculative-tokens 3 --num-speculative-tokens-by-batch-size 1:t8-d6-n32@cuda,4:5
-    --batch-sizes "${BATCH:-16}" --waves "${WAVES:-4}")
+    ${SPEC_ARGS:-} --batch-sizes "${BATCH:-16}" --waves "${WAVES:-4}")
 for set in ${SETS:-humaneval writingbench}; do args+=(--prompts "$PROMPTS/$set.jsonl"); done
-for code in new old; do
-    path=$PYTHONPATH
-    [ "$code" = old ] && path=/tmp/old_code:$PYTHONPATH
+for code in "$NEW" "$OLD"; do
+    path=${PYTHONPATH:-}
+    [ "$code" = "$OLD" ] && path=/tmp/old_code${PYTHONPATH:+:$PYTHONPATH}
     t0=$(date +%s)
     PYTHONPATH=$path timeout "${RUN_S:-240}" specdec bench "${args[@]}" \
         --json "$OUT/${TAG}_$code.json" --markdown "$OUT/${TAG}_$code.md" > "$OUT/${TAG}_$code.log" 2>&1
     echo "$code: rc=$? $(($(date +%s) - t0)) s"
 done
-python3 - "$OUT" "$TAG" <<'EOF'
+python3 - "$OUT" "$TAG" "$NEW" "$OLD" <<'EOF'
 import json, sys
 from pathlib import Path
 out, tag = Path(sys.argv[1]), sys.argv[2]
 print("| code | set | in flight plain/spec | speedup | τ | steps | pipelined launches |")
-for code in ("new", "old"):
+for code in sys.argv[3:]:
     path = out / f"{tag}_{code}.json"
     if not path.exists():
         print(f"| {code} | (no report) |")
