@@ -13,9 +13,10 @@
 #
 # Reports in $OUT: <TAG>_<run>.json per run and one archive of the tables and logs (at
 # most five files, under the device's eight). RUNS picks the runs (default "new_b1 old_b1
-# new_b16 old_b16"; new_c3 and old_c3, the chain of 3 at batch 16; old_b16_shapes, not by default: the shipped head at batch 16 in chains
-# of 3 and 4 and four small trees, one engine each, ~3 min); RUN_S caps each bench command
-# (default 200 s); REPEATS its timed rounds (default 1).
+# new_b16 old_b16"; not by default: new_c3 and old_c3, the chain of 3 at batch 16, and
+# old_b16_shapes, the shipped head at batch 16 in chains of 3 and 4 and four small trees,
+# one engine each, ~3 min); RUN_S caps each bench command (default 200 s); REPEATS its
+# timed rounds (default 1).
 set -uo pipefail
 : "${NEW:?NEW=<new head dir>}" "${OLD:?OLD=<shipped head dir>}" "${PROMPTS:?PROMPTS=<bench set JSONLs>}"
 OUT=${OUT:-/tmp/head_ab} TAG=${TAG:-ab} RUNS=${RUNS:-new_b1 old_b1 new_b16 old_b16}

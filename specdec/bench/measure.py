@@ -106,6 +106,12 @@ def merged_stats(runs: list[Run]) -> SpecStats:
     return stats
 
 
+def first_difference(out: list[int], ref: list[int]) -> int | None:
+    """The first index where both hold a token and the tokens differ (None: one is a
+    prefix of the other)."""
+    return next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), None)
+
+
 def compare(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, int | None]:
     """(requests equal to the reference, smallest index where any differs)."""
     same, first = 0, None
@@ -113,10 +119,8 @@ def compare(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, 
         if out == ref:
             same += 1
             continue
-        at = next(
-            (i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b),
-            min(len(out), len(ref)),
-        )
+        at = first_difference(out, ref)
+        at = min(len(out), len(ref)) if at is None else at
         first = at if first is None else min(first, at)
     return same, first
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.bench.driver import RunParams, drive
+from specdec.bench.measure import first_difference
 from specdec.engine.llm import LLM
 from specdec.sampling_params import MAX_LOGPROBS, RequestOutputKind
 
@@ -110,7 +111,7 @@ def first_divergences(outputs: list[list[int]], reference: list[list[int]]) -> l
     difference (``outputs[i]`` and ``reference[i]`` are the same request's)."""
     found = []
     for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
-        at = next((k for k, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), None)
+        at = first_difference(out, ref)
         if at is not None:
             found.append(Divergence(i, at, ref[at], out[at]))
     return found
