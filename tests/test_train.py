@@ -199,6 +199,8 @@ def test_config_errors_name_the_key():
         TrainConfig.load(None, ["data.path=x", "optim.lrr=1"])
     with pytest.raises(ValueError, match=r"ttt\.steps=0 must be >= 1"):
         TrainConfig.load(None, ["data.path=x", "ttt.steps=0"])
+    with pytest.raises(ValueError, match=r"ttt\.argmax_weight=1\.5 must be in \[0, 1\]"):
+        TrainConfig.load(None, ["data.path=x", "ttt.argmax_weight=1.5"])
     with pytest.raises(ValueError, match=r"section\.key=value"):
         TrainConfig.load(None, ["lr=1"])
     cfg = TrainConfig.load("configs/train/smollm2.yaml", ["optim.lr=3e-4", "data.path=d"])

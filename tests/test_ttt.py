@@ -9,7 +9,7 @@ from test_eagle3_head import random_head, target_config
 
 from specdec.attention import AttentionMetadata, get_attention_backend
 from specdec.models.eagle3_head import Eagle3Head
-from specdec.train.ttt import PackedBatch, StepIndex, ttt_forward, unroll
+from specdec.train.ttt import PackedBatch, StepIndex, draft_rows, mix_argmax, ttt_forward, unroll
 from specdec.train.ttt_attention import (
     TTTAttention,
     TTTCache,
@@ -336,6 +336,45 @@ def test_objective_masks_and_accuracy():
     final = ttt_forward(head, batch, lm_head, steps=3)
     assert float(final.loss.detach()) < 0.5 * first
     assert final.step_acc[0] > 0.9 and final.simulated_tau > out.simulated_tau
+
+
+def test_mix_argmax_keeps_rows_distributions_with_their_argmax():
+    gen = torch.Generator().manual_seed(3)
+    labels = torch.softmax(torch.randn(6, 11, generator=gen), dim=-1)
+    top = labels.argmax(-1)
+    half = mix_argmax(labels.clone(), top, 0.5)
+    torch.testing.assert_close(half.sum(-1), torch.ones(6))
+    assert torch.equal(half.argmax(-1), top)
+    torch.testing.assert_close(half, 0.5 * labels + 0.5 * torch.eye(11)[top])
+    assert torch.equal(mix_argmax(labels.clone(), top, 0.0), labels)
+    assert torch.equal(mix_argmax(labels.clone(), top, 1.0), torch.eye(11)[top])
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.3, 1.0])
+def test_argmax_weight_mixes_distillation_and_hard_cross_entropy(weight):
+    """Each step's loss is (1 - w) x the soft cross-entropy + w x the cross-entropy of the
+    target's argmax, over the same valid positions; counts and accuracy do not change."""
+    head, lm_head, batch = objective_case(9, [11, 9], mask_every=4)
+    steps, decay = 3, 0.8
+    with torch.no_grad():
+        out = ttt_forward(head, batch, lm_head, steps=steps, decay=decay, argmax_weight=weight)
+        soft = ttt_forward(head, batch, lm_head, steps=steps, decay=decay)
+        labels = torch.softmax(batch.target_hidden @ draft_rows(head, lm_head).T, dim=-1)
+        top = labels.argmax(-1)
+        usable = batch.loss_mask & head.t2d[(batch.target_hidden @ lm_head.T).argmax(-1)]
+        expected = torch.zeros(())
+        for i, step in enumerate(unroll(head, batch, steps)):
+            valid = step.inside & usable[step.source]
+            log_q = torch.log_softmax(step.logits, dim=-1)
+            hard = -log_q.gather(1, top[step.source][:, None])[:, 0]
+            mean_hard = (hard * valid).sum() / valid.sum()
+            assert float(soft.step_losses[i]) > 0
+            mixed = (1 - weight) * soft.step_losses[i] + weight * mean_hard
+            torch.testing.assert_close(out.step_losses[i], mixed, rtol=1e-5, atol=1e-5)
+            expected = expected + decay**i * mixed
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.step_correct, soft.step_correct)
+    assert torch.equal(out.step_valid, soft.step_valid)
 
 
 def test_step_index_bounds():

@@ -73,10 +73,16 @@ class TTTSection:
     steps: int = 7  # unrolled draft steps
     decay: float = 0.8  # step i's loss weight is decay**i
     attention: str = "auto"  # auto (flex on CUDA, else reference) | flex | reference
+    # Share of each label on the target's argmax (train/ttt.py): 0 = EAGLE-3's soft labels,
+    # 1 = hard labels, the event greedy verification accepts.
+    argmax_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _at_least("ttt", self, 1, "steps")
         _require(0 < self.decay <= 1, f"ttt.decay={self.decay} must be in (0, 1]")
+        _require(0 <= self.argmax_weight <= 1,
+                 f"ttt.argmax_weight={self.argmax_weight} must be in [0, 1] (0: the target's "
+                 "distribution, 1: its argmax)")  # fmt: skip
         _choice("ttt", "attention", self.attention, ("auto", "flex", "reference"))
 
 

@@ -50,9 +50,12 @@ from specdec.train.chain_replay import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+
     from specdec.data_gen.dump_plan import TokenRecord
     from specdec.data_gen.target import TargetForward
     from specdec.models.eagle3_head import Eagle3Head
+    from specdec.train.ttt import PackedBatch
 
 
 @dataclass(frozen=True)
@@ -161,44 +164,19 @@ class SetFigures:
 
 def evaluate_head(config: EvalConfig, progress: bool = True) -> list[SetFigures]:
     """Judge ``config.head`` on every record set (module docstring), in order."""
-    from specdec.data_gen.target import TargetForward
-    from specdec.models import load_config, resolve_model
-    from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
-    from specdec.train.model import TargetIO, attention_backend, draft_rows
-
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
-        else config.device
-    )  # fmt: skip
-    dtype = DTYPES[config.dtype]
-    # Every input is checked before the models load (seconds), so a typo fails at once.
-    head_dir = resolve_head(config.head, config.model)
-    resolved = resolve_model(config.model)
-    target_config = load_config(resolved)
-    head_config = read_eagle3_config(head_dir, target_config)
-    check_head_target(head_config.target_name, config.model, resolved.name, head_dir)
-    sets = [_read_set(name, root, target_config.vocab_size) for name, root in config.records]
-    target = TargetIO.load(config.model).to(device, dtype)
-    head = load_eagle3(head_dir, target_config=target.config, dtype=dtype, device=device,
-                       attention=attention_backend("reference", device))  # fmt: skip
-    head.bind_embedding(lambda ids: torch.nn.functional.embedding(ids, target.embed))
-    head.eval()
-    # Positions past the head's RoPE table would be clamped (ttt.unroll): clip records there.
-    max_seq_len = min(config.max_tokens, head.rotary.num_positions)
-    forward = TargetForward(config.model, device=device, dtype=dtype,
-                            aux_layer_ids=head.config.aux_layer_ids,
-                            max_seq_len=max_seq_len)  # fmt: skip
-    judge = _Judge(config, head, forward, target.lm_head, draft_rows(head, target.lm_head),
-                   head.t2d.cpu().numpy(), max_seq_len)  # fmt: skip
+    judge = HeadJudge.load(config)
     return [
-        judge.run(name, root, manifest, records, progress)
-        for (name, root), (manifest, records) in zip(config.records, sets, strict=True)
+        judge.judge(name, root, manifest, judge.forward_batches(name, records, progress))
+        for (name, root), (manifest, records) in zip(config.records, judge.sets, strict=True)
     ]
 
 
 @dataclass
-class _Judge:
-    """The loaded models and settings every set is judged with."""
+class HeadJudge:
+    """The loaded models, settings and record sets every set is judged with. The target's
+    forward (``forward_batches``) and the head's judgement (``judge``) are separate steps, so
+    a caller may keep a set's forwarded batches and judge several heads' lm_heads on them
+    (``benchmarks/lm_head_label_probe.py``); ``evaluate_head`` streams them."""
 
     config: EvalConfig
     head: Eagle3Head  # with a TTT attention backend, embedding bound
@@ -207,10 +185,65 @@ class _Judge:
     label_weight: torch.Tensor  # [draft_vocab, hidden]: its kept-id rows
     t2d: np.ndarray  # [vocab] bool: the head's kept ids
     max_seq_len: int  # records are clipped to this many tokens
+    sets: list[tuple[dict[str, Any], list[TokenRecord]]]  # per config.records: manifest, records
 
-    def run(self, name: str, root: str, manifest: dict[str, Any], records: list[TokenRecord],
-            progress: bool) -> SetFigures:  # fmt: skip
+    @classmethod
+    def load(cls, config: EvalConfig) -> HeadJudge:
+        from specdec.data_gen.target import TargetForward
+        from specdec.models import load_config, resolve_model
+        from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
+        from specdec.train.model import TargetIO, attention_backend, draft_rows
+
+        device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
+            else config.device
+        )  # fmt: skip
+        dtype = DTYPES[config.dtype]
+        # Every input is checked before the models load (seconds), so a typo fails at once.
+        head_dir = resolve_head(config.head, config.model)
+        resolved = resolve_model(config.model)
+        target_config = load_config(resolved)
+        head_config = read_eagle3_config(head_dir, target_config)
+        check_head_target(head_config.target_name, config.model, resolved.name, head_dir)
+        sets = [_read_set(name, root, target_config.vocab_size) for name, root in config.records]
+        target = TargetIO.load(config.model).to(device, dtype)
+        head = load_eagle3(head_dir, target_config=target.config, dtype=dtype, device=device,
+                           attention=attention_backend("reference", device))  # fmt: skip
+        head.bind_embedding(lambda ids: torch.nn.functional.embedding(ids, target.embed))
+        head.eval()
+        # Positions past the head's RoPE table would be clamped (ttt.unroll): clip there.
+        max_seq_len = min(config.max_tokens, head.rotary.num_positions)
+        forward = TargetForward(config.model, device=device, dtype=dtype,
+                                aux_layer_ids=head.config.aux_layer_ids,
+                                max_seq_len=max_seq_len)  # fmt: skip
+        return cls(config, head, forward, target.lm_head, draft_rows(head, target.lm_head),
+                   head.t2d.cpu().numpy(), max_seq_len, sets)  # fmt: skip
+
+    def forward_batches(
+        self, name: str, records: list[TokenRecord], progress: bool = True
+    ) -> Iterator[tuple[PackedBatch, np.ndarray]]:
+        """The records packed as the trainer packs them (in record order), each micro-batch
+        with the target's states filled in, and which of its records were clipped."""
         from specdec.train.data import assemble, clip, pack
+
+        config = self.config
+        lengths = [len(r.input_ids) for r in records]
+        refs = pack([(0, lengths)], config.max_tokens, self.max_seq_len)  # in record order
+        for ref in tqdm(refs, desc=f"eval-draft {name}", unit="batch", disable=not progress):
+            recs = [records[i] for _, i in ref.items]
+            sizes = [clip(len(r.input_ids), config.max_tokens, self.max_seq_len) for r in recs]
+            batch = assemble([(r.input_ids[:n], r.loss_mask[:n], None, None)
+                              for r, n in zip(recs, sizes, strict=True)])  # fmt: skip
+            clipped = np.array([len(r.input_ids) > n for r, n in zip(recs, sizes, strict=True)])
+            with torch.inference_mode():
+                batch.target_hidden, batch.aux_hidden = self.forward(
+                    batch.input_ids.numpy(), np.array(sizes)
+                )
+            yield batch, clipped
+
+    def judge(self, name: str, root: str, manifest: dict[str, Any],
+              batches: Iterable[tuple[PackedBatch, np.ndarray]]) -> SetFigures:  # fmt: skip
+        """One set's figures from its forwarded micro-batches (``forward_batches``)."""
         from specdec.train.ttt import ttt_forward
 
         config = self.config
@@ -224,23 +257,13 @@ class _Judge:
             chains={k: SpecStats() for k in chains},
             per_answer={k: [] for k in chains} if config.per_answer else {},
         )  # fmt: skip
-        lengths = [len(r.input_ids) for r in records]
-        refs = pack([(0, lengths)], config.max_tokens, self.max_seq_len)  # in record order
-        for ref in tqdm(refs, desc=f"eval-draft {name}", unit="batch", disable=not progress):
-            recs = [records[i] for _, i in ref.items]
-            sizes = [clip(len(r.input_ids), config.max_tokens, self.max_seq_len) for r in recs]
-            batch = assemble([(r.input_ids[:n], r.loss_mask[:n], None, None)
-                              for r, n in zip(recs, sizes, strict=True)])  # fmt: skip
-            clipped = np.array([len(r.input_ids) > n for r, n in zip(recs, sizes, strict=True)])
+        for batch, clipped in batches:
             with torch.inference_mode():
-                batch.target_hidden, batch.aux_hidden = self.forward(
-                    batch.input_ids.numpy(), np.array(sizes)
-                )
                 out = ttt_forward(self.head, batch.to(self.lm_head.device), self.lm_head,
                                   steps=config.steps, label_weight=self.label_weight,
                                   trace=True)  # fmt: skip
             _add_batch(figures, batch, out, clipped, limit, self.t2d)
-            figures.sequences += len(recs)
+            figures.sequences += len(clipped)
         return figures
 
 

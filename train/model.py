@@ -147,6 +147,7 @@ class TTTModel(nn.Module):
         *,
         steps: int,
         decay: float,
+        argmax_weight: float = 0.0,
         exit_loss: SpecExitLoss | None = None,
         freeze_draft: bool = False,
         pad_to: int | None = None,
@@ -156,7 +157,7 @@ class TTTModel(nn.Module):
         if (exit_loss is not None or freeze_draft) and head.spec_exit is None:
             raise ValueError("exit_loss/freeze_draft need a head with SpecExit channels")
         self.head = head
-        self.steps, self.decay = steps, decay
+        self.steps, self.decay, self.argmax_weight = steps, decay, argmax_weight
         self.exit_loss = exit_loss
         self.freeze_draft = freeze_draft
         if freeze_draft:
@@ -186,6 +187,7 @@ class TTTModel(nn.Module):
                 steps=self.steps,
                 decay=self.decay,
                 label_weight=self.__dict__.get("label_weight"),
+                argmax_weight=self.argmax_weight,
             )
         if self.exit_loss is not None and batch.exit_targets is not None:
             out.exit = self.exit_loss(self.head, batch)

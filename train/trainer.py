@@ -176,7 +176,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if exit_cfg.signals:
         exit_loss = SpecExitLoss(exit_cfg.weights, exit_cfg.remaining_loss)
     model = TTTModel(head, target, steps=config.ttt.steps, decay=config.ttt.decay,
-                     exit_loss=exit_loss, freeze_draft=exit_cfg.freeze_draft,
+                     argmax_weight=config.ttt.argmax_weight, exit_loss=exit_loss,
+                     freeze_draft=exit_cfg.freeze_draft,
                      pad_to=config.data.max_tokens if backend.static_tokens else None)  # fmt: skip
     model.place_target(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     optimizer = torch.optim.AdamW(

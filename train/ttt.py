@@ -17,8 +17,12 @@ packed: global index ``n`` is token ``t`` of its sequence. Step ``i`` (0 .. step
   cannot emit.
 
 Loss: sum over steps of ``decay**i`` x (soft cross-entropy against the label, averaged
-over the step's valid positions). ``acc_i``: fraction of step ``i``'s valid positions where
-the head's argmax equals the target's. With greedy target data, a chain drafted from
+over the step's valid positions). ``argmax_weight`` ``w`` moves a share of each label onto
+the target's argmax, ``(1 - w) * p + w * onehot(argmax p)``: 0 is EAGLE-3's distillation,
+1 the cross-entropy of greedy acceptance's own event (the head's argmax is the target's).
+
+``acc_i``: fraction of step ``i``'s valid positions where the head's argmax equals the
+target's. With greedy target data, a chain drafted from
 ``x[t+1]`` accepts exactly the leading run of correct steps at ``n``, so ``simulated τ`` =
 1 + the mean leading run over positions valid at step 0.
 
@@ -197,6 +201,7 @@ def ttt_forward(
     decay: float = 0.8,
     label_weight: torch.Tensor | None = None,  # [draft_vocab, hidden]: its kept-id rows
     trace: bool = False,
+    argmax_weight: float = 0.0,
 ) -> TTTOutput:
     """The TTT objective: weighted loss and per-step accuracy (module docstring).
     ``label_weight`` (``draft_rows(head, target_lm_head)``) saves gathering the kept rows
@@ -204,7 +209,7 @@ def ttt_forward(
     keeps each step's hits (``DraftTrace``) for evaluation; training leaves it off."""
     n = batch.num_tokens
     with torch.no_grad():
-        target_top = _argmax_logits(batch.target_hidden, target_lm_head)  # [n] target ids
+        target_top = argmax_logits(batch.target_hidden, target_lm_head)  # [n] target ids
         if label_weight is None:
             label_weight = draft_rows(head, target_lm_head)
         kept = head.t2d[target_top]  # [n]: the target's argmax is a draft-vocabulary id
@@ -220,6 +225,7 @@ def ttt_forward(
             (batch.target_hidden.to(label_weight.dtype) @ label_weight.T).float(), dim=-1
         )  # [n, V_d]
         label_top = labels.argmax(-1)  # [n]
+        labels = mix_argmax(labels, label_top, argmax_weight)
     for out in unroll(head, batch, steps):
         valid = out.inside & usable[out.source]  # [n]
         if out.step == 0:
@@ -245,13 +251,27 @@ def ttt_forward(
     )  # fmt: skip
 
 
+def mix_argmax(
+    labels: torch.Tensor,  # [n, V_d] float32: the target's distribution over the draft vocab
+    label_top: torch.Tensor,  # [n] int64: its argmax
+    weight: float,
+) -> torch.Tensor:  # [n, V_d]: (1 - weight) * labels + weight * onehot(label_top), in place
+    """Move ``weight`` of each label's mass onto its argmax (module docstring). Each row
+    still sums to 1 and keeps its argmax, so acc_i and simulated τ mean what they did."""
+    if weight:
+        labels.mul_(1.0 - weight).scatter_add_(
+            1, label_top[:, None], labels.new_full((labels.shape[0], 1), weight)
+        )
+    return labels
+
+
 def draft_rows(head, target_lm_head: torch.Tensor) -> torch.Tensor:  # [draft_vocab, hidden]
     """The target lm_head's rows of the head's kept ids (draft id order)."""
     kept = head.d2t + torch.arange(head.d2t.shape[0], device=head.d2t.device)
     return target_lm_head.index_select(0, kept.to(target_lm_head.device))
 
 
-def _argmax_logits(
+def argmax_logits(
     hidden: torch.Tensor,  # [n, hidden]
     lm_head: torch.Tensor,  # [vocab, hidden]
     chunk: int = 4096,
