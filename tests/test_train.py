@@ -332,6 +332,42 @@ def test_init_head_under_another_vocabulary_carries_rows_by_token(trained, data,
     torch.testing.assert_close(rows[new], target_rows[kept[new]], atol=1e-6, rtol=0)
 
 
+def test_init_head_widened_keeps_what_it_learned(trained, data, tmp_path):
+    """model.intermediate_size above model.init_head's MLP width: the run trains a wider
+    head that starts as the trained one (old units' weights carried, new units' down
+    columns zero; a learning rate of 1e-12 leaves the one step's update below the
+    tolerance), records the width in its config, and continues it without the setting.
+    A narrower width is refused, naming both."""
+    head_dir = trained[0] / "head"
+    original = _head_tensors(head_dir)
+    narrow = json.loads((head_dir / "config.json").read_text())["intermediate_size"]
+    cfg = config(data, tmp_path / "wide",
+                 model={"init_head": str(head_dir), "intermediate_size": 2 * narrow},
+                 optim={"max_steps": 1, "grad_accum": 1, "lr": 1e-12})  # fmt: skip
+    assert train(cfg)["step"] == 1
+    wide_dir = tmp_path / "wide" / "head"
+    assert json.loads((wide_dir / "config.json").read_text())["intermediate_size"] == 2 * narrow
+    saved = _head_tensors(wide_dir)
+    for name in ("gate_proj", "up_proj"):
+        key = f"midlayer.mlp.{name}.weight"
+        assert saved[key].shape[0] == 2 * narrow
+        torch.testing.assert_close(saved[key][:narrow].float(), original[key].float(),
+                                   atol=1e-6, rtol=0)  # fmt: skip
+    down = saved["midlayer.mlp.down_proj.weight"].float()
+    torch.testing.assert_close(down[:, :narrow], original["midlayer.mlp.down_proj.weight"].float(),
+                               atol=1e-6, rtol=0)  # fmt: skip
+    assert down[:, narrow:].abs().max() < 1e-6
+    again = config(data, tmp_path / "again", model={"init_head": str(wide_dir)},
+                   optim={"max_steps": 1, "grad_accum": 1})  # fmt: skip
+    assert train(again)["step"] == 1
+    narrower = config(data, tmp_path / "narrow",
+                      model={"init_head": str(head_dir), "intermediate_size": narrow // 2},
+                      optim={"max_steps": 1, "grad_accum": 1})  # fmt: skip
+    with pytest.raises(ValueError, match=rf"intermediate_size={narrow // 2} is narrower .*"
+                                         rf"\({narrow}\)"):  # fmt: skip
+        train(narrower)
+
+
 def _head_tensors(head_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(head_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
 

@@ -377,6 +377,33 @@ def test_argmax_weight_mixes_distillation_and_hard_cross_entropy(weight):
     assert torch.equal(out.step_valid, soft.step_valid)
 
 
+def test_widened_mlp_computes_what_the_trained_head_did_and_trains():
+    """``widen_mlp``: a head widened from I to 3I units gives the same logits at every TTT
+    step; its new units are silent (zero down columns) but not frozen: one backward gives
+    those columns a gradient."""
+    from dataclasses import replace
+
+    from specdec.train.model import MLP_KEYS, widen_mlp
+
+    head, lm_head, batch = objective_case(11, [9, 13], mask_every=5)
+    narrow = head.config.intermediate_size
+    wide = Eagle3Head(replace(head.config, intermediate_size=3 * narrow), TTTAttention(),
+                      embed=head.__dict__["_embed"])  # fmt: skip
+    state = head.state_dict()
+    assert widen_mlp(state, wide) == narrow
+    wide.load_state_dict(state)
+    with torch.no_grad():
+        for a, b in zip(unroll(head, batch, 3), unroll(wide, batch, 3), strict=True):
+            torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    ttt_forward(wide, batch, lm_head, steps=3).loss.backward()
+    down = wide.midlayer.mlp.down_proj.weight
+    assert torch.equal(down[:, narrow:], torch.zeros_like(down[:, narrow:]))
+    assert down.grad[:, narrow:].abs().sum() > 0
+    with pytest.raises(ValueError, match=r"intermediate_size=.* is narrower"):
+        widen_mlp(wide.state_dict(), head)
+    assert MLP_KEYS[0] in state
+
+
 def test_step_index_bounds():
     index = StepIndex.of(torch.tensor([0, 3, 4, 6]), 6)
     src, inside = index.source(1)

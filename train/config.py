@@ -39,6 +39,13 @@ class ModelSection:
     aux_layer_ids: list[int] | None = None  # None: the dump's (offline) or EAGLE-3's default
     init_head: str | None = None  # start from this head directory instead of a fresh one;
     # it keeps its own draft vocabulary unless `vocab` is set too (then rows move by token)
+    # The head's MLP width. None: init_head's, else the target's. Wider than init_head's:
+    # the trained head is widened exactly (new units start silent: train/model.widen_mlp).
+    intermediate_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.intermediate_size is None or self.intermediate_size >= 1,
+                 f"model.intermediate_size={self.intermediate_size} must be >= 1")  # fmt: skip
 
 
 @dataclass

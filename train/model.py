@@ -93,15 +93,18 @@ def build_head(
     aux_layer_ids: tuple[int, ...],
     attention: TTTAttention,
     exit_signals: tuple[str, ...] = (),
+    intermediate_size: int | None = None,
 ) -> Eagle3Head:
     """A fresh head for ``target`` with the draft vocabulary (d2t, t2d), EAGLE-3's
-    lm_head init and SpecExit channels for ``exit_signals`` (none by default)."""
+    lm_head init, SpecExit channels for ``exit_signals`` (none by default) and an MLP
+    ``intermediate_size`` wide (default: the target's)."""
     config = Eagle3Config.for_target(
         target.config,
         d2t.shape[0],
         aux_layer_ids=aux_layer_ids,
         target_name=target_name,
         exit_signals=exit_signals,
+        intermediate_size=intermediate_size,
     )
     head = Eagle3Head(config, attention)
     head.set_vocab_map(d2t, t2d)
@@ -130,6 +133,34 @@ def carry_vocab_rows(
         weight = head.lm_head.weight
         weight[shared.to(weight.device)] = rows[source[shared]].to(weight.device, weight.dtype)
     return int(shared.sum())
+
+
+MLP_KEYS = ("midlayer.mlp.gate_up_proj.weight", "midlayer.mlp.down_proj.weight")
+
+
+def widen_mlp(state: dict[str, torch.Tensor], head: Eagle3Head) -> int:
+    """Rewrite a trained head's MLP weights in ``state`` (``intermediate_size`` I) for
+    ``head``'s wider MLP (I' > I), in place, so that the widened head computes exactly what
+    the trained one did: the old units keep their gate, up and down weights; each new unit
+    keeps ``head``'s fresh gate and up rows and gets a zero down column, so it adds nothing
+    until training moves that column (its gradient is the unit's activation, nonzero), and
+    then its gate and up rows train too. Returns I."""
+    gate_up_key, down_key = MLP_KEYS
+    old_gate, old_up = state[gate_up_key].chunk(2, dim=0)  # [I, hidden] each
+    old, wide = old_gate.shape[0], head.config.intermediate_size
+    if wide < old:
+        raise ValueError(
+            f"model.intermediate_size={wide} is narrower than model.init_head's MLP ({old}); "
+            "a trained head can be widened, not narrowed: drop the setting or raise it"
+        )
+    fresh = head.state_dict()
+    gate, up = fresh[gate_up_key].clone().chunk(2, dim=0)  # [I', hidden] each
+    gate[:old], up[:old] = old_gate, old_up
+    down = torch.zeros_like(fresh[down_key])  # [hidden, I']
+    down[:, :old] = state[down_key]
+    state[gate_up_key] = torch.cat([gate, up])
+    state[down_key] = down
+    return old
 
 
 class TTTModel(nn.Module):

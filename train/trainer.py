@@ -41,6 +41,7 @@ from specdec.train.model import (
     build_head,
     carry_vocab_rows,
     load_vocab,
+    widen_mlp,
 )
 from specdec.train.spec_exit_labels import ExitLabeler
 from specdec.train.spec_exit_loss import SpecExitLoss
@@ -160,8 +161,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
             "set model.init_head to that head's directory"
         )
     backend = attention_backend(config.ttt.attention, device)
+    width = config.model.intermediate_size or (init.config.intermediate_size if init else None)
     head = build_head(target, config.model.target, d2t, t2d, aux_ids, backend,
-                      exit_signals=exit_cfg.signals)  # fmt: skip
+                      exit_signals=exit_cfg.signals, intermediate_size=width)  # fmt: skip
     if config.data.max_seq_len > head.rotary.num_positions:
         # Positions past the head's RoPE table are clamped (train/ttt.py unroll): harmless
         # for padding, silently wrong for tokens that carry loss.
@@ -329,6 +331,11 @@ def _load_init_head(head, init) -> None:
         rows = state["lm_head.weight"]
         for key in vocab_keys:
             state.pop(key)
+    wide, old = head.config.intermediate_size, init.config.intermediate_size
+    if wide != old:
+        widen_mlp(state, head)
+        logger.info("model.init_head's MLP widened from %d to %d units (new ones start silent)",
+                    old, wide)  # fmt: skip
     # A trained head without channels: its weights, and fresh channels on top.
     fresh_channels = bool(want) and not have
     missing, unexpected = head.load_state_dict(state, strict=False)

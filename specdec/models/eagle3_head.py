@@ -210,9 +210,11 @@ class Eagle3Config:
         target_name: str = "",
         tree: TreeDefaults | None = None,
         exit_signals: tuple[str, ...] = (),
+        intermediate_size: int | None = None,
     ) -> Eagle3Config:
         """A head shaped like one layer of ``model_config`` (same widths, heads, norm eps
-        and RoPE), reading the default aux layers unless ``aux_layer_ids`` is given."""
+        and RoPE; the MLP ``intermediate_size`` wide if given), reading the default aux
+        layers unless ``aux_layer_ids`` is given."""
         ids = aux_layer_ids or default_aux_layer_ids(model_config.num_layers)
         bad = [i for i in ids if not 0 <= i < model_config.num_layers]
         if bad:
@@ -222,7 +224,7 @@ class Eagle3Config:
             )
         return cls(
             hidden_size=model_config.hidden_size,
-            intermediate_size=model_config.intermediate_size,
+            intermediate_size=intermediate_size or model_config.intermediate_size,
             num_heads=model_config.num_heads,
             num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim,
