@@ -65,8 +65,13 @@ def step_rows(judge: HeadJudge, batch: PackedBatch, steps: int) -> list[StepRows
     return rows
 
 
-def gather_rows(judge: HeadJudge, name: str, records, steps: int) -> list[StepRows]:
-    per_batch = [step_rows(judge, b, steps) for b, _ in judge.forward_batches(name, records)]
+def gather_rows(judge: HeadJudge, sets, steps: int) -> list[StepRows]:
+    """Every step's rows over the record sets ((name, records) pairs), in order."""
+    per_batch = [
+        step_rows(judge, batch, steps)
+        for name, records in sets
+        for batch, _ in judge.forward_batches(name, records)
+    ]
     features = [torch.cat([r[i].features for r in per_batch]) for i in range(steps)]
     labels = [torch.cat([r[i].label_hidden for r in per_batch]) for i in range(steps)]
     return [StepRows(f, h) for f, h in zip(features, labels, strict=True)]
@@ -126,7 +131,12 @@ def figures_row(label: str, epoch: int, figures: list[SetFigures], chain: int) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", required=True, help="regenerate directory (greedy answers)")
+    parser.add_argument(
+        "--train",
+        action="append",
+        required=True,
+        help="regenerate directory of greedy answers (repeatable)",
+    )
     parser.add_argument("--eval", action="append", required=True, metavar="NAME=DIR")
     parser.add_argument("--head", default=None, help="head directory (default: the shipped)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -142,13 +152,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     evals = tuple(tuple(e.split("=", 1)) for e in args.eval)
-    config = EvalConfig(records=(("train", args.train), *evals), head=args.head,
+    trains = tuple((f"train{i}", path) for i, path in enumerate(args.train))
+    config = EvalConfig(records=(*trains, *evals), head=args.head,
                         model=args.model, steps=args.chain, chains=(args.chain,),
                         max_tokens=args.max_tokens)  # fmt: skip
     judge = HeadJudge.load(config)
-    (_, train_records), *eval_sets = judge.sets
+    train_sets, eval_sets = judge.sets[: len(trains)], judge.sets[len(trains) :]
     started = time.perf_counter()
-    rows = gather_rows(judge, "train", train_records, args.chain)
+    named = [(name, records) for (name, _), (_, records) in zip(trains, train_sets, strict=True)]
+    rows = gather_rows(judge, named, args.chain)
     print(f"train rows per step: {[r.features.shape[0] for r in rows]} "
           f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
     forwarded = [

@@ -279,10 +279,10 @@ def test_label_probe_features_do_not_depend_on_the_lm_head(greedy_records, train
                         steps=3, chains=(3,))  # fmt: skip
     judge = HeadJudge.load(config)
     records = judge.sets[0][1]
-    before = probe.gather_rows(judge, "greedy", records, 3)
+    before = probe.gather_rows(judge, [("greedy", records)], 3)
     with torch.no_grad():
         judge.head.lm_head.weight.normal_()
-    after = probe.gather_rows(judge, "greedy", records, 3)
+    after = probe.gather_rows(judge, [("greedy", records)], 3)
     for a, b in zip(before, after, strict=True):
         assert a.features.shape[0] > 0
         assert torch.equal(a.features, b.features)
