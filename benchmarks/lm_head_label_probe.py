@@ -145,6 +145,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--batch-rows", type=int, default=2048)
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=None,
+        help="train on at most this many rows per step (a seeded sample)",
+    )
     parser.add_argument("--decay", type=float, default=0.8)
     parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per micro-batch")
     parser.add_argument("--seed", type=int, default=0)
@@ -161,6 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     named = [(name, records) for (name, _), (_, records) in zip(trains, train_sets, strict=True)]
     rows = gather_rows(judge, named, args.chain)
+    if args.max_rows is not None:
+        gen = torch.Generator().manual_seed(args.seed)
+        picks = [torch.randperm(r.features.shape[0], generator=gen)[: args.max_rows] for r in rows]
+        rows = [StepRows(r.features[i], r.label_hidden[i])
+                for r, i in zip(rows, picks, strict=True)]  # fmt: skip
     print(f"train rows per step: {[r.features.shape[0] for r in rows]} "
           f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
     forwarded = [
