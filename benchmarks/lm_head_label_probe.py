@@ -26,6 +26,7 @@ bench --export-prompts`` for the eval sets, anything else for training).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -118,6 +119,48 @@ def train_lm_head(
     return weight.detach()
 
 
+P1_BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.01)
+
+
+def step0_misses(judge: HeadJudge, batches) -> dict:
+    """Where the head's first draft misses on one set's forwarded batches: per bin of the
+    target's confidence p1 (its argmax's probability over the draft vocabulary), the share
+    of positions and the head's step-0 accuracy; and, over the misses, where the head ranks
+    the target's token (2nd, 3rd-5th, lower)."""
+    p1s, hits, ranks = [], [], []
+    with torch.inference_mode():
+        for batch, _ in batches:
+            top = argmax_logits(batch.target_hidden, judge.lm_head)  # [n]
+            usable = batch.loss_mask & judge.head.t2d[top]
+            labels = torch.softmax(batch.target_hidden @ judge.label_weight.T, dim=-1)
+            step = next(unroll(judge.head, batch, 1))
+            valid = step.inside & usable[step.source]
+            label, logits = labels[step.source][valid], step.logits[valid]
+            want = label.argmax(-1)  # [m]
+            p1s.append(label.max(-1).values)
+            hits.append(logits.argmax(-1) == want)
+            ranks.append((logits > logits.gather(1, want[:, None])).sum(-1))  # 0: drafted
+    p1, hit, rank = torch.cat(p1s), torch.cat(hits), torch.cat(ranks)
+    bins = []
+    for lo, hi in itertools.pairwise(P1_BINS):
+        inside = (p1 >= lo) & (p1 < hi)
+        share = float(inside.float().mean())
+        acc = float(hit[inside].float().mean()) if inside.any() else float("nan")
+        bins.append({"p1": [lo, min(hi, 1.0)], "share": share, "acc_0": acc})
+    missed = rank[~hit]  # 1: the target's token was the head's second choice
+    miss_rank = {
+        "2": float((missed == 1).float().mean()),
+        "3-5": float(((missed >= 2) & (missed <= 4)).float().mean()),
+        ">5": float((missed >= 5).float().mean()),
+    }
+    return {
+        "positions": int(p1.numel()),
+        "acc_0": float(hit.float().mean()),
+        "by_p1": bins,
+        "miss_rank": miss_rank,
+    }
+
+
 def figures_row(label: str, epoch: int, figures: list[SetFigures], chain: int) -> dict:
     return {
         "variant": label,
@@ -178,6 +221,12 @@ def main(argv: list[str] | None = None) -> None:
         (name, root, manifest, list(judge.forward_batches(name, records)))
         for (name, root), (manifest, records) in zip(evals, eval_sets, strict=True)
     ]
+    misses = {name: step0_misses(judge, batches) for name, _, _, batches in forwarded}
+    for name, m in misses.items():
+        cells = ", ".join(f"p1<{b['p1'][1]:g}: {b['share']:.3f} at {b['acc_0']:.2f}"
+                          for b in m["by_p1"])  # fmt: skip
+        print(f"{name}: step-0 acc {m['acc_0']:.3f}; {cells}; misses rank the target's "
+              f"token {m['miss_rank']}")  # fmt: skip
     lm_head = judge.head.lm_head.weight
     start = lm_head.detach().clone()
 
@@ -208,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         print(format_row(r))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "step0_misses": misses, "results": results}, f,
+                      indent=1)  # fmt: skip
 
 
 def format_row(r: dict) -> str:

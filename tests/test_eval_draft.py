@@ -300,7 +300,8 @@ def test_label_probe_judges_as_eval_draft_and_trains(greedy_records, trained_hea
     probe.main(["--train", str(greedy_records), "--eval", f"greedy={greedy_records}",
                 "--head", str(trained_head_dir), "--weights", "1", "--epochs", "2",
                 "--lr", "3e-3", "--json", str(out)])  # fmt: skip
-    results = json.loads(out.read_text())["results"]
+    saved = json.loads(out.read_text())
+    results, misses = saved["results"], saved["step0_misses"]["greedy"]
     assert [(r["variant"], r["epoch"]) for r in results] == [
         ("head", 0), ("argmax_weight=1", 1), ("argmax_weight=1", 2)
     ]  # fmt: skip
@@ -311,3 +312,7 @@ def test_label_probe_judges_as_eval_draft_and_trains(greedy_records, trained_hea
     assert head["tau"] == figures.chains[3].tau and head["acc"] == figures.acc
     assert head["acc"][0] < 1.0
     assert results[-1]["sets"]["greedy"]["acc"][0] > head["acc"][0]
+    # The miss table counts the same step-0 positions and accuracy as the judge.
+    assert misses["acc_0"] == pytest.approx(head["acc"][0])
+    assert sum(b["share"] for b in misses["by_p1"]) == pytest.approx(1.0)
+    assert sum(misses["miss_rank"].values()) == pytest.approx(1.0)
