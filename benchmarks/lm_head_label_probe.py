@@ -11,7 +11,10 @@ weights ``decay**i``), and each retrained lm_head is judged exactly as ``specdec
 eval-draft`` judges a head: chain replay over the eval sets' greedy answers
 (``train/head_eval.py``). The body stays fixed, so the figures say how the label moves
 the decision layer, not what full training reaches; a variant that does not move it
-here is unlikely to be worth a GPU run.
+here is unlikely to be worth a GPU run. Before training it prints where the head's first
+draft misses on each eval set (``step0_misses``): the share of positions and the head's
+accuracy per bin of the target's own confidence, and where the head ranks the target's
+token when it misses.
 
     specdec data-gen regenerate -i train_prompts.jsonl -o greedy/train --temperature 0 \\
         --max-tokens 256 --device cpu --dtype float32
