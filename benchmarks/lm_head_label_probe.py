@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.train.head_eval import EvalConfig, HeadJudge, SetFigures
-from specdec.train.ttt import PackedBatch, argmax_logits, mix_argmax, unroll
+from specdec.train.ttt import PackedBatch, draft_labels, mix_argmax, unroll, usable_labels
 
 
 @dataclass
@@ -57,8 +57,7 @@ def step_rows(judge: HeadJudge, batch: PackedBatch, steps: int) -> list[StepRows
     hook = head.lm_head.register_forward_hook(lambda _m, args, _out: captured.append(args[0]))
     try:
         with torch.inference_mode():
-            target_top = argmax_logits(batch.target_hidden, judge.lm_head)  # [n]
-            usable = batch.loss_mask & head.t2d[target_top]  # [n]
+            _, _, usable = usable_labels(head, batch, judge.lm_head)  # [n]
             rows = []
             for step in unroll(head, batch, steps):
                 valid = step.inside & usable[step.source]  # [n]
@@ -112,7 +111,7 @@ def train_lm_head(
                 if not idx.numel():
                     continue
                 with torch.no_grad():
-                    labels = torch.softmax(r.label_hidden[idx] @ label_weight.T, dim=-1)
+                    labels = draft_labels(r.label_hidden[idx], label_weight)
                     labels = mix_argmax(labels, labels.argmax(-1), argmax_weight)
                 log_q = F.log_softmax(r.features[idx] @ weight.T, dim=-1)
                 loss = loss + decay**i * -(labels * log_q).sum(-1).mean()
@@ -133,12 +132,9 @@ def step0_misses(judge: HeadJudge, batches) -> dict:
     p1s, hits, ranks = [], [], []
     with torch.inference_mode():
         for batch, _ in batches:
-            top = argmax_logits(batch.target_hidden, judge.lm_head)  # [n]
-            usable = batch.loss_mask & judge.head.t2d[top]
-            labels = torch.softmax(batch.target_hidden @ judge.label_weight.T, dim=-1)
-            step = next(unroll(judge.head, batch, 1))
-            valid = step.inside & usable[step.source]
-            label, logits = labels[step.source][valid], step.logits[valid]
+            (rows,) = step_rows(judge, batch, 1)  # step 0's valid positions
+            label = draft_labels(rows.label_hidden, judge.label_weight)  # [m, V_d]
+            logits = judge.head.lm_head(rows.features).float()  # [m, V_d]
             want = label.argmax(-1)  # [m]
             p1s.append(label.max(-1).values)
             hits.append(logits.argmax(-1) == want)

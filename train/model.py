@@ -135,9 +135,6 @@ def carry_vocab_rows(
     return int(shared.sum())
 
 
-MLP_KEYS = ("midlayer.mlp.gate_up_proj.weight", "midlayer.mlp.down_proj.weight")
-
-
 def widen_mlp(state: dict[str, torch.Tensor], head: Eagle3Head) -> int:
     """Rewrite a trained head's MLP weights in ``state`` (``intermediate_size`` I) for
     ``head``'s wider MLP (I' > I), in place, so that the widened head computes exactly what
@@ -145,7 +142,7 @@ def widen_mlp(state: dict[str, torch.Tensor], head: Eagle3Head) -> int:
     keeps ``head``'s fresh gate and up rows and gets a zero down column, so it adds nothing
     until training moves that column (its gradient is the unit's activation, nonzero), and
     then its gate and up rows train too. Returns I."""
-    gate_up_key, down_key = MLP_KEYS
+    gate_up_key, down_key = "midlayer.mlp.gate_up_proj.weight", "midlayer.mlp.down_proj.weight"
     old_gate, old_up = state[gate_up_key].chunk(2, dim=0)  # [I, hidden] each
     old, wide = old_gate.shape[0], head.config.intermediate_size
     if wide < old:

@@ -209,11 +209,9 @@ def ttt_forward(
     keeps each step's hits (``DraftTrace``) for evaluation; training leaves it off."""
     n = batch.num_tokens
     with torch.no_grad():
-        target_top = argmax_logits(batch.target_hidden, target_lm_head)  # [n] target ids
+        target_top, kept, usable = usable_labels(head, batch, target_lm_head)
         if label_weight is None:
             label_weight = draft_rows(head, target_lm_head)
-        kept = head.t2d[target_top]  # [n]: the target's argmax is a draft-vocabulary id
-        usable = batch.loss_mask & kept  # [n]
     device = batch.input_ids.device
     total = torch.zeros((), dtype=torch.float32, device=device)
     losses, corrects, counts, hits = [], [], [], []
@@ -221,9 +219,7 @@ def ttt_forward(
     leading = torch.zeros(n, dtype=torch.int64, device=device)
     valid0 = torch.zeros(n, dtype=torch.bool, device=device)
     with torch.no_grad():  # every position's label once; step i reads them shifted by i
-        labels = torch.softmax(
-            (batch.target_hidden.to(label_weight.dtype) @ label_weight.T).float(), dim=-1
-        )  # [n, V_d]
+        labels = draft_labels(batch.target_hidden, label_weight)  # [n, V_d]
         label_top = labels.argmax(-1)  # [n]
         labels = mix_argmax(labels, label_top, argmax_weight)
     for out in unroll(head, batch, steps):
@@ -251,6 +247,26 @@ def ttt_forward(
     )  # fmt: skip
 
 
+def usable_labels(
+    head, batch: PackedBatch, target_lm_head: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [n] each
+    """(the target's argmax at each index, whether the head can emit it, whether its label
+    counts: an assistant token whose argmax is kept). Step ``i``'s valid positions are
+    ``inside & usable[source]`` (module docstring)."""
+    target_top = _argmax_logits(batch.target_hidden, target_lm_head)  # [n] target ids
+    kept = head.t2d[target_top]  # [n]
+    return target_top, kept, batch.loss_mask & kept
+
+
+def draft_labels(
+    target_hidden: torch.Tensor,  # [n, hidden]: the target's final-normed hidden states
+    label_weight: torch.Tensor,  # [draft_vocab, hidden]: the target lm_head's kept-id rows
+) -> torch.Tensor:  # [n, V_d] float32
+    """The target's next-token distribution restricted to the draft vocabulary."""
+    logits = target_hidden.to(label_weight.dtype) @ label_weight.T
+    return torch.softmax(logits.float(), dim=-1)
+
+
 def mix_argmax(
     labels: torch.Tensor,  # [n, V_d] float32: the target's distribution over the draft vocab
     label_top: torch.Tensor,  # [n] int64: its argmax
@@ -271,7 +287,7 @@ def draft_rows(head, target_lm_head: torch.Tensor) -> torch.Tensor:  # [draft_vo
     return target_lm_head.index_select(0, kept.to(target_lm_head.device))
 
 
-def argmax_logits(
+def _argmax_logits(
     hidden: torch.Tensor,  # [n, hidden]
     lm_head: torch.Tensor,  # [vocab, hidden]
     chunk: int = 4096,
