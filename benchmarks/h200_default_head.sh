@@ -52,8 +52,18 @@ done
 
 # What comes back (at most 8 files, two folders down): the head's files (shards <= 16 MB),
 # the bench reports, and one archive of the stage logs, the training log, the manifests and
-# the vocab stage's draft vocabulary (0.6 MB, with its token counts).
-if [ -f "$RUN/head/config.json" ]; then mkdir -p "$OUT/head" && cp "$RUN"/head/* "$OUT/head/"; fi
+# the vocab stage's draft vocabulary (0.6 MB, with its token counts). The head comes back
+# in bf16, the dtype it ships and benches in (`specdec import` casts each tensor once, as
+# loading it with --dtype bfloat16 does): the trainer's fp32 export of a widened head
+# (session 33: intermediate 4,608, 78 MB in 7 shards + index) would not fit the eight
+# files, while its bf16 copy takes 3 shards. Continuing a run uses $RUN's checkpoints,
+# which stay on the machine.
+if [ -f "$RUN/head/config.json" ]; then
+    rm -rf "$OUT/head"
+    specdec import "$RUN/head" "$OUT/head" --dtype bfloat16 > "$OUT/import.log" 2>&1 \
+        || { echo "--- head: bf16 import failed (import.log), the fp32 files instead"; \
+             mkdir -p "$OUT/head" && cp "$RUN"/head/* "$OUT/head/"; }
+fi
 tar czf "$OUT/reports.tgz" --ignore-failed-read "$OUT"/*.log "$RUN"/log.jsonl \
     "$DATA"/*/manifest.json "$DATA"/vocab/vocab.safetensors 2>/dev/null
 rm -f "$OUT"/*.log
