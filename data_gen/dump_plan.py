@@ -30,6 +30,7 @@ class TokenRecord:
     input_ids: np.ndarray  # [num_tokens] int32
     loss_mask: np.ndarray  # [num_tokens] bool
     confidence: np.ndarray | None = None  # [num_tokens] float32, NaN where unlabelled
+    source: str = ""  # the prompt's source (``data-gen prompts`` records it; "": none)
 
     def confidence_labels(self) -> list[list[float]] | None:
         """The labelled (position, label) pairs, for digests (None: no labels)."""
@@ -126,7 +127,10 @@ def parse_token_record(
         except ValueError:
             skipped.add("bad_spec_exit_confidence")
             return None
-    return TokenRecord(str(obj.get("id", "")), arr.astype(np.int32), m.astype(bool), confidence)
+    return TokenRecord(
+        str(obj.get("id", "")), arr.astype(np.int32), m.astype(bool), confidence,
+        source=str(obj.get("source") or ""),
+    )  # fmt: skip
 
 
 def plan_shards(lengths: list[int], bytes_per_token: int, shard_bytes: int) -> list[DumpShard]:

@@ -250,16 +250,23 @@ def _probe():
         sys.path.pop(0)
 
 
+SOURCES = ["qa", "writing", "qa", ""]  # PROMPTS' sources in greedy_records
+
+
 @pytest.fixture(scope="module")
 def greedy_records(tmp_path_factory) -> Path:
-    """The target's greedy answers to PROMPTS (24 tokens), as regenerate writes them."""
+    """The target's greedy answers to PROMPTS (24 tokens), as regenerate writes them; the
+    prompts name sources as ``data-gen prompts`` does (SOURCES; the last names none, so
+    regenerate records its file's name, "prompts")."""
     from specdec import LLM
     from specdec.data_gen.regenerate import RegenerateConfig, run_regenerate
     from specdec.data_gen.shards import RankInfo
 
     root = tmp_path_factory.mktemp("probe")
     prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    rows = [{"prompt": p, **({"source": s} if s else {})}
+            for p, s in zip(PROMPTS, SOURCES, strict=True)]  # fmt: skip
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     llm = LLM("smollm2-135m-instruct", device="cpu", dtype="float32", kv_cache_memory=64 << 20,
               max_num_seqs=4, speculative=None)  # fmt: skip
     config = RegenerateConfig(input=str(prompts), output=str(root / "regen"), temperature=0.0,
@@ -316,3 +323,53 @@ def test_label_probe_judges_as_eval_draft_and_trains(greedy_records, trained_hea
     assert misses["acc_0"] == pytest.approx(head["acc"][0])
     assert sum(b["share"] for b in misses["by_p1"]) == pytest.approx(1.0)
     assert sum(misses["miss_rank"].values()) == pytest.approx(1.0)
+
+
+# ---- eval-draft --by-source -------------------------------------------------------------
+
+
+def test_by_source_rows_split_the_set_and_pool_back_to_it(greedy_records, trained_head_dir, capsys):
+    """One row per prompt source (sorted), each judging exactly its own answers, and the
+    set's row pooled from them: the counts that do not depend on the forward's numerics
+    equal the plain run's, the figures that do agree to within the rounding of a
+    different packing."""
+    from specdec.train.head_eval import EvalConfig, evaluate_head
+
+    records = (("greedy", str(greedy_records)),)
+    plain_config = EvalConfig(records=records, head=str(trained_head_dir), steps=3, chains=(3,))
+    (plain,) = evaluate_head(plain_config, progress=False)
+    config = EvalConfig(records=records, head=str(trained_head_dir), steps=3, chains=(3,),
+                        by_source=True, per_answer=True)  # fmt: skip
+    pooled, *parts = evaluate_head(config, progress=False)
+    assert [f.name for f in (pooled, *parts)] == ["greedy", "greedy/prompts", "greedy/qa",
+                                                  "greedy/writing"]  # fmt: skip
+    assert [f.sequences for f in parts] == [1, 2, 1]  # SOURCES
+    counts = ("sequences", "answers", "answer_tokens", "kept_answer_tokens", "greedy_tokens")
+    for key in counts:
+        assert getattr(pooled, key) == getattr(plain, key) == sum(getattr(f, key) for f in parts)
+    assert pooled.chains[3].steps == sum(f.chains[3].steps for f in parts)
+    assert pooled.per_answer[3] == [row for f in parts for row in f.per_answer[3]]
+    assert pooled.chains[3].tau == pytest.approx(plain.chains[3].tau, abs=0.05)
+    assert pooled.acc == pytest.approx(plain.acc, abs=0.05)
+    assert len({f.chains[3].tau for f in parts}) > 1  # the sources differ: the split shows it
+
+    args = ["--head", str(trained_head_dir), "--steps", "3", "--chain", "3", "--by-source"]
+    assert main(["eval-draft", "--records", f"greedy={greedy_records}", *args]) == 0
+    table = capsys.readouterr().out
+    assert all(f"\n{name} " in table for name in ("greedy", "greedy/prompts", "greedy/qa"))
+
+
+def test_by_source_keeps_record_order_and_names_a_missing_source(tmp_path, trained_head_dir):
+    from specdec.data_gen.dump_plan import TokenRecord
+    from specdec.train.head_eval import EvalConfig, by_source, evaluate_head
+
+    ids, mask = np.zeros(2, np.int32), np.ones(2, bool)
+    sources = ["b", "a", "b", ""]
+    groups = by_source([TokenRecord(f"r{i}", ids, mask, source=s) for i, s in enumerate(sources)])
+    assert list(groups) == ["", "a", "b"]
+    assert [[r.id for r in g] for g in groups.values()] == [["r3"], ["r1"], ["r0", "r2"]]
+    # A record written without a source (not by regenerate) is judged under "-".
+    root = _records_dir(tmp_path, [1, 2, 3, 4, 5], [0, 0, 1, 1, 1])
+    config = EvalConfig(records=(("x", str(root)),), head=str(trained_head_dir), steps=2,
+                        by_source=True)  # fmt: skip
+    assert [f.name for f in evaluate_head(config, progress=False)] == ["x", "x/-"]

@@ -74,6 +74,11 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         help="the max_tokens the answers were generated with (default: the manifest's)",
     )
     p.add_argument("--per-answer", action="store_true", help="--json lists every answer's counts")
+    p.add_argument(
+        "--by-source",
+        action="store_true",
+        help="also report each set per prompt source (the records' `source`), as SET/SOURCE",
+    )
     p.add_argument("--json", dest="json_out", help="write the figures to this file")
 
 
@@ -110,6 +115,7 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         answer_max_tokens=args.answer_max_tokens,
         per_answer=args.per_answer,
+        by_source=args.by_source,
     )
     head_dir = resolve_head(config.head, config.model)
     figures = evaluate_head(config)

@@ -15,6 +15,10 @@ the trainer packs them. Figures:
   the tokens before them, as the replay assumes (1.0 for greedy answers of this target,
   up to ties in the argmax).
 
+``by_source`` judges each set's records grouped by their prompt's source (the ``source``
+that ``data-gen prompts`` records and regenerate keeps): one row ``<set>/<source>`` per
+source, after the set's own row, which pools them. Each answer is judged once either way.
+
 The replay's figures equal the engine's on the tokens the target emitted greedily, when
 the answers' ``max_tokens`` is known (the regenerate manifest records it) and no record was
 clipped to fit ``max_tokens`` or the head's positions (a clipped answer replays as if
@@ -64,7 +68,8 @@ class EvalConfig:
     None: the head shipped for ``model``; ``chains`` empty: 1..``steps``; ``max_tokens``:
     tokens per packed micro-batch (longer records are clipped); ``answer_max_tokens``: the
     max_tokens the answers were generated with (None: each set's regenerate manifest's);
-    ``per_answer``: also keep each answer's replayed steps and accepted tokens."""
+    ``per_answer``: also keep each answer's replayed steps and accepted tokens;
+    ``by_source``: also report each set per prompt source (module docstring)."""
 
     records: tuple[tuple[str, str], ...]
     head: str | None = None
@@ -76,6 +81,7 @@ class EvalConfig:
     max_tokens: int = 4096
     answer_max_tokens: int | None = None
     per_answer: bool = False
+    by_source: bool = False
 
     def __post_init__(self) -> None:
         if not self.records:
@@ -125,8 +131,32 @@ class SetFigures:
     leading: int = 0  # sum of leading runs over step-0-valid positions
     valid0: int = 0
     chains: dict[int, SpecStats] = field(default_factory=dict)
-    # K -> [[steps, accepted] per answer, in record order]; empty unless asked
+    # K -> [[steps, accepted] per answer, in record order (a set pooled from its sources:
+    # source by source)]; empty unless asked
     per_answer: dict[int, list[list[int]]] = field(default_factory=dict)
+
+    @classmethod
+    def pooled(cls, name: str, parts: list[SetFigures]) -> SetFigures:
+        """One set's figures summed from its parts' (the same set's records, split)."""
+        first = parts[0]
+        out = cls(name, first.path, first.answer_max_tokens, first.temperature,
+                  first.clip_tokens, step_correct=[0] * len(first.step_correct),
+                  step_valid=[0] * len(first.step_valid),
+                  chains={k: SpecStats() for k in first.chains},
+                  per_answer={k: [] for k in first.per_answer})  # fmt: skip
+        counts = ("sequences", "clipped", "answers", "answer_tokens", "kept_answer_tokens",
+                  "greedy_tokens", "greedy_agree", "leading", "valid0")  # fmt: skip
+        for part in parts:
+            for key in counts:
+                setattr(out, key, getattr(out, key) + getattr(part, key))
+            for i, (c, v) in enumerate(zip(part.step_correct, part.step_valid, strict=True)):
+                out.step_correct[i] += c
+                out.step_valid[i] += v
+            for k, stats in part.chains.items():
+                out.chains[k].merge(stats)
+            for k, rows in part.per_answer.items():
+                out.per_answer[k] += rows
+        return out
 
     @property
     def acc(self) -> list[float]:
@@ -165,10 +195,30 @@ class SetFigures:
 def evaluate_head(config: EvalConfig, progress: bool = True) -> list[SetFigures]:
     """Judge ``config.head`` on every record set (module docstring), in order."""
     judge = HeadJudge.load(config)
-    return [
-        judge.judge(name, root, manifest, judge.forward_batches(name, records, progress))
-        for (name, root), (manifest, records) in zip(config.records, judge.sets, strict=True)
-    ]
+    out: list[SetFigures] = []
+    for (name, root), (manifest, records) in zip(config.records, judge.sets, strict=True):
+        if not config.by_source:
+            batches = judge.forward_batches(name, records, progress)
+            out.append(judge.judge(name, root, manifest, batches))
+            continue
+        parts = []
+        for source, group in by_source(records).items():
+            label = f"{name}/{source or NO_SOURCE}"
+            batches = judge.forward_batches(label, group, progress)
+            parts.append(judge.judge(label, root, manifest, batches))
+        out += [SetFigures.pooled(name, parts), *parts]
+    return out
+
+
+NO_SOURCE = "-"  # the row name of records whose prompt recorded no source
+
+
+def by_source(records: list[TokenRecord]) -> dict[str, list[TokenRecord]]:
+    """The records grouped by prompt source, sources sorted, record order kept in each."""
+    groups: dict[str, list[TokenRecord]] = {}
+    for r in records:
+        groups.setdefault(r.source, []).append(r)
+    return dict(sorted(groups.items()))
 
 
 @dataclass
