@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
 
@@ -107,8 +108,9 @@ def run_steps(head: Eagle3Head, target: ModelConfig, seed: int = 0) -> list[torc
     gen = torch.Generator().manual_seed(seed)
     dtype = head.lm_head.weight.dtype
     c = head.config
-    k_cache = torch.zeros(32, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=dtype)
-    kv = (k_cache, torch.zeros_like(k_cache))
+    shape = (32, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
+    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+          for _ in range(c.num_layers)]  # fmt: skip
     free = list(range(1, 32))
     random.Random(seed).shuffle(free)
     tables: list[list[int]] = [[], []]
@@ -196,6 +198,59 @@ def test_formats_write_what_other_tools_read(tmp_path: Path) -> None:
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= research_keys
     spec_keys = _stored_keys(tmp_path / "speculators")
     assert spec_keys == {k.replace("midlayer.", "layers.0.") for k in research_keys}
+
+
+@pytest.mark.parametrize("fmt", ["specdec", "speculators"])
+def test_a_deeper_head_round_trips_with_vllms_layer_names(fmt: str, tmp_path: Path) -> None:
+    """A 3-layer head (vLLM's multi-layer EAGLE-3 drafter): config.json says
+    num_hidden_layers 3, the layers after the first are stored as layers.1.* and
+    layers.2.* (midlayer.* is vLLM's layers.0.*), and it loads back drafting the same
+    logits, its layers each on its own K/V. The research format (SGLang, EAGLE: one
+    layer) refuses it, and validation for SGLang names the fix."""
+    from specdec.interop.validate import validate_head
+
+    target = target_config()
+    head, embed = random_head(target, num_layers=3)
+    assert len(head.decoder_layers) == 3
+    save_eagle3(head, tmp_path / fmt, fmt)
+    loaded = load_eagle3(tmp_path / fmt, target_config=target, embed=embed)
+    assert loaded.config.num_layers == 3
+    for a, b in zip(run_steps(head, target), run_steps(loaded, target), strict=True):
+        assert torch.equal(a, b)
+    config = json.loads((tmp_path / fmt / "config.json").read_text())
+    layer = config.get("transformer_layer_config", config)
+    assert layer["num_hidden_layers"] == 3
+    keys = _stored_keys(tmp_path / fmt)
+    first = "midlayer." if fmt == "specdec" else "layers.0."
+    assert {f"{first}hidden_norm.weight", "layers.1.self_attn.q_proj.weight",
+            "layers.2.mlp.down_proj.weight"} <= keys  # fmt: skip
+    assert not any(k.startswith(("layers.1.hidden_norm", "layers.2.hidden_norm")) for k in keys)
+    # The extra layers change what the head drafts (they are not dead weight).
+    one = Eagle3Head(replace(head.config, num_layers=1), get_attention_backend("torch"),
+                     embed=embed)  # fmt: skip
+    one.load_state_dict({k: v for k, v in head.state_dict().items()
+                         if not k.startswith("layers.")})  # fmt: skip
+    assert not torch.equal(run_steps(one, target)[-1], run_steps(head, target)[-1])
+    with pytest.raises(ValueError, match="build exactly one"):
+        save_eagle3(head, tmp_path / "eagle", "eagle")
+    errors = validate_head(tmp_path / fmt, "sglang", target=target).errors
+    assert any(f.where == "config.json: num_hidden_layers" for f in errors)
+    assert validate_head(tmp_path / fmt, "specdec", target=target).ok
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_compiled_regions_draft_as_the_eager_head(num_layers: int) -> None:
+    """``compile_regions`` (what the proposer's CUDA graphs run) compiles every layer:
+    ``forward(compiled=True)`` gives the eager logits (the eager backend on CPU)."""
+    target = target_config()
+    head, _ = random_head(target, num_layers=num_layers)
+    eager = run_steps(head, target)
+    head.compile_regions(backend="eager", fullgraph=True)
+    forward = head.forward
+    head.forward = lambda *args, **kw: forward(*args, **kw, compiled=True)  # what graphs call
+    assert len(head.__dict__["_compiled"][0]) == num_layers
+    for a, b in zip(eager, run_steps(head, target), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
 def _stored_keys(path: Path) -> set[str]:
@@ -432,7 +487,7 @@ def test_forward_matches_plain_formula(norm_before_residual: bool, tmp_path: Pat
         seq_lens_cpu=[3],
     )
     with torch.no_grad():
-        out, logits = head(ids, head.fuse(aux), pos, (k_cache, torch.zeros_like(k_cache)), meta)
+        out, logits = head(ids, head.fuse(aux), pos, [(k_cache, torch.zeros_like(k_cache))], meta)
 
     save_eagle3(head, tmp_path, "eagle")
     w = load_file(tmp_path / "model.safetensors")
@@ -470,7 +525,7 @@ def test_forward_matches_plain_formula(norm_before_residual: bool, tmp_path: Pat
             ids,
             head.fuse(aux),
             pos,
-            (k_cache, torch.zeros_like(k_cache)),
+            [(k_cache, torch.zeros_like(k_cache))],
             meta,
             logits_indices=rows,
         )

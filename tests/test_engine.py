@@ -572,7 +572,7 @@ def test_eagle3_incremental_catch_up_equals_full_recompute(smollm2_dir, random_h
         with torch.inference_mode():
             _, aux = target(torch.tensor(tokens[:n]), pos, kv, meta, hc.aux_layer_ids)
             head_shape = (nb, 16, hc.num_kv_heads, hc.head_dim)
-            head_kv = (torch.zeros(head_shape), torch.zeros(head_shape))
+            head_kv = [(torch.zeros(head_shape), torch.zeros(head_shape))]
             out, logits = head(torch.tensor(tokens[1 : n + 1]), head.fuse(aux), pos, head_kv, meta)
             expected = [int(head.draft_to_target(logits[-1].argmax()))]
             if len(drafts) > 1:  # depth 2: the first draft at position n, previous output

@@ -184,15 +184,44 @@ PROMPTS = [  # two end with EOS, two are cut at max_tokens (checked below)
 ]
 
 
-def test_replay_equals_the_engines_counts_per_request(tmp_path, monkeypatch, trained_head_dir):
-    """Greedy answers generated with a chain of 3 drafts by the shipped head, written by
+def deeper_head(trained_head_dir: Path, out: Path, nudge: float = 0.02) -> Path:
+    """The trained head with a second layer (``deepen``) whose silent projections get
+    random entries of scale ``nudge``, so that it changes the drafts (at 0.02 slightly:
+    most stay right; at 0.5 the chain of 3's τ falls from ~2.9 to ~2.1), saved to ``out``."""
+    from dataclasses import replace
+
+    from specdec.models import load_config, resolve_model
+    from specdec.models.eagle3_formats import load_eagle3, save_eagle3
+    from specdec.models.eagle3_head import Eagle3Head
+    from specdec.train.model import deepen
+
+    target = load_config(resolve_model("smollm2-135m-instruct"))
+    head = load_eagle3(trained_head_dir, target_config=target)
+    deep = Eagle3Head(replace(head.config, num_layers=2), head.attention)
+    state = head.state_dict()
+    deepen(state, deep, 1)
+    gen = torch.Generator().manual_seed(0)
+    for key in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
+        state[key] = nudge * torch.randn(state[key].shape, generator=gen).to(state[key].dtype)
+    deep.load_state_dict(state)
+    return save_eagle3(deep, out)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_replay_equals_the_engines_counts_per_request(tmp_path, monkeypatch, trained_head_dir,
+                                                      depth):  # fmt: skip
+    """Greedy answers generated with a chain of 3 drafts by the shipped head (and by a
+    2-layer head made from it: the engine's per-layer K/V against TTT's), written by
     regenerate; the replay of those records counts each request's steps and accepted
-    tokens exactly as the engine did."""
+    tokens exactly as the engine did, and the answers are the target's own greedy ones."""
     from specdec import LLM
     from specdec.config import SpeculativeConfig
     from specdec.data_gen.regenerate import RegenerateConfig, run_regenerate
     from specdec.data_gen.shards import RankInfo
     from specdec.train.head_eval import EvalConfig, evaluate_head, format_report
+
+    if depth > 1:
+        trained_head_dir = deeper_head(trained_head_dir, tmp_path / "deep")
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))

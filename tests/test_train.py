@@ -332,6 +332,35 @@ def test_init_head_under_another_vocabulary_carries_rows_by_token(trained, data,
     torch.testing.assert_close(rows[new], target_rows[kept[new]], atol=1e-6, rtol=0)
 
 
+def test_init_head_deepened_keeps_what_it_learned(trained, data, tmp_path):
+    """model.num_layers above model.init_head's: the run trains a deeper head that starts
+    as the trained one (every trained weight carried; the new layer's o_proj and
+    down_proj zero, so it adds nothing until trained), records num_hidden_layers, and
+    continues it without the setting. Fewer layers are refused, naming both."""
+    head_dir = trained[0] / "head"
+    original = _head_tensors(head_dir)
+    cfg = config(data, tmp_path / "deep", model={"init_head": str(head_dir), "num_layers": 2},
+                 optim={"max_steps": 1, "grad_accum": 1, "lr": 1e-12})  # fmt: skip
+    assert train(cfg)["step"] == 1
+    deep_dir = tmp_path / "deep" / "head"
+    assert json.loads((deep_dir / "config.json").read_text())["num_hidden_layers"] == 2
+    saved = _head_tensors(deep_dir)
+    for key, value in original.items():
+        torch.testing.assert_close(saved[key].float(), value.float(), atol=1e-6, rtol=0)
+    new = {k for k in saved if k.startswith("layers.1.")}
+    assert "layers.1.self_attn.q_proj.weight" in new and "layers.1.mlp.up_proj.weight" in new
+    for key in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
+        assert saved[key].float().abs().max() < 1e-6
+    again = config(data, tmp_path / "again", model={"init_head": str(deep_dir)},
+                   optim={"max_steps": 1, "grad_accum": 1})  # fmt: skip
+    assert train(again)["step"] == 1
+    assert json.loads((tmp_path / "again/head/config.json").read_text())["num_hidden_layers"] == 2
+    fewer = config(data, tmp_path / "fewer", model={"init_head": str(deep_dir), "num_layers": 1},
+                   optim={"max_steps": 1, "grad_accum": 1})  # fmt: skip
+    with pytest.raises(ValueError, match=r"num_layers=1 is fewer than model.init_head's 2"):
+        train(fewer)
+
+
 def test_init_head_widened_keeps_what_it_learned(trained, data, tmp_path):
     """model.intermediate_size above model.init_head's MLP width: the run trains a wider
     head that starts as the trained one (old units' weights carried, new units' down

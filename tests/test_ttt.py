@@ -255,7 +255,7 @@ def paged_chain_logits(head: Eagle3Head, ids, aux, t: int, steps: int) -> list[t
     block = 16
     cfg = head.config
     cache_shape = (8, block, cfg.num_kv_heads, cfg.head_dim)
-    kv = (torch.zeros(cache_shape), torch.zeros(cache_shape))
+    kv = [(torch.zeros(cache_shape), torch.zeros(cache_shape)) for _ in range(cfg.num_layers)]
     table = torch.arange(1, 8, dtype=torch.int32)[None]
 
     def meta(start: int, q: int) -> AttentionMetadata:
@@ -282,12 +282,14 @@ def paged_chain_logits(head: Eagle3Head, ids, aux, t: int, steps: int) -> list[t
     return result
 
 
-def test_unrolled_steps_equal_the_engines_draft_steps():
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_unrolled_steps_equal_the_engines_draft_steps(num_layers: int):
     """TTT step i at sequence position t computes exactly the logits the engine's head
     computes for a depth-(i+1) draft from root x[t+1] whose earlier drafts were right:
-    training optimises the computation that serving runs."""
+    training optimises the computation that serving runs (a deeper head too: each of its
+    layers attends over its own keys in both)."""
     target = target_config()
-    paged, embed = random_head(target, seed=3)
+    paged, embed = random_head(target, seed=3, num_layers=num_layers)
     trained = Eagle3Head(paged.config, TTTAttention(), embed=embed)
     trained.load_state_dict(paged.state_dict())
     gen = torch.Generator().manual_seed(4)
@@ -401,6 +403,32 @@ def test_widened_mlp_computes_what_the_trained_head_did_and_trains():
     assert down.grad[:, narrow:].abs().sum() > 0
     with pytest.raises(ValueError, match=r"intermediate_size=.* is narrower"):
         widen_mlp(wide.state_dict(), head)
+
+
+def test_deepened_head_computes_what_the_trained_head_did_and_trains():
+    """``deepen``: a 1-layer head given two more layers gives the same logits at every TTT
+    step; the new layers are silent (zero o_proj and down_proj) but not frozen: one
+    backward gives both zero matrices a gradient. Cutting layers is refused."""
+    from dataclasses import replace
+
+    from specdec.train.model import deepen
+
+    head, lm_head, batch = objective_case(12, [9, 13], mask_every=5)
+    deep = Eagle3Head(replace(head.config, num_layers=3), TTTAttention(),
+                      embed=head.__dict__["_embed"])  # fmt: skip
+    state = head.state_dict()
+    deepen(state, deep, 1)
+    deep.load_state_dict(state)
+    with torch.no_grad():
+        for a, b in zip(unroll(head, batch, 3), unroll(deep, batch, 3), strict=True):
+            torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    ttt_forward(deep, batch, lm_head, steps=3).loss.backward()
+    for layer in deep.layers.values():
+        for silent in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+            assert torch.equal(silent, torch.zeros_like(silent))
+            assert silent.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"num_layers=1 is fewer than .* 3 layers"):
+        deepen(deep.state_dict(), head, 3)
 
 
 def test_step_index_bounds():

@@ -42,10 +42,16 @@ class ModelSection:
     # The head's MLP width. None: init_head's, else the target's. Wider than init_head's:
     # the trained head is widened exactly (new units start silent: train/model.widen_mlp).
     intermediate_size: int | None = None
+    # The head's decoder layers. None: init_head's, else 1 (EAGLE-3's). More than init_head's:
+    # the trained head is deepened exactly (new layers start silent: train/model.deepen).
+    # vLLM serves deeper heads; SGLang and EAGLE load one layer only.
+    num_layers: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.intermediate_size is None or self.intermediate_size >= 1,
                  f"model.intermediate_size={self.intermediate_size} must be >= 1")  # fmt: skip
+        _require(self.num_layers is None or self.num_layers >= 1,
+                 f"model.num_layers={self.num_layers} must be >= 1")  # fmt: skip
 
 
 @dataclass

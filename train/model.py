@@ -94,10 +94,11 @@ def build_head(
     attention: TTTAttention,
     exit_signals: tuple[str, ...] = (),
     intermediate_size: int | None = None,
+    num_layers: int = 1,
 ) -> Eagle3Head:
     """A fresh head for ``target`` with the draft vocabulary (d2t, t2d), EAGLE-3's
-    lm_head init, SpecExit channels for ``exit_signals`` (none by default) and an MLP
-    ``intermediate_size`` wide (default: the target's)."""
+    lm_head init, SpecExit channels for ``exit_signals`` (none by default), MLPs
+    ``intermediate_size`` wide (default: the target's) and ``num_layers`` layers."""
     config = Eagle3Config.for_target(
         target.config,
         d2t.shape[0],
@@ -105,6 +106,7 @@ def build_head(
         target_name=target_name,
         exit_signals=exit_signals,
         intermediate_size=intermediate_size,
+        num_layers=num_layers,
     )
     head = Eagle3Head(config, attention)
     head.set_vocab_map(d2t, t2d)
@@ -135,29 +137,61 @@ def carry_vocab_rows(
     return int(shared.sum())
 
 
+def _layer_prefixes(head: Eagle3Head) -> list[str]:
+    """State-dict prefixes of ``head``'s decoder layers, in the order they run."""
+    return ["midlayer.", *(f"layers.{i}." for i in head.layers)]
+
+
 def widen_mlp(state: dict[str, torch.Tensor], head: Eagle3Head) -> int:
     """Rewrite a trained head's MLP weights in ``state`` (``intermediate_size`` I) for
-    ``head``'s wider MLP (I' > I), in place, so that the widened head computes exactly what
-    the trained one did: the old units keep their gate, up and down weights; each new unit
-    keeps ``head``'s fresh gate and up rows and gets a zero down column, so it adds nothing
-    until training moves that column (its gradient is the unit's activation, nonzero), and
-    then its gate and up rows train too. Returns I."""
-    gate_up_key, down_key = "midlayer.mlp.gate_up_proj.weight", "midlayer.mlp.down_proj.weight"
-    old_gate, old_up = state[gate_up_key].chunk(2, dim=0)  # [I, hidden] each
-    old, wide = old_gate.shape[0], head.config.intermediate_size
-    if wide < old:
+    ``head``'s wider MLPs (I' > I), in place, so that the widened head computes exactly
+    what the trained one did: in every layer the old units keep their gate, up and down
+    weights; each new unit keeps ``head``'s fresh gate and up rows and gets a zero down
+    column, so it adds nothing until training moves that column (its gradient is the
+    unit's activation, nonzero), and then its gate and up rows train too. Layers already
+    I' wide (new ones from ``deepen``) stay as they are. Returns I (the first layer's)."""
+    fresh = head.state_dict()
+    wide = head.config.intermediate_size
+    widths = []
+    for prefix in _layer_prefixes(head):
+        gate_up_key, down_key = f"{prefix}mlp.gate_up_proj.weight", f"{prefix}mlp.down_proj.weight"
+        old_gate, old_up = state[gate_up_key].chunk(2, dim=0)  # [I, hidden] each
+        old = old_gate.shape[0]
+        widths.append(old)
+        if wide < old:
+            raise ValueError(
+                f"model.intermediate_size={wide} is narrower than model.init_head's MLP "
+                f"({old}); a trained head can be widened, not narrowed: drop the setting or "
+                "raise it"
+            )
+        gate, up = fresh[gate_up_key].clone().chunk(2, dim=0)  # [I', hidden] each
+        gate[:old], up[:old] = old_gate, old_up
+        down = torch.zeros_like(fresh[down_key])  # [hidden, I']
+        down[:, :old] = state[down_key]
+        state[gate_up_key] = torch.cat([gate, up])
+        state[down_key] = down
+    return widths[0]
+
+
+def deepen(state: dict[str, torch.Tensor], head: Eagle3Head, trained_layers: int) -> None:
+    """Add to a trained head's ``state`` (``trained_layers`` decoder layers) the layers
+    ``head`` has beyond them, in place, so that the deeper head computes exactly what the
+    trained one did: each new layer takes ``head``'s fresh weights with zero ``o_proj``
+    and ``down_proj``, so both of its blocks add nothing to the residual stream it sits
+    on. Those zero matrices get gradients (the blocks' inputs, nonzero), and once they
+    move the rest of the layer trains too (the zero-output-column rule of ``widen_mlp``)."""
+    if head.config.num_layers < trained_layers:
         raise ValueError(
-            f"model.intermediate_size={wide} is narrower than model.init_head's MLP ({old}); "
-            "a trained head can be widened, not narrowed: drop the setting or raise it"
+            f"model.num_layers={head.config.num_layers} is fewer than model.init_head's "
+            f"{trained_layers} layers; a trained head can be deepened, not cut: drop the "
+            "setting or raise it"
         )
     fresh = head.state_dict()
-    gate, up = fresh[gate_up_key].clone().chunk(2, dim=0)  # [I', hidden] each
-    gate[:old], up[:old] = old_gate, old_up
-    down = torch.zeros_like(fresh[down_key])  # [hidden, I']
-    down[:, :old] = state[down_key]
-    state[gate_up_key] = torch.cat([gate, up])
-    state[down_key] = down
-    return old
+    for prefix in _layer_prefixes(head)[trained_layers:]:
+        for key, value in fresh.items():
+            if key.startswith(prefix):
+                silent = key.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+                state[key] = torch.zeros_like(value) if silent else value.clone()
 
 
 class TTTModel(nn.Module):

@@ -40,6 +40,7 @@ from specdec.train.model import (
     attention_backend,
     build_head,
     carry_vocab_rows,
+    deepen,
     load_vocab,
     widen_mlp,
 )
@@ -162,8 +163,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
         )
     backend = attention_backend(config.ttt.attention, device)
     width = config.model.intermediate_size or (init.config.intermediate_size if init else None)
+    depth = config.model.num_layers or (init.config.num_layers if init else 1)
     head = build_head(target, config.model.target, d2t, t2d, aux_ids, backend,
-                      exit_signals=exit_cfg.signals, intermediate_size=width)  # fmt: skip
+                      exit_signals=exit_cfg.signals, intermediate_size=width,
+                      num_layers=depth)  # fmt: skip
     if config.data.max_seq_len > head.rotary.num_positions:
         # Positions past the head's RoPE table are clamped (train/ttt.py unroll): harmless
         # for padding, silently wrong for tokens that carry loss.
@@ -331,6 +334,11 @@ def _load_init_head(head, init) -> None:
         rows = state["lm_head.weight"]
         for key in vocab_keys:
             state.pop(key)
+    deep, shallow = head.config.num_layers, init.config.num_layers
+    if deep != shallow:
+        deepen(state, head, shallow)
+        logger.info("model.init_head deepened from %d to %d layers (new ones start silent)",
+                    shallow, deep)  # fmt: skip
     wide, old = head.config.intermediate_size, init.config.intermediate_size
     if wide != old:
         widen_mlp(state, head)

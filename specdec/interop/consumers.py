@@ -197,6 +197,24 @@ def _eagle_default_ids(head: HeadDir) -> list[Finding]:
     ]
 
 
+def _one_layer(title: str) -> Check:
+    """SGLang and EAGLE build exactly one decoder layer (eagle3_formats docstring)."""
+
+    def check(head: HeadDir) -> list[Finding]:
+        if head.head is None or head.head.num_layers == 1:
+            return []
+        return [
+            Finding(
+                "error",
+                "config.json: num_hidden_layers",
+                f"is {head.head.num_layers}; {title}'s EAGLE-3 drafter has exactly one layer",
+                "serve it with vLLM (specdec export --to vllm) or specdec",
+            )
+        ]
+
+    return check
+
+
 def _no_exit_channels(consumer: str, error: bool, why: str) -> Check:
     """SpecExit channels (``spec_exit.*``, specdec's own) are dropped by the export."""
 
@@ -293,6 +311,7 @@ CONSUMERS: dict[str, Consumer] = {
             reads=("eagle", "specdec"),
             checks=(
                 _reads_format("sglang", "SGLang", ("eagle", "specdec")),
+                _one_layer("SGLang"),
                 _plain_shards,
                 _sglang_ids,
                 _untied,
@@ -312,6 +331,7 @@ CONSUMERS: dict[str, Consumer] = {
             reads=("eagle", "specdec"),
             checks=(
                 _reads_format("eagle", "EAGLE", ("eagle", "specdec")),
+                _one_layer("EAGLE"),
                 _single_file,
                 _eagle_default_ids,
                 _has_draft_vocab,

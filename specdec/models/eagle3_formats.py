@@ -47,6 +47,14 @@ Formats here:
 - ``"eagle"`` writes one ``model.safetensors`` and only the fields the research tools read.
 - ``"speculators"`` writes one ``model.safetensors`` with ``layers.0.*`` keys.
 
+Deeper heads (``Eagle3Config.num_layers`` > 1; vLLM's ``llama_eagle3.py`` builds
+``num_hidden_layers`` layers, the first reading ``cat(embed, hidden)``, the rest plain
+H-wide Llama layers on the same residual stream, weights ``layers.<i>.*``): config.json's
+``num_hidden_layers`` says how many; the layers after the first are stored as
+``layers.1.*``, ``layers.2.*``, ... in every format (vLLM maps ``midlayer.*`` to its
+``layers.0.*`` and loads the rest by name). SGLang and EAGLE build exactly one layer
+(SGLang raises "EAGLE3 currently only supports 1 layer"), so ``"eagle"`` refuses them.
+
 SpecExit channels (``Eagle3Config.exit_signals``) exist only in ours: config.json lists
 them as ``spec_exit_signals`` and the weights add ``spec_exit.weight`` [k, 3H] and
 ``spec_exit.bias`` [k]; the SpecExit setting measured best for the head, if recorded, is
@@ -157,6 +165,12 @@ def save_eagle3(
         raise ValueError(
             f"unknown EAGLE-3 format {format!r}; choose one of {get_args(Eagle3Format)}"
         )
+    if format == "eagle" and head.config.num_layers > 1:
+        raise ValueError(
+            f"the head has {head.config.num_layers} decoder layers; the research format's "
+            "readers (SGLang, EAGLE) build exactly one, so it cannot hold them: save it as "
+            "specdec or export it for vLLM (speculators)"
+        )
     out = Path(directory)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(
@@ -260,12 +274,12 @@ def _write_shards(tensors: dict[str, torch.Tensor], out: Path, limit: int) -> No
 
 
 def _llama_layer_fields(c: Eagle3Config, dtype: str) -> dict[str, Any]:
-    """The HF Llama config fields of the head's one decoder layer."""
+    """The HF Llama config fields of the head's decoder layers."""
     return {
         "model_type": "llama",
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim,
@@ -513,8 +527,9 @@ def _layer_to_config(
     def fail(what: str) -> WeightLoadError:
         return WeightLoadError(f"{path}/config.json: {what}")
 
-    if layer.get("num_hidden_layers", 1) != 1:
-        raise fail(f"num_hidden_layers={layer['num_hidden_layers']}; the head has one layer")
+    num_layers = layer.get("num_hidden_layers", 1)
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise fail(f"num_hidden_layers={num_layers!r}; the head has one or more layers")
     if layer.get("hidden_act", "silu") != "silu" or layer.get("mlp_bias"):
         raise fail("the head's MLP is SiLU-gated without bias")
     if layer.get("attention_bias"):
@@ -556,6 +571,7 @@ def _layer_to_config(
             norm_before_residual=bool(top.get("norm_before_residual", False)),
             exit_signals=exit_signals,
             spec_exit_defaults=spec_exit_defaults,
+            num_layers=num_layers,
         )
     except KeyError as err:
         raise fail(f"missing field {err}") from err

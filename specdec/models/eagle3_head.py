@@ -1,17 +1,21 @@
-"""The EAGLE-3 draft head: one Llama decoder layer over fused target hidden states.
+"""The EAGLE-3 draft head: Llama decoder layers over fused target hidden states.
 
 A draft step takes a token and a hidden state and predicts the next token in a reduced
 draft vocabulary. The first step's hidden state is ``fuse(aux)``: the target's residual
 stream entering three of its layers (low, mid, high; ``aux_layer_ids``, vLLM's convention)
 concatenated and projected by ``fc`` (3H -> H). Later steps consume the previous step's
-*pre-norm* output instead. The layer's attention reads ``cat(input_layernorm(embed(tok)),
-hidden_norm(h))`` (2H wide, so q/k/v take 2H) and its residual is the un-normed ``h``; the
-MLP has the target's width; ``norm`` + ``lm_head`` (H -> draft vocab) give the logits.
+*pre-norm* output instead. The first layer's (``midlayer``) attention reads
+``cat(input_layernorm(embed(tok)), hidden_norm(h))`` (2H wide, so q/k/v take 2H) and its
+residual is the un-normed ``h``; the MLP has the target's width; ``norm`` + ``lm_head``
+(H -> draft vocab) give the logits. EAGLE-3 heads have that one layer. A deeper head
+(``num_layers`` > 1, vLLM's multi-layer EAGLE-3 drafter) adds plain pre-norm Llama layers
+(``layers.1``, ``layers.2``, ...: H-wide attention, no embedding input) on the same
+residual stream between ``midlayer`` and ``norm``; each layer has its own K/V.
 
 The token embedding is the target's: the head borrows it (``bind_embedding``), never owns,
 trains or saves it. The head's own K/V live in paged blocks like the target's, written and
 read through ``AttentionBackend.forward`` with an explicit ``AttentionMetadata``, so the
-engine can give it its own paged cache. The forward is free of host syncs.
+engine can give it its own paged cache (one per layer). The forward is free of host syncs.
 
 Weights are stored fused as in ``llama.py`` (``qkv_proj``, ``gate_up_proj``);
 ``checkpoint_layout`` names the research-format keys (``midlayer.*``) each parameter is
@@ -25,7 +29,7 @@ channels can be trained, frozen or dropped on their own (``exit_signals`` activa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,6 +49,7 @@ from specdec.models.rope import (
 )
 
 Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids [n] -> embeddings [n, hidden]
+HeadKV = Sequence[KVCache]  # the head's K/V, one (k_cache, v_cache) per layer
 
 NUM_AUX_LAYERS = 3  # EAGLE-3 fuses exactly three target layers (fc is 3H -> H)
 
@@ -131,7 +136,8 @@ class Eagle3Config:
     setting measured best for the head (some ``SpecExitParams`` fields, canonical as
     ``spec_exit_fields`` makes them; None: no record), the base that a server's or a
     request's settings override (``spec_exit_params``); only a head with channels records
-    one, and it must threshold at least one of the head's signals.
+    one, and it must threshold at least one of the head's signals. ``num_layers`` >= 1
+    decoder layers (EAGLE-3's is 1; module docstring).
     """
 
     hidden_size: int
@@ -151,9 +157,10 @@ class Eagle3Config:
     norm_before_residual: bool = False
     exit_signals: tuple[str, ...] = ()
     spec_exit_defaults: dict[str, Any] | None = None
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
-        validate_decoder_shape(self, ("draft_vocab_size",))
+        validate_decoder_shape(self, ("draft_vocab_size", "num_layers"))
         object.__setattr__(self, "exit_signals", canonical_signals(self.exit_signals))
         if self.spec_exit_defaults is not None:
             object.__setattr__(self, "spec_exit_defaults", self._checked_spec_exit())
@@ -211,10 +218,11 @@ class Eagle3Config:
         tree: TreeDefaults | None = None,
         exit_signals: tuple[str, ...] = (),
         intermediate_size: int | None = None,
+        num_layers: int = 1,
     ) -> Eagle3Config:
-        """A head shaped like one layer of ``model_config`` (same widths, heads, norm eps
-        and RoPE; the MLP ``intermediate_size`` wide if given), reading the default aux
-        layers unless ``aux_layer_ids`` is given."""
+        """A head of ``num_layers`` layers shaped like ``model_config``'s (same widths,
+        heads, norm eps and RoPE; the MLP ``intermediate_size`` wide if given), reading the
+        default aux layers unless ``aux_layer_ids`` is given."""
         ids = aux_layer_ids or default_aux_layer_ids(model_config.num_layers)
         bad = [i for i in ids if not 0 <= i < model_config.num_layers]
         if bad:
@@ -238,6 +246,7 @@ class Eagle3Config:
             target_name=target_name,
             tree=tree,
             exit_signals=exit_signals,
+            num_layers=num_layers,
         )
 
 
@@ -286,7 +295,8 @@ def validate_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The head's one decoder layer (``midlayer`` in the research checkpoints)."""
+    """The head's first decoder layer (``midlayer`` in the research checkpoints; EAGLE-3's
+    only one), reading the token embedding beside the hidden state."""
 
     def __init__(self, config: Eagle3Config, backend: AttentionBackend) -> None:
         super().__init__()
@@ -320,6 +330,32 @@ class Eagle3DecoderLayer(nn.Module):
         attended = self.self_attn(x, cos, sin, kv_cache, meta)
         out, hidden = self.mlp.forward_add_norm(attended, residual, self.post_attention_layernorm)
         return hidden + out
+
+
+class Eagle3StackedLayer(nn.Module):
+    """A layer after ``midlayer`` in a deeper head (``layers.<i>``): a plain pre-norm
+    Llama block on the head's residual stream (vLLM's EAGLE-3 layers after the first)."""
+
+    def __init__(self, config: Eagle3Config, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, backend
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the stream leaving the layer before
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]: the stream leaving this layer (pre-norm)
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        out, stream = self.mlp.forward_add_norm(attended, hidden, self.post_attention_layernorm)
+        return stream + out
 
 
 class Eagle3Head(nn.Module):
@@ -357,6 +393,10 @@ class Eagle3Head(nn.Module):
         self.attention = attention
         self.fc = Linear(NUM_AUX_LAYERS * config.hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config, attention)
+        # Keyed "1", "2", ...: stored as layers.<i>, vLLM's names (midlayer is its layers.0).
+        self.layers = nn.ModuleDict(
+            {str(i): Eagle3StackedLayer(config, attention) for i in range(1, config.num_layers)}
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.spec_exit: nn.Linear | None = None  # SpecExit channels (module docstring)
@@ -369,20 +409,23 @@ class Eagle3Head(nn.Module):
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.bind_embedding(embed)
-        # (layer, logits) compiled by ``compile_regions``; a plain attribute, not
+        # (layers, logits) compiled by ``compile_regions``; a plain attribute, not
         # submodules, so the state dict and ``.to()`` never see the wrappers.
         self.__dict__["_compiled"] = None
 
     def compile_regions(self, **compile_kwargs) -> None:
-        """``torch.compile`` the decoder layer and the logits (norm + lm_head) for
+        """``torch.compile`` each decoder layer and the logits (norm + lm_head) for
         ``forward(..., compiled=True)``: inside a proposer's CUDA graphs each draft level
         then replays fused kernels instead of dozens of small ones (norms, RoPE,
         projections, activation). Eager callers keep the plain modules, whose varying
         shapes would recompile."""
-        self.__dict__["_compiled"] = (
-            compile_region(self.midlayer, **compile_kwargs),
-            compile_region(self.compute_logits, **compile_kwargs),
-        )
+        layers = [compile_region(m, **compile_kwargs) for m in self.decoder_layers]
+        self.__dict__["_compiled"] = (layers, compile_region(self.compute_logits, **compile_kwargs))
+
+    @property
+    def decoder_layers(self) -> list[nn.Module]:
+        """``midlayer`` then ``layers.1``, ``layers.2``, ...: the order they run in."""
+        return [self.midlayer, *self.layers.values()]
 
     def bind_embedding(self, embed: Embedding | None) -> None:
         """Use the target's embedding (``CausalLM.embed`` or its ``nn.Embedding``).
@@ -421,7 +464,7 @@ class Eagle3Head(nn.Module):
         input_ids: torch.Tensor,  # [n] int64: target token ids
         hidden: torch.Tensor,  # [n, hidden]: fuse(aux) at the first step, else prev out_prenorm
         positions: torch.Tensor,  # [n] int64
-        kv_cache: KVCache,  # the head's own (k_cache, v_cache)
+        kv_cache: HeadKV,  # the head's own (k_cache, v_cache), one per layer
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,  # [m] int64: rows to project; None = all
         *,
@@ -430,11 +473,16 @@ class Eagle3Head(nn.Module):
         """Returns ``out_prenorm`` [n, hidden] (the next step's ``hidden``) and draft
         logits [m, draft_vocab] float32 (m = n without ``logits_indices``). ``compiled``:
         run the regions ``compile_regions`` built (same results)."""
-        layer, logits_fn = self.midlayer, self.compute_logits
+        layers, logits_fn = self.decoder_layers, self.compute_logits
         if compiled:
             if self.__dict__["_compiled"] is None:
                 raise RuntimeError("forward(compiled=True) needs compile_regions() first")
-            layer, logits_fn = self.__dict__["_compiled"]
+            layers, logits_fn = self.__dict__["_compiled"]
+        if len(kv_cache) != len(layers):
+            raise ValueError(
+                f"{len(kv_cache)} K/V caches for a head of {len(layers)} layers; pass one "
+                "(k_cache, v_cache) per layer"
+            )
         embed: Embedding | None = self.__dict__["_embed"]
         if embed is None:
             raise RuntimeError(
@@ -443,7 +491,9 @@ class Eagle3Head(nn.Module):
             )
         embeds = embed(input_ids).to(hidden.dtype)  # [n, hidden]
         cos, sin = self.rotary(positions, hidden.dtype)
-        out = layer(embeds, hidden, cos, sin, kv_cache, meta)  # [n, hidden]
+        out = layers[0](embeds, hidden, cos, sin, kv_cache[0], meta)  # [n, hidden]
+        for layer, layer_kv in zip(layers[1:], kv_cache[1:], strict=True):
+            out = layer(out, cos, sin, layer_kv, meta)
         rows = out if logits_indices is None else out.index_select(0, logits_indices)
         return out, logits_fn(rows)
 

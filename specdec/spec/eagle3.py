@@ -99,9 +99,13 @@ class Eagle3Proposer(Proposer):
         self.spec_exit_defaults = self.head.config.spec_exit_defaults
         c = self.head.config
         shape = (runner.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_cache = (
-            torch.zeros(shape, dtype=runner.dtype, device=self.device),
-            torch.zeros(shape, dtype=runner.dtype, device=self.device),
+        # One paged K/V per head layer, on the target's block tables (same block ids).
+        self.kv_cache = tuple(
+            (
+                torch.zeros(shape, dtype=runner.dtype, device=self.device),
+                torch.zeros(shape, dtype=runner.dtype, device=self.device),
+            )
+            for _ in range(c.num_layers)
         )
         self._states: dict[str, _HeadState] = {}
         self.grower = TreeGrower(self._grow)
@@ -302,7 +306,8 @@ class Eagle3Proposer(Proposer):
     ):
         width = self.catch_up_width
         tokens, last, start = pack_catch_ups([(0, 1)], [[0]], width, self.device)
-        aux = torch.zeros(1, width, 3 * self.head.config.hidden_size, dtype=self.kv_cache[0].dtype)
+        hidden_size = self.head.config.hidden_size
+        aux = torch.zeros(1, width, 3 * hidden_size, dtype=self.kv_cache[0][0].dtype)
         state_like = (tokens, aux.to(self.device), last, start)
         if self.config.compile_head and self.compile:
             if self.config.compile_growth:
@@ -313,7 +318,7 @@ class Eagle3Proposer(Proposer):
                     tree_plan(shape, self.device)
                 self._graph_grow = compile_region(self._grow, fullgraph=True)
                 self.compiles_growth = True
-            else:  # the head's layer and logits only
+            else:  # the head's layers and logits only
                 self.head.compile_regions()
                 self._graph_grow = functools.partial(self._grow, compiled=True)
         self.grower.capture(
