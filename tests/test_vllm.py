@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import httpx
 import pytest
-from vllm_server import SKIP_ENV, start_vllm, vllm_python
+from vllm_server import SKIP_ENV, VllmServer, start_vllm, vllm_python
 
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.config import SpeculativeConfig
+from specdec.spec.metrics import SpecStats
 
 pytestmark = pytest.mark.slow
 
@@ -54,36 +56,51 @@ def completions(url: str, model: str, prompts: list[str]) -> list[list[int]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, smollm2_dir, smollm2_tokenizer, trained_head_dir):
-    if os.environ.get(SKIP_ENV) == "1":
-        pytest.skip(f"{SKIP_ENV}=1")
-    python = vllm_python()
-    root = tmp_path_factory.mktemp("vllm")
-    prompts = [
-        smollm2_tokenizer.apply_chat_template(
+def task_prompts(tokenizer) -> list[str]:
+    """The TASKS as chat prompt strings (both engines get the same strings)."""
+    return [
+        tokenizer.apply_chat_template(
             [{"role": "user", "content": f"Write a Python function that returns the {t}."}],
             tokenize=False, add_generation_prompt=True,
         )
         for t in TASKS
     ]  # fmt: skip
 
-    # specdec: the same head, K, prompt strings and greedy budget.
-    spec = SpeculativeConfig(method="eagle3", model=str(trained_head_dir), num_speculative_tokens=K)
+
+def specdec_greedy(head_dir: Path, prompts: list[str]) -> tuple[list, SpecStats]:
+    """specdec's greedy outputs and speculation counters with ``head_dir``, K drafts."""
+    spec = SpeculativeConfig(method="eagle3", model=str(head_dir), num_speculative_tokens=K)
     llm = LLM(SMOLLM2, **ENGINE, max_model_len=1024, speculative=spec)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), False)
+    return outs, llm.engine.spec_stats
+
+
+def serve_exported(python: Path, smollm2_dir: Path, head_dir: Path, root: Path) -> VllmServer:
+    """``specdec export --to vllm`` of ``head_dir`` under ``root``, served by vLLM with K."""
+    exported = root / "vllm_head"
+    assert main(["export", "--to", "vllm", str(head_dir), str(exported),
+                 "--num-speculative-tokens", str(K)]) == 0  # fmt: skip
+    spec_config = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": K}
+    return start_vllm(python, smollm2_dir, ["--speculative-config", json.dumps(spec_config)])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, smollm2_dir, smollm2_tokenizer, trained_head_dir):
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"{SKIP_ENV}=1")
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("vllm")
+    prompts = task_prompts(smollm2_tokenizer)
+
+    # specdec: the same head, K, prompt strings and greedy budget.
+    outs, stats = specdec_greedy(trained_head_dir, prompts)
     specdec = {
-        "stats": llm.engine.spec_stats,
+        "stats": stats,
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
     }
-    del llm
 
-    exported = root / "vllm_head"
-    assert main(["export", "--to", "vllm", str(trained_head_dir), str(exported),
-                 "--num-speculative-tokens", str(K)]) == 0  # fmt: skip
-    spec_config = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": K}
-    server = start_vllm(python, smollm2_dir, ["--speculative-config", json.dumps(spec_config)])
+    server = serve_exported(python, smollm2_dir, trained_head_dir, root)
     try:
         server.wait_ready(timeout=600)
         prompts_file = root / "prompts_bench.jsonl"

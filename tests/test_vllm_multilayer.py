@@ -7,18 +7,14 @@ cores with this one.
 
 from __future__ import annotations
 
-import json
 import os
 
 import httpx
 import pytest
 from test_eval_draft import deeper_head
-from test_vllm import ENGINE, MAX_TOKENS, SMOLLM2, TASKS, K, completions
-from vllm_server import SKIP_ENV, start_vllm, vllm_python
+from test_vllm import completions, serve_exported, specdec_greedy, task_prompts
+from vllm_server import SKIP_ENV, vllm_python
 
-from specdec import LLM, SamplingParams
-from specdec.cli import main
-from specdec.config import SpeculativeConfig
 from specdec.serve.spec_metrics import read_counters
 
 pytestmark = pytest.mark.slow
@@ -35,23 +31,10 @@ def test_a_deeper_head_drafts_in_vllm_as_in_specdec(tmp_path, smollm2_dir, smoll
         pytest.skip(f"{SKIP_ENV}=1")
     python = vllm_python()
     head = deeper_head(trained_head_dir, tmp_path / "deep", nudge=0.5)
-    prompts = [
-        smollm2_tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Write a Python function that returns the {t}."}],
-            tokenize=False, add_generation_prompt=True,
-        )
-        for t in TASKS
-    ]  # fmt: skip
-    spec = SpeculativeConfig(method="eagle3", model=str(head), num_speculative_tokens=K)
-    llm = LLM(SMOLLM2, **ENGINE, max_model_len=1024, speculative=spec)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), False)
-    ours, token_ids = llm.engine.spec_stats, [list(o.outputs[0].token_ids) for o in outs]
-    del llm
-    exported = tmp_path / "vllm_head"
-    assert main(["export", "--to", "vllm", str(head), str(exported),
-                 "--num-speculative-tokens", str(K)]) == 0  # fmt: skip
-    spec_config = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": K}
-    server = start_vllm(python, smollm2_dir, ["--speculative-config", json.dumps(spec_config)])
+    prompts = task_prompts(smollm2_tokenizer)
+    outs, ours = specdec_greedy(head, prompts)
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    server = serve_exported(python, smollm2_dir, head, tmp_path)
     try:
         server.wait_ready(timeout=600)
         assert completions(server.url, str(smollm2_dir), prompts) == token_ids
