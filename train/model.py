@@ -137,11 +137,6 @@ def carry_vocab_rows(
     return int(shared.sum())
 
 
-def _layer_prefixes(head: Eagle3Head) -> list[str]:
-    """State-dict prefixes of ``head``'s decoder layers, in the order they run."""
-    return ["midlayer.", *(f"layers.{i}." for i in head.layers)]
-
-
 def widen_mlp(state: dict[str, torch.Tensor], head: Eagle3Head) -> int:
     """Rewrite a trained head's MLP weights in ``state`` (``intermediate_size`` I) for
     ``head``'s wider MLPs (I' > I), in place, so that the widened head computes exactly
@@ -153,8 +148,8 @@ def widen_mlp(state: dict[str, torch.Tensor], head: Eagle3Head) -> int:
     fresh = head.state_dict()
     wide = head.config.intermediate_size
     widths = []
-    for prefix in _layer_prefixes(head):
-        gate_up_key, down_key = f"{prefix}mlp.gate_up_proj.weight", f"{prefix}mlp.down_proj.weight"
+    for layer in head.decoder_layer_names:
+        gate_up_key, down_key = f"{layer}.mlp.gate_up_proj.weight", f"{layer}.mlp.down_proj.weight"
         old_gate, old_up = state[gate_up_key].chunk(2, dim=0)  # [I, hidden] each
         old = old_gate.shape[0]
         widths.append(old)
@@ -187,9 +182,9 @@ def deepen(state: dict[str, torch.Tensor], head: Eagle3Head, trained_layers: int
             "setting or raise it"
         )
     fresh = head.state_dict()
-    for prefix in _layer_prefixes(head)[trained_layers:]:
+    for layer in head.decoder_layer_names[trained_layers:]:
         for key, value in fresh.items():
-            if key.startswith(prefix):
+            if key.startswith(f"{layer}."):
                 silent = key.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
                 state[key] = torch.zeros_like(value) if silent else value.clone()
 

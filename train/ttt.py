@@ -178,6 +178,7 @@ def unroll(head, batch: PackedBatch, steps: int) -> Iterator[DraftStep]:
     index = StepIndex.of(batch.cu_seqlens, batch.num_tokens)
     hidden = head.fuse(batch.aux_hidden.to(head.fc.weight.dtype))  # [n, hidden]
     caches = [TTTCache() for _ in range(head.config.num_layers)]  # one per head layer
+    kv = [(cache, cache) for cache in caches]  # (k_cache, v_cache): both in one TTTCache
     # RoPE positions t + i clamped into the head's table: the padding pseudo-sequence
     # (``PackedBatch.padded``) runs up to the batch size, and t + i passes a sequence's end
     # on its last steps; only rows outside every loss (``inside`` False, or no loss mask)
@@ -188,7 +189,6 @@ def unroll(head, batch: PackedBatch, steps: int) -> Iterator[DraftStep]:
         src, inside = index.source(i)
         meta = TTTMeta(index.seq_ids, i, steps)
         positions = (index.local + i).clamp(max=last)
-        kv = [(cache, cache) for cache in caches]
         hidden, logits = head(batch.input_ids[src], hidden, positions, kv, meta)
         yield DraftStep(i, src, inside, logits)
 

@@ -427,6 +427,11 @@ class Eagle3Head(nn.Module):
         """``midlayer`` then ``layers.1``, ``layers.2``, ...: the order they run in."""
         return [self.midlayer, *self.layers.values()]
 
+    @property
+    def decoder_layer_names(self) -> list[str]:
+        """``decoder_layers``' module names (their state-dict prefixes), in the same order."""
+        return ["midlayer", *(f"layers.{i}" for i in self.layers)]
+
     def bind_embedding(self, embed: Embedding | None) -> None:
         """Use the target's embedding (``CausalLM.embed`` or its ``nn.Embedding``).
 
