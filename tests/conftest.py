@@ -17,6 +17,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (scripts/test.sh runs one worker per core, up to 4) each worker gets
+# its share of the cores, and so do the CLI subprocesses it starts (torch reads
+# OMP_NUM_THREADS at import): two workers at two threads each would oversubscribe a
+# 2-core CI machine and run slower than one.
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    _threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 SMOLLM2 = "smollm2-135m-instruct"
 
 

@@ -238,14 +238,18 @@ def test_a_deeper_head_round_trips_with_vllms_layer_names(fmt: str, tmp_path: Pa
     assert validate_head(tmp_path / fmt, "specdec", target=target).ok
 
 
-@pytest.mark.parametrize("num_layers", [1, 2])
-def test_compiled_regions_draft_as_the_eager_head(num_layers: int) -> None:
+@pytest.mark.parametrize(
+    ("num_layers", "dynamic"), [(1, None), (2, None), (1, True)], ids=["1", "2", "1-dynamic"]
+)
+def test_compiled_regions_draft_as_the_eager_head(num_layers: int, dynamic: bool | None) -> None:
     """``compile_regions`` (what the proposer's CUDA graphs run) compiles every layer:
-    ``forward(compiled=True)`` gives the eager logits (the eager backend on CPU)."""
+    ``forward(compiled=True)`` gives the eager logits (the eager backend on CPU). With
+    symbolic shapes too (``dynamic=True``; dynamo also makes dims dynamic after a
+    recompile in a long process), where the head counts read off shapes are SymInts."""
     target = target_config()
     head, _ = random_head(target, num_layers=num_layers)
     eager = run_steps(head, target)
-    head.compile_regions(backend="eager", fullgraph=True)
+    head.compile_regions(backend="eager", fullgraph=True, dynamic=dynamic)
     forward = head.forward
     head.forward = lambda *args, **kw: forward(*args, **kw, compiled=True)  # what graphs call
     assert len(head.__dict__["_compiled"][0]) == num_layers

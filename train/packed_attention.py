@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention.base import AttentionBackend
+from specdec.attention.torch_backend import is_gqa
 
 
 @dataclass
@@ -53,7 +54,7 @@ class PackedCausalAttention(AttentionBackend):
                 v[start : start + n].transpose(0, 1),
                 is_causal=True,
                 scale=scale,
-                enable_gqa=q.shape[1] != k.shape[1],
+                enable_gqa=is_gqa(q.shape[1], k.shape[1]),
             )
             outs.append(o.transpose(0, 1))
             start += n

@@ -117,6 +117,14 @@ def attention_mask_ref(
     return mask
 
 
+def is_gqa(num_heads: int, num_kv_heads: int) -> bool:
+    """SDPA's ``enable_gqa`` as a Python bool. Under torch.compile the head dims read off
+    tensor shapes can be symbolic (``dynamic=True``, or dims dynamo made dynamic after a
+    recompile) and SDPA rejects a SymBool. ``not`` makes dynamo decide the comparison
+    with a guard, where ``bool(a != b)`` would still trace to a SymBool."""
+    return not num_heads == num_kv_heads  # noqa: SIM201
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -153,7 +161,7 @@ def paged_attention_ref(
             vals.transpose(0, 1),
             attn_mask=mask,
             scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
+            enable_gqa=is_gqa(num_heads, num_kv_heads),
         )
         out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
         start += q_len
@@ -182,7 +190,7 @@ def paged_decode_ref(
         vals.transpose(1, 2),
         attn_mask=mask,
         scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
+        enable_gqa=is_gqa(num_heads, num_kv_heads),
     )
     return o[:, :, 0, :].to(q.dtype)
 
@@ -245,7 +253,7 @@ def paged_attention_batched_ref(
         vals.transpose(1, 2),
         attn_mask=mask[:, None],  # [B, 1, qm, L]
         scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
+        enable_gqa=is_gqa(num_heads, num_kv_heads),
     )
     return o.transpose(1, 2)[real].to(q.dtype)
 
