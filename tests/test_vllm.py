@@ -14,19 +14,21 @@ loads it with K=3 and:
   1 + accepted / verify steps that carried a draft; see serve/spec_metrics.py).
 
 Everything runs in one fixture, in order, so that no two engines share the two cores at
-once: specdec's own run first, then the vLLM server. Set SPECDEC_SKIP_VLLM=1 to skip on
-a machine that cannot build the venv.
+once: specdec's own run first, then the vLLM server, the module holding ``exclusive_vllm``
+(no other test worker runs vLLM meanwhile). Set SPECDEC_SKIP_VLLM=1 to skip on a machine
+that cannot build the venv.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from vllm_server import SKIP_ENV, VllmServer, start_vllm, vllm_python
+from vllm_server import SKIP_ENV, VllmServer, exclusive_vllm, start_vllm
 
 from specdec import LLM, SamplingParams
 from specdec.cli import main
@@ -85,10 +87,16 @@ def serve_exported(python: Path, smollm2_dir: Path, head_dir: Path, root: Path) 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, smollm2_dir, smollm2_tokenizer, trained_head_dir):
+def python() -> Iterator[Path]:
+    """The vLLM venv's python, this module's alone while it runs."""
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"{SKIP_ENV}=1")
-    python = vllm_python()
+    with exclusive_vllm() as python:
+        yield python
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, smollm2_dir, smollm2_tokenizer, trained_head_dir, python):
     root = tmp_path_factory.mktemp("vllm")
     prompts = task_prompts(smollm2_tokenizer)
 

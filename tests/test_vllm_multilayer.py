@@ -1,8 +1,8 @@
 """A deeper head (vLLM's multi-layer EAGLE-3 drafter) trained and exported by specdec
 runs in real vLLM (CPU build, own venv) drafting exactly what specdec drafts.
 
-Its own module so that no other vLLM server (test_vllm's module fixture) shares the two
-cores with this one.
+Its own module, and under ``exclusive_vllm``, so that no other vLLM server (test_vllm's
+module fixture, perhaps on another test worker) shares the cores with this one.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 import pytest
 from test_eval_draft import deeper_head
 from test_vllm import completions, serve_exported, specdec_greedy, task_prompts
-from vllm_server import SKIP_ENV, vllm_python
+from vllm_server import SKIP_ENV, exclusive_vllm
 
 from specdec.serve.spec_metrics import read_counters
 
@@ -29,21 +29,21 @@ def test_a_deeper_head_drafts_in_vllm_as_in_specdec(tmp_path, smollm2_dir, smoll
     third (session 33's run: 178 vLLM steps against 177, 198 accepted tokens in both)."""
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"{SKIP_ENV}=1")
-    python = vllm_python()
-    head = deeper_head(trained_head_dir, tmp_path / "deep", nudge=0.5)
-    prompts = task_prompts(smollm2_tokenizer)
-    outs, ours = specdec_greedy(head, prompts)
-    token_ids = [list(o.outputs[0].token_ids) for o in outs]
-    server = serve_exported(python, smollm2_dir, head, tmp_path)
-    try:
-        server.wait_ready(timeout=600)
-        assert completions(server.url, str(smollm2_dir), prompts) == token_ids
-        source, counters = read_counters(httpx.get(f"{server.url}/metrics", timeout=10).text)
-    finally:
-        server.stop()
-    theirs = counters.report(source)
-    detail = f"vLLM {theirs}; specdec {ours.summary()}"
-    assert 1.5 < ours.tau < 2.5, detail  # the second layer changed the drafts
-    assert abs(theirs["tau"] - ours.tau) <= 0.05 * ours.tau, detail
-    for a, b in zip(theirs["acceptance_rates"], ours.acceptance_rates, strict=True):
-        assert abs(a - b) <= 0.05, detail
+    with exclusive_vllm() as python:
+        head = deeper_head(trained_head_dir, tmp_path / "deep", nudge=0.5)
+        prompts = task_prompts(smollm2_tokenizer)
+        outs, ours = specdec_greedy(head, prompts)
+        token_ids = [list(o.outputs[0].token_ids) for o in outs]
+        server = serve_exported(python, smollm2_dir, head, tmp_path)
+        try:
+            server.wait_ready(timeout=600)
+            assert completions(server.url, str(smollm2_dir), prompts) == token_ids
+            source, counters = read_counters(httpx.get(f"{server.url}/metrics", timeout=10).text)
+        finally:
+            server.stop()
+        theirs = counters.report(source)
+        detail = f"vLLM {theirs}; specdec {ours.summary()}"
+        assert 1.5 < ours.tau < 2.5, detail  # the second layer changed the drafts
+        assert abs(theirs["tau"] - ours.tau) <= 0.05 * ours.tau, detail
+        for a, b in zip(theirs["acceptance_rates"], ours.acceptance_rates, strict=True):
+            assert abs(a - b) <= 0.05, detail

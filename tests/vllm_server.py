@@ -11,10 +11,12 @@ children stop with it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,17 @@ def vllm_python() -> Path:
     if proc.returncode != 0:
         raise RuntimeError(f"scripts/vllm_venv.sh failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
     return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def exclusive_vllm() -> Iterator[Path]:
+    """``vllm_python()``, held by one test process of this machine at a time until the
+    block ends: pytest-xdist workers (scripts/test.sh) would otherwise build the venv
+    twice at once, or run two vLLM servers on the same cores. Never nest it in one
+    process (the second lock would wait on the first)."""
+    with (Path(tempfile.gettempdir()) / "specdec-vllm-tests.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield vllm_python()
 
 
 @dataclass
