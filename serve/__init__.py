@@ -2,10 +2,14 @@
 generator (``specdec bench-serve``). Installed from the top-level ``serve/`` folder.
 
 - ``config.py``: ``ServeConfig`` (YAML in configs/serve/ maps onto it)
-- ``async_engine.py``: the engine loop on a background thread, one stream per request
+- ``engine_core.py``: the engine loop (``EngineCore``) and its process entry point; one
+  message per step with every request's new token ids
+- ``core_client.py``: the core in its own process (default) or on a thread
+- ``async_engine.py``: the API side: detokenizing, stop strings, one stream per request
 - ``protocol.py``: OpenAI request/response bodies (pydantic)
 - ``inputs.py``: request bodies → prompt token ids and ``SamplingParams``
 - ``serving.py``: completions and chat handlers, SSE streaming
+- ``tokenize.py``: vLLM's /tokenize and /detokenize
 - ``errors.py``, ``auth.py``, ``metrics.py``: error bodies, API keys, Prometheus
 - ``app.py``: ``build_app`` (FastAPI) and ``run_server`` (uvicorn)
 - ``cli.py``, ``bench.py``: the two commands

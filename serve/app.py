@@ -2,8 +2,8 @@
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, or SSE with
 ``stream: true``), GET /health (200 while the engine loop runs, else 503), GET /metrics
-(Prometheus text), /docs and /openapi.json. With an API key every /v1 route needs
-``Authorization: Bearer <key>``.
+(Prometheus text), POST /tokenize and /detokenize (vLLM's), /docs and /openapi.json. With
+an API key every /v1 route needs ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from specdec.serve.protocol import (
     ModelList,
 )
 from specdec.serve.serving import OpenAIServing
+from specdec.serve.tokenize import tokenize_routes
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,8 @@ _STREAM_200 = {200: {"content": {"text/event-stream": {"schema": {"type": "strin
 
 
 def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
-    """An app serving ``engine``; its lifespan starts and stops the engine thread."""
-    from specdec.models import load_tokenizer
-
-    if config.spec_exit_by_default and engine.engine.spec_exit is None:
+    """An app serving ``engine``; its lifespan starts and stops the engine core."""
+    if config.spec_exit_by_default and not engine.info.has_spec_exit:
         raise ValueError(
             "spec_exit_by_default needs an EAGLE-3 draft head with SpecExit channels; this "
             "engine's speculation has none"
@@ -67,7 +66,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
 
     metrics = ServerMetrics(lambda: engine.snapshot)
     engine.add_finish_listener(metrics.observe_finished)
-    serving = OpenAIServing(engine, config, load_tokenizer(engine.engine.resolved), metrics)
+    serving = OpenAIServing(engine, config, engine.tokenizer, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -114,6 +113,7 @@ def build_app(engine: AsyncLLMEngine, config: ServeConfig) -> FastAPI:
         return await serving.chat(body, raw)
 
     app.include_router(v1)
+    app.include_router(tokenize_routes(serving))
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
@@ -145,27 +145,38 @@ def _openapi(app: FastAPI) -> dict:
 
 
 def run_server(config: ServeConfig) -> None:
-    """Load the engine, then serve until interrupted (blocks)."""
+    """Start the engine core, then serve until interrupted (blocks)."""
     import uvicorn
 
-    from specdec.engine.llm_engine import LLMEngine
+    from specdec.serve.core_client import InprocCoreClient, ProcCoreClient
 
-    engine = LLMEngine(config.engine)
-    runtime = engine.runner.runtime
-    spec = config.engine.speculative
+    logger.info(
+        "starting the engine core for %s (%s)",
+        config.engine.model,
+        "its own process" if config.engine_process else "a thread of this process",
+    )
+    if config.engine_process:
+        core = ProcCoreClient(config.engine)
+    else:
+        from specdec.engine.llm_engine import LLMEngine
+
+        core = InprocCoreClient(LLMEngine(config.engine))
+    info = core.info
     logger.info(
         "serving %s as %s on %s %s (%s), max_model_len %d, %d KV blocks",
         config.engine.model,
         config.model_names,
-        runtime.device,
-        str(runtime.dtype).removeprefix("torch."),
-        f"{spec.method} speculation, {spec.tree} of depth {spec.num_speculative_tokens}"
-        if spec is not None
-        else "no speculation",
-        engine.max_model_len,
-        engine.kv_manager.pool.num_usable_blocks,
+        info.device,
+        info.dtype,
+        info.speculation,
+        info.max_model_len,
+        info.num_kv_blocks,
     )
-    app = build_app(AsyncLLMEngine(engine, config.max_in_flight), config)
+    try:
+        app = build_app(AsyncLLMEngine(core, config.max_in_flight), config)
+    except BaseException:
+        core.shutdown()
+        raise
     uvicorn.run(
         app,
         host=config.host,

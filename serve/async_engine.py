@@ -1,36 +1,42 @@
-"""``AsyncLLMEngine``: the engine loop on a background thread, one output stream per request.
+"""``AsyncLLMEngine``: the API side of the engine core, one output stream per request.
 
-Threading contract. ``LLMEngine`` is not thread-safe, so only the engine thread calls it
-(add_request, abort_request, step, and the reads behind ``snapshot``). The event loop talks
-to it through an inbox of commands guarded by a ``threading.Condition``, and the engine
-thread answers through ``loop.call_soon_threadsafe``. Streams, the in-flight count and the
-finish listeners live on the event loop thread only. With nothing queued or running the
-engine thread sleeps on the condition: an idle server burns no CPU.
+The engine core (``engine_core.py``) runs in its own process (or on a thread, see
+``core_client.py``) and sends one message per step with every request's new token ids.
+This side, on the event loop, turns them into OpenAI-shaped outputs: it detokenizes,
+matches stop strings (then aborts the request in the core), and hands each request's
+stream what is new. Streams coalesce: a stream whose reader is still busy with the last
+output gets everything that arrived since in one output, so the work here grows with
+how fast clients read, not with how fast the engine steps.
 
-Lifecycle of a request: ``add_request`` (event loop) checks admission, queues an *add* and
-awaits the engine's verdict, so a bad prompt raises ``ValueError`` before any response
-starts. Outputs then arrive on the request's ``RequestStream`` in engine order, the last
-one finished. Closing a stream early (client gone, task cancelled) queues an *abort*,
-which the engine thread applies before its next step: the request's KV blocks are free
-before any more work is scheduled.
+Lifecycle of a request: ``add_request`` checks admission, sends an *add* and awaits the
+core's verdict, so a bad prompt raises ``ValueError`` before any response starts. Outputs
+then arrive on its ``RequestStream``, cumulative, the last one finished. Closing a stream
+early (client gone, task cancelled) sends an *abort*, which the core applies before its
+next step: the request's KV blocks are free before any more work is scheduled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from specdec.engine.llm_engine import LLMEngine
-from specdec.outputs import RequestOutput
-from specdec.sampling_params import RequestOutputKind, SamplingParams
+from specdec.engine.detokenizer import IncrementalDetokenizer
+from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from specdec.sampling_params import SamplingParams
+from specdec.serve.core_client import InprocCoreClient
+from specdec.serve.engine_core import EngineInfo, EngineSnapshot
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "AsyncLLMEngine",
+    "EngineDeadError",
+    "EngineSnapshot",
+    "QueueFullError",
+    "RequestStats",
+    "RequestStream",
+]
 
 
 class QueueFullError(RuntimeError):
@@ -39,36 +45,6 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (shutdown or an internal error); nothing more is served."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine state after the engine thread's latest iteration (what /metrics reports).
-    Counters are cumulative since start; blocks exclude the null block."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_total_blocks: int = 0
-    kv_free_blocks: int = 0
-    prefix_cache_queries: int = 0  # blocks looked up in the prefix cache
-    prefix_cache_hits: int = 0  # blocks found there
-    num_steps: int = 0
-    num_preemptions: int = 0
-    spec_depth: int = 0  # draft positions (0 without speculation)
-    spec_steps: int = 0
-    spec_drafted_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_accepted_at_least: tuple[int, ...] = ()  # [k-1]: steps accepting >= k tokens
-    spec_exit_requests: int = 0  # requests that opted into SpecExit
-    spec_exit_exits: int = 0  # thinking cut short
-    spec_exit_tokens_saved: float = 0.0  # the head's remaining-tokens estimate at exits
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of usable KV blocks held by requests (0.0 .. 1.0)."""
-        if not self.kv_total_blocks:
-            return 0.0
-        return 1.0 - self.kv_free_blocks / self.kv_total_blocks
 
 
 @dataclass
@@ -85,19 +61,38 @@ class RequestStats:
 
 
 class RequestStream:
-    """Outputs of one request, in engine order, the last one finished; iterate it once.
+    """Outputs of one request, the last one finished; iterate it once.
 
     Outputs are cumulative (``outputs[0].token_ids`` holds every token so far) and carry
-    the new text in ``text_delta``. ``close()`` aborts an unfinished request; leaving the
-    iteration early (break, cancellation, an exception) closes it too.
+    the text new since the previous output in ``text_delta``. Invariant: the deltas joined
+    equal the final ``text``, which is the output's tokens decoded, cut at a matched stop
+    string. ``close()`` aborts an unfinished request; leaving the iteration early (break,
+    cancellation, an exception) closes it too.
     """
 
-    def __init__(self, request_id: str, engine: AsyncLLMEngine, num_prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        engine: AsyncLLMEngine,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
         self.request_id = request_id
-        self.stats = RequestStats(request_id, time.monotonic(), num_prompt_tokens)
+        self.stats = RequestStats(request_id, time.monotonic(), len(prompt_token_ids))
         self.done = False  # nothing more will be delivered (finished, closed or failed)
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._prompt_token_ids = prompt_token_ids
+        self._params = params
+        # Made on the first output: the prompt's ids are checked by the engine first.
+        self._detokenizer: IncrementalDetokenizer | None = None
+        self._token_ids: list[int] = []  # every token the core sent
+        self._logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self._num_used = 0  # tokens detokenized into the output
+        self._finish_reason: str | None = None  # the core's, once it finished the request
+        self._stop_reason: int | str | None = None
+        self._metrics: RequestMetrics | None = None
+        self._error: BaseException | None = None
+        self._wake = asyncio.Event()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -105,11 +100,16 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._error is not None:
+                    raise self._error
+                out = self._collect()
+                if out is not None:
+                    yield out
+                    if out.finished:
+                        return
+                elif self.done:  # closed elsewhere
                     return
         finally:
             self.close()
@@ -118,44 +118,112 @@ class RequestStream:
         """Abort the request unless it already finished (idempotent)."""
         self._engine._abort(self)
 
+    # ---- event loop, from the core's messages --------------------------------------------
+    def _receive(self, output: tuple, now: float) -> None:
+        _, token_ids, logprobs, finish_reason, stop_reason, metrics = output
+        if token_ids and self.stats.first_token_time is None:
+            self.stats.first_token_time = now
+        self._token_ids += token_ids
+        if self._logprobs is not None and logprobs:
+            self._logprobs += logprobs
+        if finish_reason is not None:
+            self._finish_reason, self._stop_reason, self._metrics = (
+                finish_reason,
+                stop_reason,
+                metrics,
+            )
+        self._wake.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake.set()
+
+    def _collect(self) -> RequestOutput | None:
+        """What arrived since the last output, as one cumulative output (None: nothing new).
+        Detokenizes the new tokens; a matched stop string finishes the request here."""
+        detok = self._detokenizer
+        if detok is None:
+            detok = self._detokenizer = IncrementalDetokenizer(
+                self._engine.tokenizer, self._prompt_token_ids, self._params
+            )
+        new = self._token_ids[self._num_used :]
+        delta = ""
+        finish, stop_reason = self._finish_reason, self._stop_reason
+        if new:
+            update = detok.append(new)
+            delta = update.text_delta
+            self._num_used += update.num_tokens_used
+            if update.stop_reason is not None:
+                finish, stop_reason = "stop", update.stop_reason
+        if finish is not None and detok.stop_reason is None:
+            delta += detok.flush()
+        if not new and finish is None:
+            return None
+        n = self._num_used
+        completion = CompletionOutput(
+            index=0,
+            text=detok.text,
+            token_ids=self._token_ids[:n],
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            logprobs=self._logprobs[:n] if self._logprobs is not None else None,
+        )
+        metrics = self._metrics or RequestMetrics(arrival_time=self.stats.arrival_time)
+        output = RequestOutput(
+            request_id=self.request_id,
+            prompt=None,
+            prompt_token_ids=self._prompt_token_ids,
+            outputs=[completion],
+            finished=finish is not None,
+            metrics=metrics,
+            text_delta=delta,
+        )
+        self.stats.num_output_tokens = n
+        if finish is not None:
+            self._engine._finish(self, finish)
+            if self._finish_reason is None:  # a stop string: the core is still generating
+                self._engine._core.send(("abort", self.request_id))
+        return output
+
 
 class AsyncLLMEngine:
-    """Drives an ``LLMEngine`` from a background thread for an asyncio server."""
+    """Serves an engine core to asyncio handlers (module docstring).
 
-    def __init__(self, engine: LLMEngine, max_in_flight: int) -> None:
+    ``core`` is a ``ProcCoreClient`` / ``InprocCoreClient``, or an engine object (run on a
+    thread here). ``tokenizer`` detokenizes outputs (default: the engine's model's).
+    """
+
+    def __init__(self, core: Any, max_in_flight: int, tokenizer: Any = None) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight} must be >= 1")
-        self.engine = engine
+        if not hasattr(core, "send"):  # an engine object
+            core = InprocCoreClient(core)
+        self._core = core
+        self.info: EngineInfo = core.info
+        if tokenizer is None:
+            from specdec.models import load_tokenizer
+
+            tokenizer = load_tokenizer(self.info.model)
+        self.tokenizer = tokenizer
         self.max_in_flight = max_in_flight
         self.snapshot = EngineSnapshot()
         self.dead: BaseException | None = None
-        # Engine-thread side (guarded by _cond).
-        self._cond = threading.Condition()
-        self._inbox: list[tuple[str, Any]] = []
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        # Event-loop side.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, RequestStream] = {}
+        self._adding: dict[str, asyncio.Future[None]] = {}
         self._finish_listeners: list[Callable[[RequestStats], None]] = []
 
-    # ---- lifecycle (event loop) ---------------------------------------------------------
+    # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will add requests."""
-        if self._thread is not None:
+        """Start delivering the core's outputs; call from the event loop that serves."""
+        if self._loop is not None:
             raise RuntimeError("AsyncLLMEngine.start() was already called")
         self._loop = asyncio.get_running_loop()
-        self.snapshot = self._take_snapshot()
-        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
-        self._thread.start()
+        self._core.start(self._loop, self._on_message)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step; fail requests still in flight."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Stop the core after its current step; fail requests still in flight."""
+        self._core.shutdown(timeout)
         error = EngineDeadError("the server is shutting down")
         self.dead = self.dead or error
         self._fail_all(error)
@@ -168,7 +236,7 @@ class AsyncLLMEngine:
         """Call ``listener(stats)`` on the event loop when a request finishes or aborts."""
         self._finish_listeners.append(listener)
 
-    # ---- requests (event loop) ----------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> RequestStream:
@@ -185,29 +253,30 @@ class AsyncLLMEngine:
                 f"{len(self._live)} requests are in flight, the most this server queues "
                 f"(max_num_seqs + max_waiting_requests = {self.max_in_flight}); retry later"
             )
-        # Cumulative outputs: the final one holds every token id and logprob (usage and
-        # non-streaming bodies need them); streams send ``text_delta`` and slice logprobs.
-        params = replace(params, output_kind=RequestOutputKind.CUMULATIVE)
-        stream = RequestStream(request_id, self, len(prompt_token_ids))
+        stream = RequestStream(request_id, self, prompt_token_ids, params)
         self._live[request_id] = stream
         accepted: asyncio.Future[None] = self._loop.create_future()
-        self._submit("add", (request_id, prompt_token_ids, params, accepted))
+        self._adding[request_id] = accepted
+        self._core.send(("add", request_id, prompt_token_ids, params))
         try:
             await accepted
         except asyncio.CancelledError:
-            # The add may still land; the abort queued behind it undoes it.
+            # The add may still land; the abort sent behind it undoes it.
             self._abort(stream)
             raise
         except BaseException:
             self._finish(stream, "error")  # rejected: the engine holds nothing of it
             raise
+        finally:
+            self._adding.pop(request_id, None)
         return stream
 
     def _abort(self, stream: RequestStream) -> None:
         if stream.done:
             return
         self._finish(stream, "abort")
-        self._submit("abort", stream.request_id)
+        stream._wake.set()  # a reader waiting on it ends
+        self._core.send(("abort", stream.request_id))
 
     def _finish(self, stream: RequestStream, reason: str) -> None:
         if stream.done:
@@ -221,112 +290,38 @@ class AsyncLLMEngine:
             for listener in self._finish_listeners:
                 listener(stats)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """One engine step's outputs, on the event loop."""
-        now = time.monotonic()
-        for out in outputs:
-            stream = self._live.get(out.request_id)
-            if stream is None:  # closed while the output was on its way
-                continue
-            completion = out.outputs[0]
-            stats = stream.stats
-            stats.num_output_tokens = len(completion.token_ids)
-            if stats.first_token_time is None and completion.token_ids:
-                stats.first_token_time = now
-            stream._queue.put_nowait(out)
-            if out.finished:
-                self._finish(stream, completion.finish_reason or "stop")
+    # ---- the core's messages (event loop) -----------------------------------------------
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, outputs, snapshot = message
+            now = time.monotonic()
+            live = self._live
+            for output in outputs:
+                stream = live.get(output[0])
+                if stream is not None:  # else closed while the output was on its way
+                    stream._receive(output, now)
+            if snapshot is not None:
+                self.snapshot = snapshot
+        elif kind == "added":
+            _, request_id, error = message
+            future = self._adding.get(request_id)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(ValueError(error))
+        elif kind == "dead":
+            self._on_dead(RuntimeError(message[1]))
 
     def _fail_all(self, error: BaseException) -> None:
+        for future in self._adding.values():
+            if not future.done():
+                future.set_exception(error)
         for stream in list(self._live.values()):
-            stream._queue.put_nowait(error)
+            stream._fail(error)
             self._finish(stream, "error")
 
     def _on_dead(self, error: BaseException) -> None:
         self.dead = error
-        self._fail_all(EngineDeadError(f"the engine stopped: {type(error).__name__}"))
-
-    # ---- the engine thread --------------------------------------------------------------
-    def _submit(self, kind: str, payload: Any) -> None:
-        with self._cond:
-            self._inbox.append((kind, payload))
-            self._cond.notify()
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop closed during shutdown
-            self._loop.call_soon_threadsafe(fn, *args)
-
-    def _run(self) -> None:
-        import torch
-
-        try:
-            with torch.inference_mode():
-                while self._iteration():
-                    pass
-        except BaseException as e:
-            logger.exception("the engine loop failed; the server cannot generate any more")
-            self._post(self._on_dead, e)
-
-    def _iteration(self) -> bool:
-        """Apply queued commands, then run one step if any request is unfinished.
-        Returns False once shutdown was asked for."""
-        engine = self.engine
-        with self._cond:
-            while not (self._inbox or self._stopping or engine.has_unfinished_requests()):
-                self._cond.wait()
-            if self._stopping:
-                return False
-            commands, self._inbox = self._inbox, []
-        for kind, payload in commands:
-            if kind == "add":
-                self._apply_add(*payload)
-            else:
-                engine.abort_request(payload)
-        outputs = engine.step() if engine.has_unfinished_requests() else []
-        self.snapshot = self._take_snapshot()
-        if outputs:
-            self._post(self._deliver, outputs)
-        return True
-
-    def _apply_add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, accepted: asyncio.Future
-    ) -> None:
-        error: BaseException | None = None
-        try:
-            self.engine.add_request(prompt, params, request_id)
-        except (ValueError, TypeError) as e:  # bad input: the engine state is unchanged
-            error = ValueError(str(e))
-        self._post(_resolve, accepted, error)
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        engine = self.engine
-        pool = engine.kv_manager.pool
-        spec = engine.spec_stats
-        exits = engine.spec_exit.stats if engine.spec_exit is not None else None
-        return EngineSnapshot(
-            num_running=engine.scheduler.num_running,
-            num_waiting=engine.scheduler.num_waiting,
-            kv_total_blocks=pool.num_usable_blocks,
-            kv_free_blocks=pool.num_free_blocks,
-            prefix_cache_queries=pool.prefix_queries,
-            prefix_cache_hits=pool.prefix_hits,
-            num_steps=engine.num_steps,
-            num_preemptions=engine.scheduler.num_preemptions,
-            spec_depth=engine.proposer.max_depth if engine.proposer is not None else 0,
-            spec_steps=spec.steps,
-            spec_drafted_tokens=spec.drafted_tokens,
-            spec_accepted_tokens=spec.accepted_tokens,
-            spec_accepted_at_least=tuple(spec.accepted_at_least),
-            spec_exit_requests=exits.requests if exits else 0,
-            spec_exit_exits=exits.exits if exits else 0,
-            spec_exit_tokens_saved=exits.tokens_saved if exits else 0.0,
-        )
-
-
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.done():  # the waiting request was cancelled
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
+        self._fail_all(EngineDeadError(f"the engine stopped: {error}"))

@@ -33,6 +33,7 @@ _SERVER_FLAGS = {
     "max_waiting_requests": "max_waiting_requests",
     "max_tokens_limit": "max_tokens_limit",
     "spec_exit_by_default": "spec_exit_by_default",
+    "engine_process": "engine_process",
 }
 
 
@@ -97,6 +98,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="requests that leave spec_exit out opt in too (needs a head with SpecExit "
         "channels; default: off)",
+    )
+    g.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        help="run the engine core in its own process, apart from HTTP work (default: on; "
+        "--no-engine-process runs it on a thread of the server's process)",
     )
     # Every flag defaults to None, meaning "not given": the config (ServeConfig's defaults,
     # or --config) supplies the value, so a given flag always wins, even one that repeats

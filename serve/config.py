@@ -81,6 +81,9 @@ class ServeConfig:
     max_tokens_limit: int | None = None
     spec_exit: dict[str, Any] = field(default_factory=dict)  # SpecExitParams fields
     spec_exit_by_default: bool = False
+    # The engine core runs in its own process, so HTTP work never holds the engine's
+    # interpreter lock; False runs it on a thread of the server's process (debugging).
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         from specdec.config import EngineConfig

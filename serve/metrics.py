@@ -1,7 +1,7 @@
 """Prometheus metrics for /metrics, on a registry owned by the server (no global state).
 
 Request metrics are observed on the event loop when a request finishes; engine metrics are
-read at scrape time from the engine thread's latest ``EngineSnapshot``. Names (all
+read at scrape time from the engine core's latest ``EngineSnapshot``. Names (all
 ``specdec_`` prefixed; counters get ``_total`` appended by the exposition format):
 
 - ``num_requests_running`` / ``num_requests_waiting``: the scheduler's queues.
@@ -33,7 +33,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from specdec.serve.async_engine import EngineSnapshot, RequestStats
+from specdec.serve.async_engine import RequestStats
+from specdec.serve.engine_core import EngineSnapshot
 
 PREFIX = "specdec_"
 _LATENCY_BUCKETS = (

@@ -13,6 +13,8 @@ Request models allow unknown fields (OpenAI adds parameters often; like vLLM, th
 ignores ones it does not know and logs them). Parameters that OpenAI defines but specdec
 does not implement (``n > 1``, ``echo``, penalties, tools, ...) are refused with a 400 by
 the handlers rather than silently ignored.
+
+The bodies of vLLM's /tokenize and /detokenize routes (serve/tokenize.py) close the file.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_serializer
 
 from specdec.sampling_params import MAX_LOGPROBS
 
@@ -294,3 +296,87 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+# ---- /tokenize and /detokenize (vLLM's extension routes) ---------------------------------
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = Field(None, description="a served model name; default: the first")
+    prompt: str
+    add_special_tokens: bool = Field(
+        True, description="wrap the ids in the tokenizer's special tokens (e.g. BOS)"
+    )
+    return_token_strs: bool | None = Field(False, description="also return each id's token string")
+
+
+class TokenizeChatRequest(_Request):
+    """Tokenized exactly as /v1/chat/completions tokenizes the same ``messages``."""
+
+    model: str | None = Field(None, description="a served model name; default: the first")
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    # vLLM's chat-only fields: accepted so its clients validate; values this server
+    # cannot honour are refused by the handler instead of silently changing the ids.
+    continue_final_message: bool = False
+    add_special_tokens: bool = Field(
+        False, description="add the tokenizer's special tokens on top of the chat template's"
+    )
+    return_token_strs: bool | None = Field(False, description="also return each id's token string")
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+
+def _tokenize_kind(body: Any) -> str | None:
+    """The union member a body is: chat with ``messages``, completion with a ``prompt``;
+    None (the union's error) for a body with neither."""
+    if isinstance(body, dict):
+        keys = body.keys()
+    else:  # an already-built model
+        keys = {k for k in ("messages", "prompt") if hasattr(body, k)}
+    if "messages" in keys:
+        return "chat"
+    return "completion" if "prompt" in keys else None
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("completion")]
+    | Annotated[TokenizeChatRequest, Tag("chat")],
+    Discriminator(
+        _tokenize_kind,
+        custom_error_type="tokenize_input",
+        custom_error_message="pass either prompt (text) or messages (a chat)",
+    ),
+]
+
+
+class TokenizeResponse(BaseModel):
+    count: int  # len(tokens)
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # only when return_token_strs
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = Field(None, description="a served model name; default: the first")
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+TOKENIZE_EXAMPLES = {
+    "prompt": {
+        "summary": "a plain prompt",
+        "value": {"prompt": "The capital of France is", "return_token_strs": True},
+    },
+    "chat": {
+        "summary": "a chat, as /v1/chat/completions would tokenize it",
+        "value": {"messages": [{"role": "user", "content": "Name a prime number."}]},
+    },
+}
+DETOKENIZE_EXAMPLES = {
+    "tokens": {"summary": "token ids", "value": {"tokens": [504, 3575, 282, 4649, 314]}},
+}

@@ -73,15 +73,14 @@ class OpenAIServing:
     ) -> None:
         self.engine = engine
         self.config = config
-        # The HTTP side's own tokenizer: HF tokenizers must not be shared with the engine
-        # thread (concurrent use can fail with "Already borrowed").
+        # The event loop's tokenizer (the streams detokenize with the same one, on the same
+        # thread: HF tokenizers must not be used from two threads at once).
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.info.max_model_len
         # SpecExit settings under each request's, lowest precedence first: the draft head's
         # record, then the server's (docs/spec_exit.md); checked once here.
-        runtime = engine.engine.spec_exit
-        head = runtime.head_defaults if runtime is not None else None
+        head = engine.info.spec_exit_head_defaults
         self.spec_exit_base = (head, config.spec_exit)
         try:
             spec_exit_params(*self.spec_exit_base)

@@ -58,6 +58,10 @@ class SamplingParams:
     token per step; the others in the batch still speculate). Outputs are the same either
     way; it trades the request's latency for the batch's verify work.
 
+    ``detokenize=False`` leaves text to the caller: outputs carry token ids (and logprobs)
+    with empty text, and stop strings are refused (matching them needs the text). A server
+    detokenizes in its API process this way, off the engine's critical path.
+
     ``spec_exit`` opts the request into SpecExit (docs/spec_exit.md): with an EAGLE-3 head
     that has exit channels, its thinking may end early at a step boundary (the output then
     differs from plain decoding by design). None: the output is plain decoding's.
@@ -78,6 +82,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     speculate: bool = True
+    detokenize: bool = True
     spec_exit: SpecExitParams | None = None
 
     def __post_init__(self) -> None:
@@ -97,6 +102,13 @@ class SamplingParams:
                 )
         if not isinstance(self.speculate, bool):
             raise TypeError(f"speculate={self.speculate!r} is invalid; pass True or False")
+        if not isinstance(self.detokenize, bool):
+            raise TypeError(f"detokenize={self.detokenize!r} is invalid; pass True or False")
+        if not self.detokenize and self.stop:
+            raise ValueError(
+                f"stop={self.stop!r} needs detokenize=True (stop strings match text); match "
+                "them on the caller's side, or detokenize in the engine"
+            )
         if self.spec_exit is not None and not isinstance(self.spec_exit, SpecExitParams):
             raise TypeError(
                 f"spec_exit={self.spec_exit!r} is invalid; pass SpecExitParams(...) or None"

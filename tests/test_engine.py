@@ -358,22 +358,26 @@ def test_ngram_speculation_is_lossless(smollm2_dir, lossless, kwargs):
 
 def test_delta_outputs_carry_every_emitted_token(smollm2_dir, chats, reference):
     """Streaming (DELTA) with speculation: a verify step may emit several tokens, and every
-    one reaches the client, with its text, exactly once."""
+    one reaches the client, with its text, exactly once; with ``detokenize=False`` (a
+    server's engine core) the same tokens come without text."""
     spec = SpeculativeConfig(num_speculative_tokens=4)
     engine = make_llm(smollm2_dir, speculative=spec).engine
     params = SamplingParams(
         temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
-    engine.add_request(chats[3], params)
-    deltas: list[list[int]] = []
-    text = ""
+    engine.add_request(chats[3], params, "text")
+    engine.add_request(chats[3], dataclasses.replace(params, detokenize=False), "ids")
+    deltas: dict[str, list[list[int]]] = {"text": [], "ids": []}
+    text = {"text": "", "ids": ""}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            deltas.append(out.outputs[0].token_ids)
-            text += out.outputs[0].text
-    assert [t for d in deltas for t in d] == reference[3]
-    assert max(len(d) for d in deltas) > 1  # some step really emitted several tokens
-    assert text == engine.tokenizer.decode(reference[3], skip_special_tokens=True)
+            deltas[out.request_id].append(out.outputs[0].token_ids)
+            text[out.request_id] += out.outputs[0].text
+    for d in deltas.values():
+        assert [t for step in d for t in step] == reference[3]
+    assert max(len(d) for d in deltas["text"]) > 1  # some step really emitted several tokens
+    assert text["text"] == engine.tokenizer.decode(reference[3], skip_special_tokens=True)
+    assert text["ids"] == ""
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "eagle3-dynamic"])

@@ -64,6 +64,7 @@ def test_params_normalise_stop_and_top_k() -> None:
         ({"logprobs": 21}, r"logprobs=21 is invalid; use 0..20"),
         ({"stop": ["ok", ""]}, r"stop contains ''"),
         ({"stop_token_ids": [-1]}, r"stop_token_ids contains -1"),
+        ({"stop": ["x"], "detokenize": False}, r"stop=\['x'\] needs detokenize=True"),
     ],
 )
 def test_params_reject_bad_values(kwargs: dict, message: str) -> None:

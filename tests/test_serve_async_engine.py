@@ -1,11 +1,15 @@
-"""AsyncLLMEngine's threading contract, on a scripted stand-in engine (no model): every
-engine call happens on the engine thread, outputs stream in order, closing a stream
-aborts its request before the next step, bad input and a full queue raise before any
-output, an engine failure reaches every stream, and an idle loop sleeps."""
+"""The API side of the engine core (``AsyncLLMEngine``) and both transports, on a scripted
+stand-in engine (no model): every engine call happens on the core's own thread or process,
+outputs stream in order and coalesce for slow readers, stop strings are matched on the API
+side (then the core aborts the request), closing a stream aborts its request before the
+next step, bad input and a full queue raise before any output, an engine failure reaches
+every stream, and an idle core sleeps."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -15,24 +19,37 @@ import pytest
 from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.serve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from specdec.serve.core_client import EngineStartError, ProcCoreClient
 from specdec.spec.metrics import SpecStats
 
 
-class ScriptedEngine:
-    """Each request emits one token per step until it has ``max_tokens``; records the
-    calls it gets and the threads they come from."""
+class LetterTokenizer:
+    """Token id t decodes to one letter, chr(97 + t % 26)."""
 
-    def __init__(self, fail_at_step: int | None = None) -> None:
+    def decode(self, token_ids, skip_special_tokens=True, **kwargs) -> str:
+        return "".join(chr(97 + t % 26) for t in token_ids)
+
+
+class ScriptedEngine:
+    """Each request emits token ids 0, 1, 2, ... one per step until it has
+    ``max_tokens``; records the calls it gets and the threads they come from."""
+
+    def __init__(self, fail_at_step: int | None = None, step_s: float = 0.01) -> None:
         self.requests: dict[str, list[int]] = {}
         self.limits: dict[str, int] = {}
         self.calls: list[tuple[str, str]] = []
         self.threads: set[int] = set()
         self.fail_at_step = fail_at_step
+        self.step_s = step_s
         self.num_steps = 0
         self.idle_checks = 0
         self.spec_stats = SpecStats()
         self.proposer = None
         self.spec_exit = None  # no SpecExit channels (LLMEngine's attribute)
+        self.resolved = "scripted"
+        self.max_model_len = 64
+        self.config = SimpleNamespace(speculative=None)
+        self.runner = SimpleNamespace(runtime=SimpleNamespace(device="cpu", dtype="float32"))
         pool = SimpleNamespace(num_usable_blocks=8, num_free_blocks=8, prefix_queries=0)
         pool.prefix_hits = 0
         self.kv_manager = SimpleNamespace(pool=pool)
@@ -46,7 +63,9 @@ class ScriptedEngine:
         self._touch("add", request_id)
         if not prompt:
             raise ValueError("the prompt is empty; pass at least one token")
-        assert params.output_kind is RequestOutputKind.CUMULATIVE
+        # The core asks for token ids per step and leaves text to the API side.
+        assert params.output_kind is RequestOutputKind.DELTA
+        assert not params.detokenize and not params.stop
         self.requests[request_id] = []
         self.limits[request_id] = params.max_tokens
         return request_id
@@ -68,27 +87,36 @@ class ScriptedEngine:
         for request_id, tokens in list(self.requests.items()):
             tokens.append(len(tokens))
             done = len(tokens) >= self.limits[request_id]
-            completion = CompletionOutput(
-                0, "x" * len(tokens), list(tokens), "length" if done else None
-            )
+            completion = CompletionOutput(0, "", [tokens[-1]], "length" if done else None)
             metrics = RequestMetrics(arrival_time=0.0)
-            outputs.append(RequestOutput(request_id, None, [1], [completion], done, metrics, "x"))
+            outputs.append(RequestOutput(request_id, None, [1], [completion], done, metrics))
             if done:
                 del self.requests[request_id]
-        time.sleep(0.01)  # a step takes a while: the loop side runs meanwhile
+        time.sleep(self.step_s)  # a step takes a while: the loop side runs meanwhile
         return outputs
 
 
-def _run(engine: ScriptedEngine, body, max_in_flight: int = 8):
+def scripted_engine(config: dict) -> ScriptedEngine:
+    """Builds the stand-in in the core's process (a spawn target must be importable)."""
+    if config.get("fail_to_build"):
+        raise RuntimeError("no device")
+    return ScriptedEngine(**config)
+
+
+def _run(core, body, max_in_flight: int = 8):
     async def main():
-        async_engine = AsyncLLMEngine(engine, max_in_flight)
-        async_engine.start()
+        a = AsyncLLMEngine(core, max_in_flight, tokenizer=LetterTokenizer())
+        a.start()
         try:
-            return await body(async_engine)
+            return await body(a)
         finally:
-            async_engine.shutdown()
+            a.shutdown()
 
     return asyncio.run(main())
+
+
+def _text(n: int) -> str:
+    return LetterTokenizer().decode(list(range(n)))
 
 
 def test_streams_outputs_in_order_with_every_engine_call_on_the_engine_thread():
@@ -97,15 +125,57 @@ def test_streams_outputs_in_order_with_every_engine_call_on_the_engine_thread():
     async def body(a: AsyncLLMEngine):
         async def one(i: int):
             stream = await a.add_request(f"r{i}", [1, 2], SamplingParams(max_tokens=3 + i))
-            return [len(out.outputs[0].token_ids) async for out in stream]
+            outs = [out async for out in stream]
+            return [len(out.outputs[0].token_ids) for out in outs], outs[-1]
 
-        counts = await asyncio.gather(*(one(i) for i in range(4)))
-        return counts, a.num_in_flight, a.snapshot
+        results = await asyncio.gather(*(one(i) for i in range(4)))
+        await asyncio.sleep(0.1)  # the idle core's last snapshot
+        return results, a.num_in_flight, a.snapshot
 
-    counts, in_flight, snapshot = _run(engine, body)
-    assert counts == [list(range(1, 4 + i)) for i in range(4)]
+    results, in_flight, snapshot = _run(engine, body)
+    assert [counts for counts, _ in results] == [list(range(1, 4 + i)) for i in range(4)]
+    for i, (_, last) in enumerate(results):
+        assert last.finished and last.outputs[0].finish_reason == "length"
+        assert last.outputs[0].text == _text(3 + i)
+        assert last.outputs[0].token_ids == list(range(3 + i))
     assert in_flight == 0 and snapshot.num_steps == engine.num_steps
     assert len(engine.threads) == 1 and threading.get_ident() not in engine.threads
+
+
+def test_a_slow_reader_gets_what_arrived_in_one_output_and_the_deltas_add_up():
+    engine = ScriptedEngine(step_s=0.002)
+
+    async def body(a: AsyncLLMEngine):
+        stream = await a.add_request("r", [1], SamplingParams(max_tokens=40))
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            await asyncio.sleep(0.03)  # a client slower than the engine's steps
+        return outs
+
+    outs = _run(engine, body)
+    assert len(outs) < 20  # 40 steps reached this reader in far fewer outputs
+    counts = [len(out.outputs[0].token_ids) for out in outs]
+    assert max(b - a for a, b in itertools.pairwise(counts)) > 1
+    assert "".join(o.text_delta for o in outs) == outs[-1].outputs[0].text == _text(40)
+
+
+def test_a_stop_string_finishes_on_the_api_side_and_aborts_the_core_request():
+    engine = ScriptedEngine()
+
+    async def body(a: AsyncLLMEngine):
+        params = SamplingParams(max_tokens=50, stop=["def"])
+        stream = await a.add_request("r", [1], params)
+        outs = [out async for out in stream]
+        await asyncio.sleep(0.1)
+        return outs, a.num_in_flight
+
+    outs, in_flight = _run(engine, body)
+    last = outs[-1].outputs[0]
+    assert (last.text, last.finish_reason, last.stop_reason) == ("abc", "stop", "def")
+    assert last.token_ids == [0, 1, 2, 3, 4, 5]  # up to the token that completed the stop
+    assert "".join(o.text_delta for o in outs) == "abc"
+    assert ("abort", "r") in engine.calls and not engine.requests and in_flight == 0
 
 
 def test_closing_a_stream_aborts_before_the_next_step():
@@ -114,7 +184,7 @@ def test_closing_a_stream_aborts_before_the_next_step():
     async def body(a: AsyncLLMEngine):
         stream = await a.add_request("r", [1], SamplingParams(max_tokens=1000))
         async for out in stream:
-            if len(out.outputs[0].token_ids) == 2:
+            if len(out.outputs[0].token_ids) >= 2:
                 break  # leaving the loop closes the stream
         await asyncio.sleep(0.1)
         return a.num_in_flight
@@ -148,7 +218,7 @@ def test_an_engine_failure_reaches_every_stream_and_refuses_new_requests():
     async def body(a: AsyncLLMEngine):
         streams = [await a.add_request(f"r{i}", [1], SamplingParams(max_tokens=99)) for i in "ab"]
         for stream in streams:
-            with pytest.raises(EngineDeadError):
+            with pytest.raises(EngineDeadError, match="device lost"):
                 async for _ in stream:
                     pass
         with pytest.raises(EngineDeadError):
@@ -170,3 +240,45 @@ def test_an_idle_engine_thread_sleeps():
         return engine.idle_checks - checks
 
     assert _run(engine, body) == 0  # no polling while nothing is queued or running
+
+
+# ---- the core in its own process ------------------------------------------------------------
+def test_the_core_process_streams_stops_aborts_and_reports_its_engine():
+    core = ProcCoreClient({}, build_engine=scripted_engine, start_timeout=120)
+    assert core.info.max_model_len == 64 and core.process.pid != os.getpid()
+
+    async def body(a: AsyncLLMEngine):
+        async def one(i: int, stop: list[str]):
+            params = SamplingParams(max_tokens=5 + i, stop=stop)
+            stream = await a.add_request(f"r{i}", [1], params)
+            return [out async for out in stream][-1].outputs[0]
+
+        done = await asyncio.gather(*(one(i, ["cd"] if i == 3 else []) for i in range(6)))
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            await a.add_request("bad", [], SamplingParams())
+        closed = await a.add_request("closed", [1], SamplingParams(max_tokens=10_000))
+        async for _ in closed:
+            break
+        await asyncio.sleep(0.2)
+        return done, a.num_in_flight, a.snapshot
+
+    done, in_flight, snapshot = _run(core, body)
+    assert [c.text for c in done] == [_text(5 + i) if i != 3 else "ab" for i in range(6)]
+    assert done[3].finish_reason == "stop" and done[5].finish_reason == "length"
+    assert in_flight == 0 and snapshot.num_steps > 0
+    assert not core.process.is_alive()  # shutdown stopped it
+
+
+def test_a_core_process_failure_is_reported_not_hung():
+    with pytest.raises(EngineStartError, match="no device"):
+        ProcCoreClient({"fail_to_build": True}, build_engine=scripted_engine, start_timeout=120)
+    core = ProcCoreClient({"fail_at_step": 4}, build_engine=scripted_engine, start_timeout=120)
+
+    async def body(a: AsyncLLMEngine):
+        stream = await a.add_request("r", [1], SamplingParams(max_tokens=99))
+        with pytest.raises(EngineDeadError, match="device lost"):
+            async for _ in stream:
+                pass
+        return a.dead
+
+    assert _run(core, body) is not None

@@ -53,7 +53,8 @@ class _RequestState:
     request: Request
     prompt: str | None
     # None when the text is only needed at the end (FINAL_ONLY without stop strings):
-    # the output is then decoded once instead of token by token.
+    # the output is then decoded once instead of token by token; or not at all
+    # (``detokenize=False``: the caller decodes).
     detokenizer: IncrementalDetokenizer | None
     stream: SeededStream | None  # seeded random requests only
     logprobs: list[TokenLogprobs] | None = None
@@ -238,7 +239,8 @@ class LLMEngine:
             prompt=text,
             detokenizer=(
                 IncrementalDetokenizer(self.tokenizer, token_ids, params)
-                if params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY
+                if params.detokenize
+                and (params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY)
                 else None
             ),
             stream=stream,
@@ -881,6 +883,8 @@ class LLMEngine:
             logprobs = logprobs[sent:] if logprobs is not None else None
         elif state.detokenizer is not None:
             text, token_ids = state.detokenizer.text, list(request.output_token_ids)
+        elif not request.sampling_params.detokenize:
+            text, token_ids = "", list(request.output_token_ids)
         else:
             text = self.tokenizer.decode(
                 request.output_token_ids,

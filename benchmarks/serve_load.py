@@ -1,0 +1,196 @@
+"""`specdec serve` under load against the offline engine on the same prompts, in one run.
+
+For each server variant (``--variants``: ``none`` = plain decoding, ``default`` = the
+model's default speculation, i.e. its shipped head) it launches ``python -m specdec.serve``,
+records the seconds until /health answers, runs ``specdec bench-serve`` (a separate client
+process) at each concurrency, and samples the CPU time of every thread of the server's
+processes while the largest concurrency runs (where the host time goes: the event loop,
+the engine loop, the core's pipe threads). Then ``specdec bench`` runs offline at the
+same batch sizes on the same prompts (plain and default speculation, ``--waves``).
+
+    python benchmarks/serve_load.py --prompts wb.jsonl --concurrency 1,4,16,64,128 \
+        --max-tokens 256 --json out.json [--server-args "--dtype bfloat16"]
+
+The table printed last: output tok/s and TPOT p50 per (concurrency, variant) for the
+server and the offline engine, the server's share of offline, and each server's start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+VARIANT_ARGS = {"none": ["--draft", "none"], "default": []}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) per thread of ``pid`` and of its children."""
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if children.exists():
+        pids += [int(p) for p in children.read_text().split()]
+    out: dict[str, float] = {}
+    for p in pids:
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            # Python threads keep the process's name: tell them apart by id (main = pid).
+            tid = "main" if task.name == str(p) else task.name
+            key = f"{'api' if p == pid else 'core'}:{tid}:{name}"
+            out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not healthy after {timeout} s")
+
+
+def bench_serve(url: str, args, c: int, out: Path) -> dict:
+    cmd = [
+        sys.executable, "-m", "specdec.cli", "bench-serve", "--base-url", url,
+        "--prompts-file", args.prompts, "--num-prompts", str(max(16, args.waves * c)),
+        "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency", str(c),
+        "--json", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def run_server(variant: str, args, work: Path) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = work / f"serve_{variant}.log"
+    cmd = [sys.executable, "-m", "specdec.serve", "--port", str(port), *VARIANT_ARGS[variant],
+           *shlex.split(args.server_args)]  # fmt: skip
+    start = time.monotonic()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    result: dict = {"variant": variant, "rows": {}, "log": str(log)}
+    try:
+        result["health_s"] = wait_health(url, proc, args.start_timeout)
+        print(f"[{variant}] healthy after {result['health_s']:.1f} s", flush=True)
+        bench_serve(url, args, 1, work / "warm.json")  # first requests pay one-time costs
+        top = max(args.concurrency)
+        for c in args.concurrency:
+            before = thread_cpu(proc.pid) if c == top else None
+            t0 = time.monotonic()
+            report = bench_serve(url, args, c, work / f"serve_{variant}_c{c}.json")
+            if before is not None:
+                wall = time.monotonic() - t0
+                after = thread_cpu(proc.pid)
+                result["cpu_share"] = {
+                    k: round((after[k] - before.get(k, 0.0)) / wall, 3)
+                    for k in after
+                    if after[k] - before.get(k, 0.0) > 0.01 * wall
+                }
+            result["rows"][c] = {
+                "tok_s": report["output_throughput"],
+                "tpot_p50_ms": report["tpot_ms"]["p50"],
+                "ttft_p50_ms": report["ttft_ms"]["p50"],
+                "tau": (report.get("speculation") or {}).get("tau"),
+            }
+            print(f"[{variant}] c={c}: {result['rows'][c]}", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        result["total_s"] = time.monotonic() - start
+    return result
+
+
+def run_offline(args, work: Path) -> dict:
+    out = work / "offline.json"
+    cmd = [
+        sys.executable, "-m", "specdec.cli", "bench", "--prompts", args.prompts,
+        "--num-prompts", "1000", "--batch-sizes", ",".join(map(str, args.concurrency)),
+        "--max-tokens", str(args.max_tokens), "--ignore-eos", "--waves", str(args.waves),
+        "--repeats", str(args.repeats), "--json", str(out), "--no-progress",
+        *shlex.split(args.offline_args),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    rows = {}
+    for row in json.loads(out.read_text())["rows"]:
+        b = row["batch_size"]
+        rows[b] = {
+            "none": row["plain"]["tokens_per_s"] if row.get("plain") else None,
+            "default": row["spec"]["tokens_per_s"] if row.get("spec") else None,
+            "none_tpot_ms": 1e3 * (row["plain"].get("tpot_s") or 0) if row.get("plain") else None,
+            "tau": row.get("tau"),
+        }
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", required=True, help=".jsonl of {prompt} or {messages}")
+    p.add_argument("--concurrency", default="1,4,16,64,128")
+    p.add_argument("--variants", default="none,default")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--waves", type=int, default=4, help="requests per run: max(16, W x c)")
+    p.add_argument("--repeats", type=int, default=1, help="offline timed runs (median)")
+    p.add_argument("--server-args", default="", help="extra `specdec serve` flags")
+    p.add_argument("--offline-args", default="", help="extra `specdec bench` flags")
+    p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--json", help="write every figure here")
+    args = p.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="serve_load_"))
+    servers = [run_server(v, args, work) for v in args.variants.split(",")]
+    offline = {} if args.no_offline else run_offline(args, work)
+    result = {"servers": servers, "offline": offline, "args": vars(args)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    print("\n| c | variant | server tok/s | offline tok/s | server/offline | TPOT p50 ms | τ |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for c in args.concurrency:
+        for s in servers:
+            row = s["rows"].get(c, {})
+            off = offline.get(c, {}).get(s["variant"])
+            share = f"{row['tok_s'] / off:.2f}" if off and row else ""
+            off_s = f"{off:,.0f}" if off else ""
+            tau = row.get("tau")
+            print(f"| {c} | {s['variant']} | {row.get('tok_s', 0):,.0f} | {off_s} | {share} | "
+                  f"{row.get('tpot_p50_ms', 0):.2f} | {f'{tau:.2f}' if tau else ''} |")  # fmt: skip
+    for s in servers:
+        top = max(args.concurrency)
+        print(f"{s['variant']}: /health after {s.get('health_s', float('nan')):.1f} s; "
+              f"CPU share per thread at c={top}: {s.get('cpu_share')}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Transports between the API side and the engine core (``engine_core.py``).
+
+``ProcCoreClient`` runs the core in its own process (``specdec serve``'s default): the
+HTTP process and the engine never share an interpreter lock, so serializing and sending
+responses cannot slow a step. Commands go down one pipe; the core's per-step messages come
+up another and are read on the event loop when the pipe is readable. ``InprocCoreClient``
+runs the same loop on a thread of this process (tests, embedding an engine object).
+
+Both: ``start(loop, on_message)`` begins delivering the core's messages to
+``on_message`` on ``loop``; ``send(command)`` never blocks for long (the core's reader
+drains its pipe continuously); ``shutdown()`` stops the core after its current step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from specdec.serve.engine_core import EngineCore, EngineInfo, engine_info, run_core_process
+
+logger = logging.getLogger(__name__)
+
+OnMessage = Callable[[tuple], None]
+
+
+class EngineStartError(RuntimeError):
+    """The engine core could not be built (its log says why)."""
+
+
+class InprocCoreClient:
+    """The core loop on a thread of this process, over an engine object built here."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.info: EngineInfo = engine_info(engine)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_message: OnMessage) -> None:
+        def emit(message: tuple) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop closed during shutdown
+                loop.call_soon_threadsafe(on_message, message)
+
+        core = EngineCore(self.engine, self._inbox, emit)
+        self._thread = threading.Thread(target=core.run, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, command: tuple) -> None:
+        self._inbox.put(command)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._inbox.put(("shutdown",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class ProcCoreClient:
+    """The core loop in a child process that builds its own engine.
+
+    ``build_engine(config)`` runs in the child (a picklable callable: ``LLMEngine`` by
+    default). The constructor returns once the engine is ready; it raises
+    ``EngineStartError`` if the child fails or exits first.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        build_engine: Callable[[Any], Any] | None = None,
+        start_timeout: float | None = None,
+    ) -> None:
+        if build_engine is None:
+            from specdec.engine.llm_engine import LLMEngine
+
+            build_engine = LLMEngine
+        # spawn, not fork: the child initialises CUDA, and this process may hold threads.
+        ctx = multiprocessing.get_context("spawn")
+        commands_out, commands_in = ctx.Pipe(duplex=False)  # (reader, writer)
+        messages_out, messages_in = ctx.Pipe(duplex=False)
+        self._commands = commands_in
+        self._messages = messages_out
+        self.process = ctx.Process(
+            target=run_core_process,
+            args=(build_engine, config, commands_out, messages_in, logging.getLogger().level),
+            name="specdec-engine-core",
+            daemon=True,
+        )
+        started = time.monotonic()
+        self.process.start()
+        # The child holds its ends; closing ours lets each side see the other's exit.
+        commands_out.close()
+        messages_in.close()
+        self.info = self._wait_ready(start_timeout)
+        logger.info("engine core ready in %.1f s (pid %d)", time.monotonic() - started,
+                    self.process.pid)  # fmt: skip
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _wait_ready(self, timeout: float | None) -> EngineInfo:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._messages.poll(1.0 if left is None else min(1.0, left)):
+                try:
+                    message = self._messages.recv()
+                except EOFError:
+                    message = ("dead", f"the engine process exited ({self.process.exitcode})")
+                if message[0] == "ready":
+                    return message[1]
+                self.process.join(10)
+                raise EngineStartError(f"the engine could not start: {message[1]}")
+            if not self.process.is_alive():
+                raise EngineStartError(
+                    f"the engine process exited with code {self.process.exitcode} while "
+                    "starting; its log above says why"
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                self.process.kill()
+                raise EngineStartError(f"the engine was not ready after {timeout} s")
+
+    def start(self, loop: asyncio.AbstractEventLoop, on_message: OnMessage) -> None:
+        self._loop = loop
+        messages = self._messages
+
+        def readable() -> None:
+            try:
+                while messages.poll():
+                    on_message(messages.recv())
+            except (EOFError, OSError):
+                loop.remove_reader(messages.fileno())
+                code = self.process.exitcode
+                on_message(("dead", f"the engine process exited (code {code})"))
+
+        loop.add_reader(messages.fileno(), readable)
+
+    def send(self, command: tuple) -> None:
+        # A core that is gone was (or will be) reported "dead" by the reader.
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self._commands.send(command)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(ValueError, OSError, RuntimeError):
+                self._loop.remove_reader(self._messages.fileno())
+        self.send(("shutdown",))
+        self.process.join(timeout)
+        if self.process.is_alive():
+            logger.warning("the engine process did not stop in %.0f s; killing it", timeout)
+            self.process.kill()
+            self.process.join(5)
+        self._commands.close()
+        self._messages.close()

@@ -1,0 +1,281 @@
+"""The engine core: one ``LLMEngine`` driven by a loop that never waits on the HTTP side.
+
+``EngineCore.run`` applies queued commands (add, abort, shutdown), runs one engine step and
+emits one message per step with every request's new tokens: the API side detokenizes,
+frames SSE and serializes JSON, so none of that sits on the engine's critical path. The
+loop runs in its own process (``run_core_process``, what ``specdec serve`` uses: the HTTP
+process's Python never holds the engine's interpreter lock) or on a thread of the caller's
+process (``core_client.InprocCoreClient``: tests and embedding). Both speak the messages
+below; only the transport differs.
+
+Commands (API side → core), tuples:
+    ("add", request_id, prompt_token_ids, SamplingParams)
+    ("abort", request_id)
+    ("shutdown",)
+Messages (core → API side), tuples:
+    ("ready", EngineInfo)                      once, after the engine is built
+    ("added", request_id, error | None)       the verdict on an add, before its first step
+    ("step", [CoreOutput], EngineSnapshot | None)
+    ("dead", "Type: message")                 the loop failed; nothing more comes
+
+A ``CoreOutput`` is a plain tuple (cheap to pickle), one per request that produced tokens:
+``(request_id, new_token_ids, new_logprobs | None, finish_reason | None, stop_reason,
+metrics | None)``; ``metrics`` travels with the finishing output only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from specdec.outputs import RequestMetrics, TokenLogprobs
+from specdec.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# An engine state snapshot rides on a step message at most this often (and whenever the
+# engine goes idle, so counters read after a load are final).
+SNAPSHOT_INTERVAL_S = 0.05
+
+CoreOutput = tuple[
+    str,  # request_id
+    list[int],  # new token ids
+    "list[TokenLogprobs] | None",  # their logprobs (requests that asked)
+    "str | None",  # finish_reason: "stop" | "length" | "abort", None while running
+    "int | str | None",  # stop_reason: the stop token id that matched
+    "RequestMetrics | None",  # on the finishing output only
+]
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state after a core iteration (what /metrics reports). Counters are
+    cumulative since start; blocks exclude the null block."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_total_blocks: int = 0
+    kv_free_blocks: int = 0
+    prefix_cache_queries: int = 0  # blocks looked up in the prefix cache
+    prefix_cache_hits: int = 0  # blocks found there
+    num_steps: int = 0
+    num_preemptions: int = 0
+    spec_depth: int = 0  # draft positions (0 without speculation)
+    spec_steps: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_at_least: tuple[int, ...] = ()  # [k-1]: steps accepting >= k tokens
+    spec_exit_requests: int = 0  # requests that opted into SpecExit
+    spec_exit_exits: int = 0  # thinking cut short
+    spec_exit_tokens_saved: float = 0.0  # the head's remaining-tokens estimate at exits
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of usable KV blocks held by requests (0.0 .. 1.0)."""
+        if not self.kv_total_blocks:
+            return 0.0
+        return 1.0 - self.kv_free_blocks / self.kv_total_blocks
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the API side needs to know of the engine it serves (sent once, at start)."""
+
+    model: Any  # ResolvedModel, or a model name: ``load_tokenizer`` takes either
+    max_model_len: int
+    num_kv_blocks: int
+    device: str
+    dtype: str
+    speculation: str  # one line for the log, e.g. "eagle3 speculation, chain of depth 3"
+    has_spec_exit: bool  # the head has SpecExit channels
+    spec_exit_head_defaults: Any  # the head's recorded SpecExit settings (or None)
+
+
+def engine_info(engine) -> EngineInfo:
+    runtime = engine.runner.runtime
+    spec = engine.config.speculative
+    runtime_exit = engine.spec_exit
+    return EngineInfo(
+        model=engine.resolved,
+        max_model_len=engine.max_model_len,
+        num_kv_blocks=engine.kv_manager.pool.num_usable_blocks,
+        device=str(runtime.device),
+        dtype=str(runtime.dtype).removeprefix("torch."),
+        speculation=(
+            f"{spec.method} speculation, {spec.tree} of depth {spec.num_speculative_tokens}"
+            if spec is not None
+            else "no speculation"
+        ),
+        has_spec_exit=runtime_exit is not None,
+        spec_exit_head_defaults=runtime_exit.head_defaults if runtime_exit else None,
+    )
+
+
+def take_snapshot(engine) -> EngineSnapshot:
+    pool = engine.kv_manager.pool
+    spec = engine.spec_stats
+    exits = engine.spec_exit.stats if engine.spec_exit is not None else None
+    return EngineSnapshot(
+        num_running=engine.scheduler.num_running,
+        num_waiting=engine.scheduler.num_waiting,
+        kv_total_blocks=pool.num_usable_blocks,
+        kv_free_blocks=pool.num_free_blocks,
+        prefix_cache_queries=pool.prefix_queries,
+        prefix_cache_hits=pool.prefix_hits,
+        num_steps=engine.num_steps,
+        num_preemptions=engine.scheduler.num_preemptions,
+        spec_depth=engine.proposer.max_depth if engine.proposer is not None else 0,
+        spec_steps=spec.steps,
+        spec_drafted_tokens=spec.drafted_tokens,
+        spec_accepted_tokens=spec.accepted_tokens,
+        spec_accepted_at_least=tuple(spec.accepted_at_least),
+        spec_exit_requests=exits.requests if exits else 0,
+        spec_exit_exits=exits.exits if exits else 0,
+        spec_exit_tokens_saved=exits.tokens_saved if exits else 0.0,
+    )
+
+
+def core_params(params: SamplingParams) -> SamplingParams:
+    """What the core runs for an API request: token ids out per step, no text (the API
+    side detokenizes and matches stop strings, then aborts the request)."""
+    return replace(params, stop=[], output_kind=RequestOutputKind.DELTA, detokenize=False)
+
+
+class EngineCore:
+    """Runs ``engine`` until a shutdown command; ``emit`` takes each message (it must not
+    block: a transport queues or posts it). Only this loop's thread touches the engine."""
+
+    def __init__(self, engine, inbox: queue.SimpleQueue, emit: Callable[[tuple], None]) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.emit = emit
+        self._last_snapshot = 0.0
+        self._changed = True  # since the last snapshot sent
+
+    def run(self) -> None:
+        import torch
+
+        try:
+            with torch.inference_mode():
+                while self._iteration():
+                    pass
+        except BaseException as e:
+            logger.exception("the engine loop failed; the server cannot generate any more")
+            self.emit(("dead", f"{type(e).__name__}: {e}"))
+
+    def _iteration(self) -> bool:
+        """Apply queued commands (waiting for one while idle), then run one step if any
+        request is unfinished. Returns False once shutdown was asked for."""
+        engine = self.engine
+        if not engine.has_unfinished_requests():
+            if self._changed:  # idle from here: what /metrics reads now is final
+                self._send_snapshot([])
+            if not self._apply(self.inbox.get()):
+                return False
+        while True:
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if not self._apply(command):
+                return False
+        if not engine.has_unfinished_requests():
+            return True
+        outputs = [_core_output(out) for out in engine.step()]
+        self._changed = True
+        if time.monotonic() - self._last_snapshot >= SNAPSHOT_INTERVAL_S:
+            self._send_snapshot(outputs)
+        elif outputs:
+            self.emit(("step", outputs, None))
+        return True
+
+    def _send_snapshot(self, outputs: list[CoreOutput]) -> None:
+        self.emit(("step", outputs, take_snapshot(self.engine)))
+        self._last_snapshot = time.monotonic()
+        self._changed = False
+
+    def _apply(self, command: tuple) -> bool:
+        kind = command[0]
+        self._changed = True
+        if kind == "add":
+            _, request_id, prompt, params = command
+            error = None
+            try:
+                self.engine.add_request(prompt, core_params(params), request_id)
+            except (ValueError, TypeError) as e:  # bad input: the engine state is unchanged
+                error = str(e)
+            self.emit(("added", request_id, error))
+        elif kind == "abort":
+            self.engine.abort_request(command[1])
+        elif kind == "shutdown":
+            return False
+        else:
+            raise ValueError(f"unknown engine core command {kind!r}")
+        return True
+
+
+def _core_output(out) -> CoreOutput:
+    completion = out.outputs[0]
+    return (
+        out.request_id,
+        completion.token_ids,
+        completion.logprobs,
+        completion.finish_reason,
+        completion.stop_reason,
+        out.metrics if out.finished else None,
+    )
+
+
+# ---- the core's own process --------------------------------------------------------------
+def run_core_process(build_engine: Callable[[Any], Any], config: Any, commands, messages,
+                     log_level: int) -> None:  # fmt: skip
+    """Entry point of the engine core process (``multiprocessing`` spawn target).
+
+    ``commands`` / ``messages`` are one-way ``multiprocessing`` connections. A reader thread
+    turns commands into the loop's inbox and a writer thread sends its messages, so the
+    loop neither blocks on a slow reader nor waits for input. The process ends on a
+    shutdown command, or when the API process goes away (its end of ``commands`` closes).
+    """
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    writer = threading.Thread(target=_write, args=(outbox, messages), daemon=True)
+    writer.start()
+    try:
+        engine = build_engine(config)
+    except BaseException as e:
+        logger.exception("the engine could not be built")
+        outbox.put(("dead", f"{type(e).__name__}: {e}"))
+        outbox.put(None)
+        writer.join(10)
+        return
+    outbox.put(("ready", engine_info(engine)))
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    reader = threading.Thread(target=_read, args=(commands, inbox), daemon=True)
+    reader.start()
+    EngineCore(engine, inbox, outbox.put).run()
+    outbox.put(None)
+    writer.join(10)
+    # Daemon threads and CUDA teardown can hang an interpreter's exit; the engine is done.
+    os._exit(0)
+
+
+def _read(commands, inbox: queue.SimpleQueue) -> None:
+    try:
+        while True:
+            inbox.put(commands.recv())
+    except (EOFError, OSError):  # the API process is gone: stop serving
+        inbox.put(("shutdown",))
+
+
+def _write(outbox: queue.SimpleQueue, messages) -> None:
+    while (message := outbox.get()) is not None:
+        try:
+            messages.send(message)
+        except (BrokenPipeError, OSError):  # the API process is gone
+            return
