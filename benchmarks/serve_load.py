@@ -21,10 +21,12 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +64,13 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def _stamp(stream, log: Path, start: float) -> None:
+    with log.open("w") as f:
+        for line in stream:
+            f.write(f"{time.monotonic() - start:8.2f} {line}")
+            f.flush()
+
+
 def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout:
@@ -94,8 +103,10 @@ def run_server(variant: str, args, work: Path) -> dict:
     cmd = [sys.executable, "-m", "specdec.serve", "--port", str(port), *VARIANT_ARGS[variant],
            *shlex.split(args.server_args)]  # fmt: skip
     start = time.monotonic()
-    with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Each log line stamped with seconds since launch: the start-up's timeline.
+    stamper = threading.Thread(target=_stamp, args=(proc.stdout, log, start), daemon=True)
+    stamper.start()
     result: dict = {"variant": variant, "rows": {}, "log": str(log)}
     try:
         result["health_s"] = wait_health(url, proc, args.start_timeout)
@@ -166,6 +177,7 @@ def main() -> int:
     p.add_argument("--no-offline", action="store_true")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--json", help="write every figure here")
+    p.add_argument("--logs", help="copy each server's time-stamped log into this folder")
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serve_load_"))
@@ -174,6 +186,10 @@ def main() -> int:
     result = {"servers": servers, "offline": offline, "args": vars(args)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+        for s in servers:
+            shutil.copy(s["log"], args.logs)
     print("\n| c | variant | server tok/s | offline tok/s | server/offline | TPOT p50 ms | τ |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for c in args.concurrency:

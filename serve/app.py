@@ -9,6 +9,8 @@ an API key every /v1 route needs ``Authorization: Bearer <key>``.
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -155,8 +157,11 @@ def run_server(config: ServeConfig) -> None:
         config.engine.model,
         "its own process" if config.engine_process else "a thread of this process",
     )
+    tokenizer: Future = Future()
     if config.engine_process:
-        core = ProcCoreClient(config.engine)
+        core = ProcCoreClient(config.engine, wait=False)
+        # The API side's tokenizer loads while the core loads weights and captures graphs.
+        core.wait_ready(on_resolved=lambda model: _load_in_background(tokenizer, model))
     else:
         from specdec.engine.llm_engine import LLMEngine
 
@@ -172,8 +177,11 @@ def run_server(config: ServeConfig) -> None:
         info.max_model_len,
         info.num_kv_blocks,
     )
+    if not (tokenizer.running() or tokenizer.done()):  # no model came before "ready"
+        _load_in_background(tokenizer, info.model)
     try:
-        app = build_app(AsyncLLMEngine(core, config.max_in_flight), config)
+        engine = AsyncLLMEngine(core, config.max_in_flight, tokenizer.result())
+        app = build_app(engine, config)
     except BaseException:
         core.shutdown()
         raise
@@ -184,3 +192,17 @@ def run_server(config: ServeConfig) -> None:
         log_level=config.log_level,
         timeout_graceful_shutdown=5,
     )
+
+
+def _load_in_background(future: Future, model) -> None:
+    """Load ``model``'s tokenizer into ``future`` on a thread (running at once)."""
+    from specdec.models import load_tokenizer
+
+    def load() -> None:
+        try:
+            future.set_result(load_tokenizer(model))
+        except BaseException as e:
+            future.set_exception(e)
+
+    future.set_running_or_notify_cancel()
+    threading.Thread(target=load, name="specdec-tokenizer", daemon=True).start()

@@ -65,15 +65,19 @@ class ProcCoreClient:
     """The core loop in a child process that builds its own engine.
 
     ``build_engine(config)`` runs in the child (a picklable callable: ``LLMEngine`` by
-    default). The constructor returns once the engine is ready; it raises
-    ``EngineStartError`` if the child fails or exits first.
+    default). The constructor returns once the engine is ready (``wait=False``: at once;
+    call ``wait_ready`` before ``start``); it raises ``EngineStartError`` if the child
+    fails or exits first.
     """
+
+    info: EngineInfo
 
     def __init__(
         self,
         config: Any,
         build_engine: Callable[[Any], Any] | None = None,
         start_timeout: float | None = None,
+        wait: bool = True,
     ) -> None:
         if build_engine is None:
             from specdec.engine.llm_engine import LLMEngine
@@ -91,15 +95,28 @@ class ProcCoreClient:
             name="specdec-engine-core",
             daemon=True,
         )
-        started = time.monotonic()
+        self._started = time.monotonic()
         self.process.start()
         # The child holds its ends; closing ours lets each side see the other's exit.
         commands_out.close()
         messages_in.close()
-        self.info = self._wait_ready(start_timeout)
-        logger.info("engine core ready in %.1f s (pid %d)", time.monotonic() - started,
-                    self.process.pid)  # fmt: skip
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_resolved: Callable[[Any], None] | None = None
+        if wait:
+            self.wait_ready(start_timeout)
+
+    def wait_ready(
+        self, timeout: float | None = None, on_resolved: Callable[[Any], None] | None = None
+    ) -> EngineInfo:
+        """Block until the core has built its engine; sets and returns ``info``.
+        ``on_resolved(model)`` is called as soon as the core has resolved its model (before
+        its weights load; it must return at once), so the API side's own start-up can
+        overlap the engine's."""
+        self._on_resolved = on_resolved
+        self.info = self._wait_ready(timeout)
+        logger.info("engine core ready %.1f s after its start (pid %d)",
+                    time.monotonic() - self._started, self.process.pid)  # fmt: skip
+        return self.info
 
     def _wait_ready(self, timeout: float | None) -> EngineInfo:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -112,6 +129,10 @@ class ProcCoreClient:
                     message = ("dead", f"the engine process exited ({self.process.exitcode})")
                 if message[0] == "ready":
                     return message[1]
+                if message[0] == "resolved":
+                    if self._on_resolved is not None:
+                        self._on_resolved(message[1])
+                    continue
                 self.process.join(10)
                 raise EngineStartError(f"the engine could not start: {message[1]}")
             if not self.process.is_alive():

@@ -13,6 +13,8 @@ Commands (API side → core), tuples:
     ("abort", request_id)
     ("shutdown",)
 Messages (core → API side), tuples:
+    ("resolved", ResolvedModel)                once, before the weights load (the API
+                                               side loads its tokenizer meanwhile)
     ("ready", EngineInfo)                      once, after the engine is built
     ("added", request_id, error | None)       the verdict on an add, before its first step
     ("step", [CoreOutput], EngineSnapshot | None)
@@ -247,6 +249,10 @@ def run_core_process(build_engine: Callable[[Any], Any], config: Any, commands, 
     writer = threading.Thread(target=_write, args=(outbox, messages), daemon=True)
     writer.start()
     try:
+        if hasattr(config, "model") and hasattr(config, "cache_dir"):  # an EngineConfig
+            from specdec.models import resolve_model
+
+            outbox.put(("resolved", resolve_model(config.model, cache_dir=config.cache_dir)))
         engine = build_engine(config)
     except BaseException as e:
         logger.exception("the engine could not be built")
