@@ -23,6 +23,7 @@ import os
 import shlex
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,14 +87,34 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 
 def bench_serve(url: str, args, c: int, out: Path) -> dict:
-    cmd = [
-        sys.executable, "-m", "specdec.cli", "bench-serve", "--base-url", url,
-        "--prompts-file", args.prompts, "--num-prompts", str(max(16, args.waves * c)),
-        "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency", str(c),
-        "--json", str(out),
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    """``specdec bench-serve`` at concurrency ``c``, split over one client process per
+    ``--client-concurrency`` streams: one Python client parsing 128 SSE streams is
+    slower than the server. Throughputs add up; latency percentiles are the clients'
+    medians."""
+    k = max(1, -(-c // args.client_concurrency))
+    total = max(16, args.waves * c)
+    procs, files = [], []
+    for i in range(k):
+        share_c, share_n = c // k + (i < c % k), total // k + (i < total % k)
+        files.append(out.with_name(f"{out.stem}_{i}.json"))
+        cmd = [
+            sys.executable, "-m", "specdec.cli", "bench-serve", "--base-url", url,
+            "--prompts-file", args.prompts, "--num-prompts", str(share_n),
+            "--max-tokens", str(args.max_tokens), "--ignore-eos", "--concurrency", str(share_c),
+            "--seed", str(i), "--json", str(files[-1]),
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+    for proc in procs:
+        if proc.wait() != 0:
+            raise RuntimeError(f"bench-serve exited with {proc.returncode}")
+    reports = [json.loads(f.read_text()) for f in files]
+    merged = dict(reports[0])
+    merged["output_throughput"] = sum(r["output_throughput"] for r in reports)
+    for key in ("tpot_ms", "ttft_ms"):
+        merged[key] = {"p50": statistics.median(r[key]["p50"] for r in reports)}
+    merged["clients"] = k
+    out.write_text(json.dumps(merged, indent=1))
+    return merged
 
 
 def run_server(variant: str, args, work: Path) -> dict:
@@ -172,6 +193,10 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--waves", type=int, default=4, help="requests per run: max(16, W x c)")
     p.add_argument("--repeats", type=int, default=1, help="offline timed runs (median)")
+    p.add_argument(
+        "--client-concurrency", type=int, default=32,
+        help="streams per bench-serve client process (more clients above it)",
+    )  # fmt: skip
     p.add_argument("--server-args", default="", help="extra `specdec serve` flags")
     p.add_argument("--offline-args", default="", help="extra `specdec bench` flags")
     p.add_argument("--no-offline", action="store_true")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
 from fastapi import Request
@@ -217,6 +217,7 @@ class OpenAIServing:
             )
             return _sse(body)
 
+        text_chunk = TextChunk(lambda text: chunk([CompletionChoice(index=0, text=text)]))
         sent, offset = 0, 0  # tokens whose logprobs went out; their text length
         async for out, error in _guard(stream):
             if error is not None:
@@ -229,7 +230,10 @@ class OpenAIServing:
                 sent = len(c.logprobs or [])
                 offset += sum(len(t) for t in logprobs.tokens)
             finish = _finish_reason(c) if out.finished else None
-            if out.text_delta or finish or (logprobs and logprobs.tokens):
+            if logprobs is None and finish is None:
+                if out.text_delta:
+                    yield text_chunk(out.text_delta)
+            elif out.text_delta or finish or (logprobs is not None and logprobs.tokens):
                 yield chunk([CompletionChoice(index=0, text=out.text_delta, logprobs=logprobs,
                                               finish_reason=finish)])  # fmt: skip
             if out.finished and include_usage:
@@ -286,6 +290,9 @@ class OpenAIServing:
             )
             return _sse(body)
 
+        text_chunk = TextChunk(
+            lambda text: chunk([ChatChunkChoice(index=0, delta=DeltaMessage(content=text))])
+        )
         yield chunk([ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
         sent = 0
         async for out, error in _guard(stream):
@@ -297,7 +304,10 @@ class OpenAIServing:
             if want_logprobs:
                 logprobs = self._chat_logprobs((c.logprobs or [])[sent:])
                 sent = len(c.logprobs or [])
-            if out.text_delta or (logprobs and logprobs.content):
+            if logprobs is None:
+                if out.text_delta:
+                    yield text_chunk(out.text_delta)
+            elif out.text_delta or logprobs.content:
                 delta = DeltaMessage(content=out.text_delta)
                 yield chunk([ChatChunkChoice(index=0, delta=delta, logprobs=logprobs)])
             if out.finished:
@@ -369,6 +379,25 @@ def _finish_reason(c: CompletionOutput) -> Literal["stop", "length"] | None:
 
 def _clamp(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
+
+
+class TextChunk:
+    """A stream's SSE chunks that carry only new text (no logprobs, not the last one), the
+    bulk of every stream: the event ``render`` makes for a text, written once with a
+    placeholder text and split there, then filled with each chunk's text as a JSON string.
+    Invariant: ``self(text)`` parses to the same JSON as ``render(text)``; at ~1 µs instead
+    of a pydantic model and its serialization per chunk."""
+
+    _PLACEHOLDER = "specdec-text-placeholder"
+
+    def __init__(self, render: Callable[[str], str]) -> None:
+        event = render(self._PLACEHOLDER)
+        self._head, _, self._tail = event.partition(json.dumps(self._PLACEHOLDER))
+        if not self._tail:
+            raise ValueError(f"the rendered event {event!r} does not hold its text verbatim")
+
+    def __call__(self, text: str) -> str:
+        return f"{self._head}{json.dumps(text, ensure_ascii=False)}{self._tail}"
 
 
 def _sse(body: BaseModel) -> str:
