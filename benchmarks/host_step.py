@@ -17,7 +17,15 @@ That host share is device-independent: it is what bounds a large batch on the H2
 decoding); ``--profile N`` prints the N costliest functions of the decode steps
 (cProfile). ``--vocab 1024 --prompt-len 64`` is a quick run (same host work per step).
 
+``--head DIR`` attaches an EAGLE-3 head with its default bands while the batch stays
+above them: every timed step is plain, and its host time against a run without
+``--head`` is what the attached proposer costs a plain step (nothing, by design). A head
+needs its own target: ``--real`` runs SmolLM2 itself (the ``--smollm2`` directory's
+weights, full vocabulary) instead of the tiny model, for the shipped SmolLM2 head.
+
     OMP_NUM_THREADS=1 python benchmarks/host_step.py --smollm2 /tmp/smk/m --async
+    OMP_NUM_THREADS=1 python benchmarks/host_step.py --smollm2 DIR --real --async \
+        --batch 64 --max-tokens 128 --prompt-len 64 [--head specdec/heads/smollm2-135m-instruct]
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from tiny_models import make_tiny_model_dir
 
 from specdec import LLM, SamplingParams
 from specdec.engine import sampler as sampler_module
+from specdec.models.packaged_heads import head_speculative
 from specdec.sampling_params import RequestOutputKind
 
 
@@ -55,14 +64,24 @@ def main() -> None:
     p.add_argument("--async", dest="async_", action="store_true", help="async scheduling")
     p.add_argument("--repeats", type=int, default=1, help="timed generations (medians pool)")
     p.add_argument("--profile", type=int, default=0, help="print the N costliest functions")
+    p.add_argument("--real", action="store_true", help="SmolLM2 itself, not the tiny model")
+    p.add_argument("--head", default=None, help="attach this EAGLE-3 head (plain steps)")
     p.add_argument("--sort", default="tottime", help="cProfile order: tottime, cumulative")
     a = p.parse_args()
     # One thread: the whole step then runs on this thread, and its CPU time (thread_time)
     # does not count time another process held the core.
     torch.set_num_threads(1)
+    spec = None
+    if a.head is not None:
+        spec = head_speculative(a.head)
+        if spec.disable_by_batch_size is None or spec.disable_by_batch_size >= a.batch:
+            p.error(f"--batch {a.batch} must exceed the head's bands (plain steps)")
     with tempfile.TemporaryDirectory() as tmp:
-        # A narrowed vocabulary shrinks the logits only; prompt ids are taken modulo it.
-        model = make_tiny_model_dir(Path(tmp), Path(a.smollm2), seed=0, vocab_size=a.vocab)
+        if a.real:
+            model = Path(a.smollm2)
+        else:
+            # A narrowed vocabulary shrinks the logits only; prompt ids are taken modulo it.
+            model = make_tiny_model_dir(Path(tmp), Path(a.smollm2), seed=0, vocab_size=a.vocab)
         llm = LLM(
             str(model),
             device=a.device,
@@ -70,6 +89,7 @@ def main() -> None:
             max_num_seqs=a.batch,
             max_num_batched_tokens=16384,
             async_scheduling=a.async_,
+            speculative=spec,
         )
         run(llm, a)
 
@@ -82,7 +102,8 @@ def run(llm: LLM, a: argparse.Namespace) -> None:
         for c in varied_conversations(16)
     ]
     # A narrowed vocabulary keeps the prompts' lengths, not their ids.
-    prompts = [[t % a.vocab for t in chats[i % len(chats)]] for i in range(a.batch)]
+    vocab = engine.model_config.vocab_size
+    prompts = [[t % vocab for t in chats[i % len(chats)]] for i in range(a.batch)]
     if a.prompt_len:
         prompts = [ids[: a.prompt_len] for ids in prompts]
     device_s = [0.0]  # forward + sampling kernels within the current step
@@ -132,7 +153,8 @@ def run(llm: LLM, a: argparse.Namespace) -> None:
                 walls.append(wall)
                 hosts.append(cpu - device_s[0])
     print(
-        f"batch={a.batch} vocab={a.vocab} async={a.async_} decode steps={len(walls)}: "
+        f"batch={a.batch} vocab={engine.model_config.vocab_size} async={a.async_} "
+        f"head={a.head} decode steps={len(walls)}: "
         f"median wall {statistics.median(walls) * 1e3:.2f} ms, "
         f"median host {statistics.median(hosts) * 1e3:.2f} ms "
         f"(forward + sampling kernels excluded)"

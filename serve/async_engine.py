@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.engine.detokenizer import IncrementalDetokenizer
-from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from specdec.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenDelta,
+    TokenLogprobs,
+)
 from specdec.sampling_params import SamplingParams
 from specdec.serve.core_client import InprocCoreClient
 from specdec.serve.engine_core import EngineInfo, EngineSnapshot
@@ -119,7 +125,7 @@ class RequestStream:
         self._engine._abort(self)
 
     # ---- event loop, from the core's messages --------------------------------------------
-    def _receive(self, output: tuple, now: float) -> None:
+    def _receive(self, output: TokenDelta, now: float) -> None:
         _, token_ids, logprobs, finish_reason, stop_reason, metrics = output
         if token_ids and self.stats.first_token_time is None:
             self.stats.first_token_time = now

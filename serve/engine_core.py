@@ -17,12 +17,12 @@ Messages (core → API side), tuples:
                                                side loads its tokenizer meanwhile)
     ("ready", EngineInfo)                      once, after the engine is built
     ("added", request_id, error | None)       the verdict on an add, before its first step
-    ("step", [CoreOutput], EngineSnapshot | None)
+    ("step", [TokenDelta], EngineSnapshot | None)
     ("dead", "Type: message")                 the loop failed; nothing more comes
 
-A ``CoreOutput`` is a plain tuple (cheap to pickle), one per request that produced tokens:
-``(request_id, new_token_ids, new_logprobs | None, finish_reason | None, stop_reason,
-metrics | None)``; ``metrics`` travels with the finishing output only.
+The core's requests report ``TokenDelta`` tuples (``RequestOutputKind.TOKENS``: new token
+ids and logprobs, the finish reason, metrics on the finishing one), cheap to build every
+step and to pickle; the engine builds no text and no ``RequestOutput`` for them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from specdec.outputs import RequestMetrics, TokenLogprobs
+from specdec.outputs import TokenDelta
 from specdec.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -44,15 +44,6 @@ logger = logging.getLogger(__name__)
 # An engine state snapshot rides on a step message at most this often (and whenever the
 # engine goes idle, so counters read after a load are final).
 SNAPSHOT_INTERVAL_S = 0.05
-
-CoreOutput = tuple[
-    str,  # request_id
-    list[int],  # new token ids
-    "list[TokenLogprobs] | None",  # their logprobs (requests that asked)
-    "str | None",  # finish_reason: "stop" | "length" | "abort", None while running
-    "int | str | None",  # stop_reason: the stop token id that matched
-    "RequestMetrics | None",  # on the finishing output only
-]
 
 
 @dataclass(frozen=True)
@@ -146,7 +137,7 @@ def take_snapshot(engine) -> EngineSnapshot:
 def core_params(params: SamplingParams) -> SamplingParams:
     """What the core runs for an API request: token ids out per step, no text (the API
     side detokenizes and matches stop strings, then aborts the request)."""
-    return replace(params, stop=[], output_kind=RequestOutputKind.DELTA, detokenize=False)
+    return replace(params, stop=[], output_kind=RequestOutputKind.TOKENS)
 
 
 class EngineCore:
@@ -189,7 +180,7 @@ class EngineCore:
                 return False
         if not engine.has_unfinished_requests():
             return True
-        outputs = [_core_output(out) for out in engine.step()]
+        outputs = engine.step()
         self._changed = True
         if time.monotonic() - self._last_snapshot >= SNAPSHOT_INTERVAL_S:
             self._send_snapshot(outputs)
@@ -197,7 +188,7 @@ class EngineCore:
             self.emit(("step", outputs, None))
         return True
 
-    def _send_snapshot(self, outputs: list[CoreOutput]) -> None:
+    def _send_snapshot(self, outputs: list[TokenDelta]) -> None:
         self.emit(("step", outputs, take_snapshot(self.engine)))
         self._last_snapshot = time.monotonic()
         self._changed = False
@@ -220,18 +211,6 @@ class EngineCore:
         else:
             raise ValueError(f"unknown engine core command {kind!r}")
         return True
-
-
-def _core_output(out) -> CoreOutput:
-    completion = out.outputs[0]
-    return (
-        out.request_id,
-        completion.token_ids,
-        completion.logprobs,
-        completion.finish_reason,
-        completion.stop_reason,
-        out.metrics if out.finished else None,
-    )
 
 
 # ---- the core's own process --------------------------------------------------------------

@@ -17,7 +17,9 @@ class CacheConfig:
 
     The pool size comes from, in order: ``num_blocks`` if given; else ``kv_cache_memory``
     bytes; else on GPU ``gpu_memory_utilization`` of the device's memory minus weights and
-    profiled peak activations; else (CPU) ``cpu_kv_cache_memory`` bytes.
+    profiled peak activations; else (CPU) ``cpu_kv_cache_memory`` bytes. A byte budget
+    holds each slot's K/V and, with an EAGLE-3 head, its aux states
+    (``ModelRunner.aux_cache``).
     """
 
     block_size: int = 16

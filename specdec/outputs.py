@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -44,6 +45,18 @@ class RequestMetrics:
     def tau(self) -> float:
         """Mean tokens emitted per verify step, bonus included (0 without speculation)."""
         return 1.0 + self.spec_accepted_tokens / self.spec_steps if self.spec_steps else 0.0
+
+
+class TokenDelta(NamedTuple):
+    """A step's report for a request of ``output_kind=TOKENS``: what is new since its last
+    one, no text (a plain tuple: cheap to build every step and to pickle)."""
+
+    request_id: str
+    token_ids: list[int]  # the new output token ids
+    logprobs: list[TokenLogprobs] | None  # theirs, for a request that asked
+    finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None  # the stop token id that matched
+    metrics: RequestMetrics | None  # on the finishing report only
 
 
 @dataclass

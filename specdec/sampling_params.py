@@ -33,12 +33,16 @@ def _require_int(name: str, value: object) -> None:
 
 class RequestOutputKind(enum.Enum):
     """What ``LLMEngine.step()`` reports for a request: the whole output so far every step
-    (CUMULATIVE), only what is new (DELTA, for streaming), or nothing until it finishes
-    (FINAL_ONLY, for offline batches: no per-step copies or text rebuilding)."""
+    (CUMULATIVE), only what is new (DELTA, for streaming), nothing until it finishes
+    (FINAL_ONLY, for offline batches: no per-step copies or text rebuilding), or only the
+    new token ids as a ``TokenDelta`` tuple with no text at all (TOKENS: for a caller that
+    detokenizes itself, as the server's API process does off the engine's critical path;
+    stop strings need the text, so they are refused)."""
 
     CUMULATIVE = "cumulative"
     DELTA = "delta"
     FINAL_ONLY = "final_only"
+    TOKENS = "tokens"
 
 
 @dataclass
@@ -57,10 +61,6 @@ class SamplingParams:
     ``speculate=False`` decodes the request plainly even when the engine speculates (one
     token per step; the others in the batch still speculate). Outputs are the same either
     way; it trades the request's latency for the batch's verify work.
-
-    ``detokenize=False`` leaves text to the caller: outputs carry token ids (and logprobs)
-    with empty text, and stop strings are refused (matching them needs the text). A server
-    detokenizes in its API process this way, off the engine's critical path.
 
     ``spec_exit`` opts the request into SpecExit (docs/spec_exit.md): with an EAGLE-3 head
     that has exit channels, its thinking may end early at a step boundary (the output then
@@ -82,7 +82,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     speculate: bool = True
-    detokenize: bool = True
     spec_exit: SpecExitParams | None = None
 
     def __post_init__(self) -> None:
@@ -102,12 +101,10 @@ class SamplingParams:
                 )
         if not isinstance(self.speculate, bool):
             raise TypeError(f"speculate={self.speculate!r} is invalid; pass True or False")
-        if not isinstance(self.detokenize, bool):
-            raise TypeError(f"detokenize={self.detokenize!r} is invalid; pass True or False")
-        if not self.detokenize and self.stop:
+        if self.output_kind is RequestOutputKind.TOKENS and self.stop:
             raise ValueError(
-                f"stop={self.stop!r} needs detokenize=True (stop strings match text); match "
-                "them on the caller's side, or detokenize in the engine"
+                f"stop={self.stop!r} needs text, which output_kind=TOKENS does not make; "
+                "match stop strings on the caller's side, or use another output_kind"
             )
         if self.spec_exit is not None and not isinstance(self.spec_exit, SpecExitParams):
             raise TypeError(

@@ -15,6 +15,7 @@ from specdec import LLM, SamplingParams
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.cuda_graph import PrefillGraphs, StepGraphs, prefill_graph_buckets
 from specdec.engine.spec_pipeline import SpecStepGraphs
+from specdec.outputs import TokenDelta
 from specdec.sampling_params import RequestOutputKind
 from specdec.spec.tree_draft import GrowGraphs
 
@@ -305,9 +306,10 @@ def test_plain_steps_run_async_above_the_speculation_cutoff(
     smollm2_dir, random_head_dir, chats, reference, proposer
 ):
     """Async scheduling with a proposer: while more requests run than the cutoff, steps are
-    plain and asynchronous (EAGLE-3 still observes every computed token's states); once
-    the batch shrinks to the cutoff, the step in flight is drained and speculation takes
-    over. Every output equals plain greedy decoding and the pool ends free."""
+    plain and asynchronous (EAGLE-3's aux states wait in the runner's aux cache:
+    test_band_switch.py); once the batch shrinks to the cutoff, the step in flight is
+    drained and speculation takes over. Every output equals plain greedy decoding and the
+    pool ends free."""
     if proposer == "ngram":
         spec = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2)
     else:
@@ -358,26 +360,31 @@ def test_ngram_speculation_is_lossless(smollm2_dir, lossless, kwargs):
 
 def test_delta_outputs_carry_every_emitted_token(smollm2_dir, chats, reference):
     """Streaming (DELTA) with speculation: a verify step may emit several tokens, and every
-    one reaches the client, with its text, exactly once; with ``detokenize=False`` (a
-    server's engine core) the same tokens come without text."""
+    one reaches the client, with its text, exactly once; TOKENS (a server's engine core)
+    reports the same tokens as ``TokenDelta`` tuples, without text."""
     spec = SpeculativeConfig(num_speculative_tokens=4)
     engine = make_llm(smollm2_dir, speculative=spec).engine
     params = SamplingParams(
         temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
     engine.add_request(chats[3], params, "text")
-    engine.add_request(chats[3], dataclasses.replace(params, detokenize=False), "ids")
+    tokens_only = dataclasses.replace(params, output_kind=RequestOutputKind.TOKENS)
+    engine.add_request(chats[3], tokens_only, "ids")
     deltas: dict[str, list[list[int]]] = {"text": [], "ids": []}
-    text = {"text": "", "ids": ""}
+    text, finish = "", None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            deltas[out.request_id].append(out.outputs[0].token_ids)
-            text[out.request_id] += out.outputs[0].text
+            if isinstance(out, TokenDelta):
+                deltas[out.request_id].append(out.token_ids)
+                finish = out.finish_reason or finish
+            else:
+                deltas[out.request_id].append(out.outputs[0].token_ids)
+                text += out.outputs[0].text
     for d in deltas.values():
         assert [t for step in d for t in step] == reference[3]
     assert max(len(d) for d in deltas["text"]) > 1  # some step really emitted several tokens
-    assert text["text"] == engine.tokenizer.decode(reference[3], skip_special_tokens=True)
-    assert text["ids"] == ""
+    assert text == engine.tokenizer.decode(reference[3], skip_special_tokens=True)
+    assert finish == "length"
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "eagle3-dynamic"])

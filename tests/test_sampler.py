@@ -22,7 +22,7 @@ from specdec.engine.seeded_stream import (
     row_uniforms,
     uniforms,
 )
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import RequestOutputKind, SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -64,7 +64,10 @@ def test_params_normalise_stop_and_top_k() -> None:
         ({"logprobs": 21}, r"logprobs=21 is invalid; use 0..20"),
         ({"stop": ["ok", ""]}, r"stop contains ''"),
         ({"stop_token_ids": [-1]}, r"stop_token_ids contains -1"),
-        ({"stop": ["x"], "detokenize": False}, r"stop=\['x'\] needs detokenize=True"),
+        (
+            {"stop": ["x"], "output_kind": RequestOutputKind.TOKENS},
+            r"stop=\['x'\] needs text, which output_kind=TOKENS does not make",
+        ),
     ],
 )
 def test_params_reject_bad_values(kwargs: dict, message: str) -> None:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from specdec.outputs import RequestMetrics, TokenDelta
 from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.serve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from specdec.serve.core_client import EngineStartError, ProcCoreClient
@@ -64,8 +64,7 @@ class ScriptedEngine:
         if not prompt:
             raise ValueError("the prompt is empty; pass at least one token")
         # The core asks for token ids per step and leaves text to the API side.
-        assert params.output_kind is RequestOutputKind.DELTA
-        assert not params.detokenize and not params.stop
+        assert params.output_kind is RequestOutputKind.TOKENS and not params.stop
         self.requests[request_id] = []
         self.limits[request_id] = params.max_tokens
         return request_id
@@ -78,7 +77,7 @@ class ScriptedEngine:
         self.idle_checks += 1
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenDelta]:
         self._touch("step")
         self.num_steps += 1
         if self.num_steps == self.fail_at_step:
@@ -87,9 +86,9 @@ class ScriptedEngine:
         for request_id, tokens in list(self.requests.items()):
             tokens.append(len(tokens))
             done = len(tokens) >= self.limits[request_id]
-            completion = CompletionOutput(0, "", [tokens[-1]], "length" if done else None)
-            metrics = RequestMetrics(arrival_time=0.0)
-            outputs.append(RequestOutput(request_id, None, [1], [completion], done, metrics))
+            metrics = RequestMetrics(arrival_time=0.0) if done else None
+            reason = "length" if done else None
+            outputs.append(TokenDelta(request_id, [tokens[-1]], None, reason, None, metrics))
             if done:
                 del self.requests[request_id]
         time.sleep(self.step_s)  # a step takes a while: the loop side runs meanwhile

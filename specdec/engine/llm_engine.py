@@ -8,7 +8,13 @@ N+1, so host work and device work overlap instead of alternating. With a propose
 engine runs plain steps asynchronously while the batch is above
 ``disable_by_batch_size``; speculative steps are pipelined the same way where they can be
 (``spec_pipeline.py``: greedy rows of an EAGLE-3 head), else synchronous, after the step
-in flight is read."""
+in flight is read.
+
+Steps above ``disable_by_batch_size`` do no proposer work: an EAGLE-3 head is not handed
+their aux states per request (``Proposer.defer``); the forward leaves them in the runner's
+aux cache at each token's KV slot, and the head reads them there once the batch is back in
+its bands and it catches up. So a plain step costs what it costs without a proposer, and
+the head drafts after a band switch exactly as if it had observed every step."""
 
 from __future__ import annotations
 
@@ -33,12 +39,18 @@ from specdec.engine.scheduler import ScheduledRequest, Scheduler
 from specdec.engine.seeded_stream import SeededStream
 from specdec.engine.spec_pipeline import SpecLaunch, SpecPipeline
 from specdec.engine.staging import to_device, to_host
-from specdec.models import load_tokenizer, resolve_model
-from specdec.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from specdec.models import load_config, load_tokenizer, resolve_model
+from specdec.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenDelta,
+    TokenLogprobs,
+)
 from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.spec.acceptance import accept_batch, greedy_accept_batch
 from specdec.spec.metrics import SpecStats
-from specdec.spec.proposer import make_proposer
+from specdec.spec.proposer import make_proposer, proposer_class
 from specdec.spec.spec_exit import ExitCut, SpecExitState
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
 from specdec.spec.tree import DraftTree, TreeShape, root_only_tree
@@ -53,8 +65,7 @@ class _RequestState:
     request: Request
     prompt: str | None
     # None when the text is only needed at the end (FINAL_ONLY without stop strings):
-    # the output is then decoded once instead of token by token; or not at all
-    # (``detokenize=False``: the caller decodes).
+    # the output is then decoded once instead of token by token; or not at all (TOKENS).
     detokenizer: IncrementalDetokenizer | None
     stream: SeededStream | None  # seeded random requests only
     logprobs: list[TokenLogprobs] | None = None
@@ -95,7 +106,11 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.resolved = resolve_model(self.config.model, cache_dir=self.config.cache_dir)
         self.tokenizer = load_tokenizer(self.resolved)
-        self.runner = ModelRunner(self.config, self.resolved)
+        spec = self.config.speculative
+        aux_layer_ids = ()  # what a model proposer reads, collected by every forward
+        if spec is not None:
+            aux_layer_ids = proposer_class(spec).aux_layers_of(spec, load_config(self.resolved))
+        self.runner = ModelRunner(self.config, self.resolved, aux_layer_ids)
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.block_size = self.config.cache.block_size
@@ -105,11 +120,8 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator(self.runner.device).manual_seed(self.config.seed))
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self._states: dict[str, _RequestState] = {}
-        spec = self.config.speculative
         self.proposer = make_proposer(spec, runner=self.runner) if spec is not None else None
         self.lookahead = self.proposer.lookahead_slots if self.proposer is not None else 0
-        if self.proposer is not None:
-            self.runner.aux_layer_ids = self.proposer.aux_layer_ids
         # SpecExit (docs/spec_exit.md) needs a proposer whose trees carry exit signals.
         signals = self.proposer.exit_signals if self.proposer is not None else ()
         self.spec_exit = (
@@ -136,6 +148,9 @@ class LLMEngine:
                 self.proposer is None or spec.disable_by_batch_size is not None
             )
         self._in_flight: _InFlight | None = None
+        # The last step deferred its aux states (``_defer``): every running request then
+        # is, so the next such step defers only its admissions.
+        self._deferring = False
         self.num_dropped_tokens = 0  # async: tokens computed for requests already stopped
         self.spec_stats = SpecStats()
         # Give decoding rows without a draft a root-only tree when some row has one, so
@@ -168,9 +183,18 @@ class LLMEngine:
         # steps (say, batch 1's) never do, and must not cost the chain bands that room.
         chains = [s.max_draft_tokens + 1 for s in sizes if s.max_draft_tokens == s.depth]
         runner.capture_graphs(tree_sizes, max(chains, default=1))
+        bands = "; ".join(
+            f"depth {shape.depth} ({shape.max_draft_tokens} drafts), batch {buckets}"
+            for shape, buckets in sizes.items()
+        )
+        logger.info("capturing the draft head's CUDA graphs (compiling first): %s", bands)
+        t0 = time.perf_counter()
         self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len)
+        logger.info("captured the draft head's graphs in %.1f s", time.perf_counter() - t0)
         if self.pipeline is not None:
+            t0 = time.perf_counter()
             self.pipeline.capture_graphs(sizes)
+            logger.info("captured the pipelined step's graphs in %.1f s", time.perf_counter() - t0)
 
     def _band_graph_sizes(self) -> dict[TreeShape, list[int]]:
         """The bucketed batch sizes each band's shape needs graphs for: the buckets of the
@@ -239,8 +263,8 @@ class LLMEngine:
             prompt=text,
             detokenizer=(
                 IncrementalDetokenizer(self.tokenizer, token_ids, params)
-                if params.detokenize
-                and (params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY)
+                if params.stop
+                or params.output_kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA)
                 else None
             ),
             stream=stream,
@@ -298,11 +322,13 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     @torch.inference_mode()  # also: sampling edits the forward's (inference) logits in place
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | TokenDelta]:
         """Run one step; return outputs for requests that produced tokens (per their
-        ``output_kind``). With speculation, decoding requests verify a draft tree and may
-        emit several tokens; the step is otherwise the same. Under async scheduling the
-        outputs are those of the step launched by the previous call."""
+        ``output_kind``: a ``TokenDelta`` for TOKENS, else a ``RequestOutput``). With
+        speculation, decoding requests verify a draft tree and may emit several tokens; the
+        step is otherwise the same. Under async scheduling the outputs are those of the
+        step launched by the previous call."""
+        deferring, self._deferring = self._deferring, False
         if self.pipeline is not None:
             if self._can_pipeline():
                 return self._step_pipelined()
@@ -310,13 +336,18 @@ class LLMEngine:
                 done, self._spec_in_flight = self._spec_in_flight, []
                 return self._finish_specs(done)
         if self.async_scheduling and not self._speculates_next():
-            return self._step_async()
+            return self._step_async(deferring)
         if self._in_flight is not None:  # speculation needs every sampled token on the host
             done, self._in_flight = self._in_flight, None
             return self._finish(done)
+        num_running = self.scheduler.num_running
         sched = self.scheduler.schedule(self.lookahead)
         if sched.is_empty:
             return []
+        observing = self.runner.aux_cache is not None
+        if observing and self._above_bands(len(sched.scheduled)):
+            self._defer(num_running, deferring)
+            observing = False
         trees = self._propose(sched.scheduled)
         if trees and self.uniform_verify:
             self._add_root_only_trees(sched.scheduled, trees)
@@ -357,7 +388,7 @@ class LLMEngine:
             accepted = self._verify(sched, inputs, trees, spec, logits, offsets, emitted)
             if self.spec_exit is not None:
                 self._apply_spec_exit(sched, inputs, trees, spec, emitted, accepted)
-        if aux is not None:
+        if observing:
             self._observe(sched.scheduled, inputs, starts, accepted, aux)
         now = time.monotonic()
         outputs = []
@@ -372,6 +403,24 @@ class LLMEngine:
                 self.kv_manager.trim(request, request.num_computed_tokens)
             self._report(state, outputs)
         return outputs
+
+    def _above_bands(self, batch_size: int) -> bool:
+        """Whether a step of ``batch_size`` requests is above the speculation cutoff
+        (``disable_by_batch_size``), so drafts nothing."""
+        limit = self.config.speculative.disable_by_batch_size
+        return limit is not None and batch_size > limit
+
+    def _defer(self, num_running: int, deferring: bool) -> None:
+        """Leave the aux states of the step about to run in the runner's aux cache instead
+        of observing them (``Proposer.defer``): the requests it computes do not speculate.
+        ``deferring``: the step before deferred too, so every request that ran then is
+        deferred and only those admitted by this step's schedule (past the
+        ``num_running`` running before it) are new; otherwise every running request is
+        deferred now, once."""
+        running = self.scheduler.running
+        for request in running[num_running:] if deferring else running:
+            self.proposer.defer(request)
+        self._deferring = True
 
     def _speculates_next(self) -> bool:
         """Whether the next step may verify drafts, and so must run synchronously: there is
@@ -454,7 +503,7 @@ class LLMEngine:
             and self._states[request.request_id].spec_exit is None
         )
 
-    def _step_pipelined(self) -> list[RequestOutput]:
+    def _step_pipelined(self) -> list[RequestOutput | TokenDelta]:
         """Launch speculative step N+1 from the device outcomes in flight (step N and the
         arrivals prefilled with it), prefill the requests arriving now beside it (with
         nothing running, only them), then read what was in flight and update its
@@ -494,11 +543,11 @@ class LLMEngine:
         first = logits.argmax(dim=-1)  # greedy (_joins_pipeline), min_tokens reached
         return self.pipeline.arrive(requests, first, last_aux)
 
-    def _finish_specs(self, done: list[SpecLaunch]) -> list[RequestOutput]:
+    def _finish_specs(self, done: list[SpecLaunch]) -> list[RequestOutput | TokenDelta]:
         """``_finish_spec`` of each launch read (a request is a row of one of them)."""
         return [out for launch in done for out in self._finish_spec(launch)]
 
-    def _finish_spec(self, done: SpecLaunch) -> list[RequestOutput]:
+    def _finish_spec(self, done: SpecLaunch) -> list[RequestOutput | TokenDelta]:
         """Append a pipelined step's tokens (its host sync); each request's computed tokens
         move past the step's root and accepted nodes, and the proposer resumes from them.
         SpecExit judges the step here (``_exit_cut``); a cut also marks the request's row
@@ -564,28 +613,29 @@ class LLMEngine:
         return depth_left, min(num_accepted, depth_left)
 
     # ---- async scheduling ---------------------------------------------------------------
-    def _step_async(self) -> list[RequestOutput]:
+    def _step_async(self, deferring: bool) -> list[RequestOutput | TokenDelta]:
         """Launch step N+1, then read step N's tokens and update its requests while the
         device runs N+1. A request that step N stops was scheduled in N+1 too: that token
         is computed and dropped (its K/V lands in the request's own freed slots, written
-        before any later step can hand them out, as the device runs steps in order)."""
+        before any later step can hand them out, as the device runs steps in order). The
+        step is above the speculation bands: a model proposer's aux states are deferred
+        (``_defer``; ``deferring``: the step before deferred them too)."""
+        num_running = self.scheduler.num_running
         sched = self.scheduler.schedule()
+        if self.runner.aux_cache is not None:
+            self._defer(num_running, deferring)
         launched = self._launch(sched.scheduled) if not sched.is_empty else None
         done, self._in_flight = self._in_flight, launched
         return self._finish(done) if done is not None else []
 
     def _launch(self, scheduled) -> _InFlight | None:
-        """Prepare, run and sample one step without reading anything back."""
+        """Prepare, run and sample one step without reading anything back (a model
+        proposer's aux states stay in the runner's aux cache: ``_defer``)."""
         pending = self._in_flight.pending() if self._in_flight is not None else None
         inputs = self.runner.prepare(scheduled, pending=pending)
-        # A model proposer reads every computed token's states (plain decoding: no list).
-        observing = bool(self.runner.aux_layer_ids)
-        starts = [s.request.num_computed_tokens for s in scheduled] if observing else []
-        logits, aux = self.runner.execute(inputs)
+        logits, _ = self.runner.execute(inputs)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        if aux is not None:
-            self._observe(scheduled, inputs, starts, {}, aux)
         self.num_steps += 1
         if not inputs.sampled_rows:
             return None
@@ -596,7 +646,7 @@ class LLMEngine:
             request.num_pending_tokens += 1
         return _InFlight(requests, token_ids, logprobs)
 
-    def _finish(self, done: _InFlight) -> list[RequestOutput]:
+    def _finish(self, done: _InFlight) -> list[RequestOutput | TokenDelta]:
         """Append a launched step's tokens (the step's host sync) and build its outputs."""
         token_ids = done.read()
         # Logprobs read back on the current stream, i.e. after the step launched since:
@@ -615,12 +665,14 @@ class LLMEngine:
             self._report(state, outputs)
         return outputs
 
-    def _report(self, state: _RequestState, outputs: list[RequestOutput]) -> None:
+    def _report(self, state: _RequestState, outputs: list[RequestOutput | TokenDelta]) -> None:
         """Add the request's output if its kind reports this step; forget it once done."""
         request = state.request
         finished = request.status.is_finished
         kind = request.sampling_params.output_kind
-        if finished or kind is not RequestOutputKind.FINAL_ONLY:
+        if kind is RequestOutputKind.TOKENS:
+            outputs.append(self._token_delta(state, finished))
+        elif finished or kind is not RequestOutputKind.FINAL_ONLY:
             outputs.append(self._make_output(state, delta=kind is RequestOutputKind.DELTA))
         if finished:
             self._forget(request.request_id)
@@ -655,10 +707,7 @@ class LLMEngine:
 
     def _propose(self, scheduled) -> dict[int, DraftTree]:
         """Draft trees for decoding rows that reserved lookahead slots."""
-        if self.proposer is None:
-            return {}
-        spec = self.config.speculative
-        if spec.disable_by_batch_size is not None and len(scheduled) > spec.disable_by_batch_size:
+        if self.proposer is None or self._above_bands(len(scheduled)):
             return {}
         shape = self.proposer.shape_at(len(scheduled))  # the step's band
         rows, limits = [], []
@@ -883,8 +932,6 @@ class LLMEngine:
             logprobs = logprobs[sent:] if logprobs is not None else None
         elif state.detokenizer is not None:
             text, token_ids = state.detokenizer.text, list(request.output_token_ids)
-        elif not request.sampling_params.detokenize:
-            text, token_ids = "", list(request.output_token_ids)
         else:
             text = self.tokenizer.decode(
                 request.output_token_ids,
@@ -906,19 +953,37 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=finished,
-            metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_token_time=request.first_token_time,
-                finished_time=request.finished_time,
-                num_cached_tokens=request.num_cached_tokens,
-                num_preemptions=request.num_preemptions,
-                spec_steps=state.spec_stats.steps,
-                spec_drafted_tokens=state.spec_stats.drafted_tokens,
-                spec_accepted_tokens=state.spec_stats.accepted_tokens,
-                spec_exits=state.spec_exit.num_exits if state.spec_exit else None,
-                spec_exit_tokens_saved=state.spec_exit.tokens_saved if state.spec_exit else None,
-            ),
+            metrics=self._metrics(state),
             text_delta=text_delta,
+        )
+
+    def _token_delta(self, state: _RequestState, finished: bool) -> TokenDelta:
+        """TOKENS: the ids (and logprobs) since the request's last report, no text."""
+        request = state.request
+        sent, state.num_sent_tokens = state.num_sent_tokens, request.num_output_tokens
+        return TokenDelta(
+            request.request_id,
+            request.output_token_ids[sent:],
+            state.logprobs[sent:] if state.logprobs is not None else None,
+            request.status.value if finished else None,
+            request.stop_reason,
+            self._metrics(state) if finished else None,
+        )
+
+    @staticmethod
+    def _metrics(state: _RequestState) -> RequestMetrics:
+        request, spec, exits = state.request, state.spec_stats, state.spec_exit
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            spec_steps=spec.steps,
+            spec_drafted_tokens=spec.drafted_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_exits=exits.num_exits if exits else None,
+            spec_exit_tokens_saved=exits.tokens_saved if exits else None,
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,7 +91,15 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_source) -> None:
+    """``aux_layer_ids``: layers whose entering residual stream a proposer reads (EAGLE-3).
+    Every forward then also writes each token's aux states [len(aux_layer_ids) * hidden]
+    into ``aux_cache`` at the token's KV slot, so a proposer that skips steps (no per-step
+    hand-over above the speculation bands) reads them from there later; the KV budget
+    counts that cache per slot like the K/V."""
+
+    def __init__(
+        self, config: EngineConfig, model_source, aux_layer_ids: Sequence[int] = ()
+    ) -> None:
         self.config = config
         self.runtime = choose_runtime(config)
         self.device = self.runtime.device
@@ -118,8 +127,21 @@ class ModelRunner:
         )
         use_triton_gemm(self.model, self.triton_gemm_max_rows)
         self.block_table_width = cdiv(self.max_model_len, self.block_size)
+        self.aux_layer_ids: tuple[int, ...] = tuple(aux_layer_ids)
+        self.aux_width = len(self.aux_layer_ids) * self.model_config.hidden_size
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # Slot s holds the aux states of the token last computed into slot s (a write per
+        # forward, next to the K/V's). Tree nodes' rows are not moved with their K/V after
+        # acceptance: verified steps hand their accepted rows to the proposer directly.
+        self.aux_cache: torch.Tensor | None = None  # [num_blocks * block_size, aux_width]
+        if self.aux_width:
+            self.aux_cache = torch.zeros(
+                self.num_blocks * self.block_size,
+                self.aux_width,
+                dtype=self.dtype,
+                device=self.device,
+            )
         # Every cache's base address, for the one-launch K/V move (Triton path only).
         self._kv_table: torch.Tensor | None = None
         if self.runtime.attention_backend == "triton":
@@ -127,9 +149,6 @@ class ModelRunner:
 
             self._kv_table = cache_pointer_table([c for pair in self.kv_caches for c in pair])
             self._move_kv_slots = move_kv_slots
-        # Layers whose entering residual stream a proposer needs (EAGLE-3); set by the
-        # engine before ``capture_graphs`` (graphs capture the aux outputs too).
-        self.aux_layer_ids: tuple[int, ...] = ()
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
 
@@ -137,6 +156,7 @@ class ModelRunner:
     def _decide_num_blocks(self) -> int:
         cache = self.config.cache
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        per_block += self.block_size * self.aux_width * self.dtype.itemsize  # aux_cache
         if cache.num_blocks is not None:
             return cache.num_blocks
         if cache.kv_cache_memory is not None:
@@ -155,10 +175,11 @@ class ModelRunner:
                 "gpu_memory_utilization or lower max_num_batched_tokens"
             )
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.2f GiB)",
+            "KV cache: %d blocks x %d tokens (%.2f GiB%s)",
             num_blocks,
             self.block_size,
             num_blocks * per_block / 2**30,
+            ", aux states included" if self.aux_width else "",
         )
         return int(num_blocks)
 
@@ -214,19 +235,28 @@ class ModelRunner:
         return [(make(), make()) for _ in range(c.num_layers)]
 
     # ---- forward -----------------------------------------------------------------------
+    def _forward(
+        self,
+        input_ids: torch.Tensor,  # [n] int64
+        positions: torch.Tensor,  # [n] int64
+        meta: AttentionMetadata,
+        compiled: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # hidden [n, hidden], aux [n, A] or None
+        """The target's forward over the KV cache; the aux states also land in
+        ``aux_cache`` at each token's slot (padding tokens' in the null block's)."""
+        hidden, aux = self.model(
+            input_ids, positions, self.kv_caches, meta, self.aux_layer_ids, compiled=compiled
+        )
+        if self.aux_cache is not None:
+            self.aux_cache.index_copy_(0, meta.slot_mapping, aux)
+        return hidden, aux
+
     def graph_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [n, vocab] float32, aux
         """The forward CUDA graphs capture: every row's logits, compiled regions where the
         runner compiles. For graphs of larger steps that contain a forward."""
-        hidden, aux = self.model(
-            input_ids,
-            positions,
-            self.kv_caches,
-            meta,
-            self.aux_layer_ids,
-            compiled=self.use_compile,
-        )
+        hidden, aux = self._forward(input_ids, positions, meta, compiled=self.use_compile)
         return self.model.compute_logits(hidden), aux
 
     def rows_forward(
@@ -238,7 +268,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [num_logits, vocab] float32, aux
         """The forward prefill graphs capture: the eager modules (the kernels an eager
         step of the same shape runs) and the lm_head on the sampled rows only."""
-        hidden, aux = self.model(input_ids, positions, self.kv_caches, meta, self.aux_layer_ids)
+        hidden, aux = self._forward(input_ids, positions, meta)
         return self.model.compute_logits(hidden.index_select(0, logits_indices)), aux
 
     def warm_up_kernels(self, trees: bool) -> None:
@@ -266,7 +296,7 @@ class ModelRunner:
         ``prefill_logits_per_seq`` logits rows per sequence: the largest chain's nodes on
         an engine that verifies chains, so that arrivals next to them replay too)
         (``EngineConfig.prefill_graph_max_tokens``), all in one memory pool; no-op off the
-        GPU path. Call once, after ``aux_layer_ids``."""
+        GPU path. Call once."""
         if not self.runtime.use_cuda_graphs or self.graphs is not None:
             return
         max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
@@ -413,8 +443,9 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward. Returns float32 logits of the logits rows [num_logits, vocab], and
         the aux residual streams of every token [num_tokens, len(aux_layer_ids) * hidden]
-        when ``aux_layer_ids`` is set (else None). Uniform steps replay a step graph,
-        others a prefill graph where one holds them, the rest run eagerly."""
+        when ``aux_layer_ids`` is set (else None; also written into ``aux_cache``). Uniform
+        steps replay a step graph, others a prefill graph where one holds them, the rest
+        run eagerly."""
         if self.replays_graph(inputs):
             logits, aux = self.graphs.run(
                 inputs.uniform_q,
@@ -431,7 +462,5 @@ class ModelRunner:
             return self.prefill_graphs.run(
                 key, inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
             )
-        hidden, aux = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.aux_layer_ids
-        )
+        hidden, aux = self._forward(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices]), aux

@@ -5,8 +5,9 @@ Position convention (EAGLE's): head position ``t`` consumes the pair (token ``x[
 previous step's pre-norm output). So with a request whose last committed token (the root)
 sits at index ``r`` and whose target-computed tokens are ``0 .. r-1``:
 
-- catch-up: positions ``head_computed .. r-1`` from the aux states the engine handed to
-  ``observe`` (all computed tokens); the last one predicts ``x[r+1]``, draft depth 1;
+- catch-up: positions ``head_computed .. r-1`` from the aux states of every computed
+  token, which the engine handed to ``observe`` or, for steps that do not speculate,
+  ``defer``red to the runner's aux cache; the last one predicts ``x[r+1]``, draft depth 1;
 - tree level ``d >= 1`` feeds its depth-``d`` draft nodes at position ``r + d - 1``, each
   with its parent's pre-norm output, attending to its ancestors (``TreeDraftLayout``); a
   chain is the tree with one node per level.
@@ -36,7 +37,8 @@ from specdec.config import SpeculativeConfig
 from specdec.engine.request import Request
 from specdec.engine.staging import to_device
 from specdec.models.compiling import compile_region
-from specdec.models.eagle3_formats import load_eagle3
+from specdec.models.config import ModelConfig
+from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
 from specdec.models.linear import use_triton_gemm
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
@@ -59,6 +61,9 @@ class _HeadState:
     # After a pipelined step (``resume``): its aux rows as (buffer, row, count), sliced
     # only when read. They precede ``pending`` (the rows observed since).
     resumed: tuple[torch.Tensor, int, int] | None = None
+    # ``defer``: the aux rows from this cache index (right after the pending ones) to the
+    # request's computed tokens are in the runner's aux cache, read when next needed.
+    deferred: int | None = None
 
     @property
     def num_pending(self) -> int:
@@ -78,8 +83,7 @@ class Eagle3Proposer(Proposer):
 
     def __init__(self, config: SpeculativeConfig, *, runner) -> None:
         super().__init__(config, runner=runner)
-        if config.model is None:
-            raise ValueError("method='eagle3' needs model=<EAGLE-3 head directory>")
+        _check_model(config)
         self.device = runner.device
         self.block_size = runner.block_size
         self.head = load_eagle3(
@@ -95,6 +99,13 @@ class Eagle3Proposer(Proposer):
         use_triton_gemm(self.head, runner.triton_gemm_max_rows)  # as the target's
         self.level_topk = level_topk_for(runner.runtime.attention_backend)
         self.aux_layer_ids = tuple(self.head.config.aux_layer_ids)
+        if runner.aux_layer_ids != self.aux_layer_ids:
+            raise ValueError(
+                f"the runner collects the aux states of layers {list(runner.aux_layer_ids)} "
+                f"but the head reads layers {list(self.aux_layer_ids)}; build the runner "
+                "with aux_layer_ids=Eagle3Proposer.aux_layers_of(config, target)"
+            )
+        self.aux_cache = runner.aux_cache  # [slots, aux width]: where deferred rows are
         self.exit_signals = self.head.config.exit_signals
         self.spec_exit_defaults = self.head.config.spec_exit_defaults
         c = self.head.config
@@ -118,22 +129,62 @@ class Eagle3Proposer(Proposer):
             torch.arange(self.head.config.draft_vocab_size, device=self.device)
         )
 
+    @classmethod
+    def aux_layers_of(cls, config: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:
+        _check_model(config)
+        return tuple(read_eagle3_config(config.model, target).aux_layer_ids)
+
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
     def observe(self, request: Request, start: int, aux: torch.Tensor) -> None:
+        state = self._state_at(request, start)
+        if state.deferred is not None:  # the rows up to `start` are in the aux cache
+            if start > state.deferred:
+                state.pending += self._read_deferred([request], [(state.deferred, start)])
+            state.deferred = None
+        state.pending.append(aux)
+
+    def defer(self, request: Request) -> None:
+        state = self._state_at(request, request.num_computed_tokens)
+        if state.deferred is None:
+            state.deferred = request.num_computed_tokens
+
+    def _state_at(self, request: Request, start: int) -> _HeadState:
+        """``request``'s state, whose next aux row (observed or deferred) is at cache
+        index ``start``; a new one there for a new or preempted request."""
         state = self._states.get(request.request_id)
         if state is None or state.num_preemptions != request.num_preemptions:
             # New, or recomputed after preemption (maybe from a prefix-cache hit).
             state = _HeadState(request.num_preemptions, head_computed=start)
             self._states[request.request_id] = state
         expected = state.head_computed + state.num_pending
-        if start != expected:
+        if state.deferred is not None:
+            if state.deferred != expected or start < expected:
+                raise RuntimeError(
+                    f"request {request.request_id}: aux states deferred from "
+                    f"{state.deferred} resume at {start}, expected {expected} or later"
+                )
+        elif start != expected:
             raise RuntimeError(
                 f"request {request.request_id}: aux states start at {start}, expected "
                 f"{expected}; the engine must report every computed token once, in order"
             )
-        state.pending.append(aux)
+        return state
+
+    def _read_deferred(
+        self, group: Sequence[Request], spans: Sequence[tuple[int, int]]
+    ) -> list[torch.Tensor]:  # [end - start, aux width] each
+        """The aux rows of cache indices [start, end) of each request, from the aux cache
+        (one gather; ``defer``)."""
+        bs = self.block_size
+        slots = []
+        for request, (start, end) in zip(group, spans, strict=True):
+            index = np.arange(start, end)
+            slots.append(np.asarray(request.block_ids)[index // bs] * bs + index % bs)
+        index = to_device(np.concatenate(slots).astype(np.int64), self.device)
+        rows = self.aux_cache.index_select(0, index)
+        return list(rows.split([end - start for start, end in spans]))
 
     @torch.inference_mode()
     def propose(
@@ -212,10 +263,20 @@ class Eagle3Proposer(Proposer):
         spans = [
             (st.head_computed, r.num_computed_tokens) for st, r in zip(states, group, strict=True)
         ]
-        # Exactly end - start rows each (observe, resume).
+        deferred = [
+            i
+            for i, st in enumerate(states)
+            if st.deferred is not None and st.deferred < spans[i][1]
+        ]
+        if deferred:
+            tails = [(states[i].deferred, spans[i][1]) for i in deferred]
+            rows = self._read_deferred([group[i] for i in deferred], tails)
+            for i, tail in zip(deferred, rows, strict=True):
+                states[i].pending.append(tail)
+        # Exactly end - start rows each (observe, resume, defer).
         aux = [torch.cat(st.take_rows()) for st in states]
         for st, (_, end) in zip(states, spans, strict=True):
-            st.head_computed, st.pending, st.resumed = end, [], None
+            st.head_computed, st.pending, st.resumed, st.deferred = end, [], None, None
         return spans, aux
 
     # ---- the pipelined step (engine/spec_pipeline.py) ----------------------------------
@@ -424,3 +485,8 @@ class Eagle3Proposer(Proposer):
             x.input_ids, hidden, x.positions, self.kv_cache, x.meta, logits_indices=x.last_rows
         )
         return out[x.last_rows], logits
+
+
+def _check_model(config: SpeculativeConfig) -> None:
+    if config.model is None:
+        raise ValueError("method='eagle3' needs model=<EAGLE-3 head directory>")

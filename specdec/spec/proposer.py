@@ -20,6 +20,7 @@ import torch
 
 from specdec.config import SpeculativeConfig, band_shape
 from specdec.engine.request import Request
+from specdec.models.config import ModelConfig
 from specdec.spec.tree import ChainShape, DraftTree, TreeShape
 
 _PROPOSERS: dict[str, type[Proposer]] = {}
@@ -66,8 +67,9 @@ class Proposer(ABC):
             return shape
         return ChainShape(min(max_draft_tokens, shape.depth))
 
-    # Target layers whose entering residual stream this proposer reads (EAGLE-3); the
-    # engine then passes every computed token's aux states to ``observe``.
+    # Target layers whose entering residual stream this proposer reads (EAGLE-3): the
+    # engine then passes the aux states of the tokens each step that may speculate
+    # computes to ``observe``, and ``defer``s the rest (``ModelRunner.aux_cache``).
     aux_layer_ids: tuple[int, ...] = ()
     # SpecExit signals its trees carry in ``DraftTree.exit_signals`` (an EAGLE-3 head with
     # exit channels; specdec.spec.spec_exit); empty: none, and requests cannot opt in.
@@ -119,6 +121,12 @@ class Proposer(ABC):
     def release(self, request_id: str) -> None:  # noqa: B027  (optional hook)
         """Forget per-request state once a request finishes or is aborted."""
 
+    @classmethod
+    def aux_layers_of(cls, config: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:
+        """The ``aux_layer_ids`` a proposer built from ``config`` for ``target`` has, known
+        before it is built (the runner sizes its aux cache with them)."""
+        return ()
+
     def observe(  # noqa: B027  (optional hook)
         self,
         request: Request,
@@ -126,6 +134,12 @@ class Proposer(ABC):
         aux: torch.Tensor,  # [m, len(aux_layer_ids) * hidden]: tokens start, start+1, ...
     ) -> None:
         """Aux states of tokens the target just computed for ``request``, in order."""
+
+    def defer(self, request: Request) -> None:  # noqa: B027  (optional hook)
+        """The aux states of ``request``'s tokens from ``num_computed_tokens`` on are not
+        observed: read them from the runner's ``aux_cache`` (at each token's slot) when
+        the request is next observed or drafts. For steps that do not speculate, so they
+        hand the proposer nothing; idempotent until then."""
 
     @abstractmethod
     def propose(
@@ -136,7 +150,8 @@ class Proposer(ABC):
         size); the root's token is ``requests[i]``'s last token."""
 
 
-def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:
+def proposer_class(config: SpeculativeConfig) -> type[Proposer]:
+    """The registered proposer ``config.method`` names."""
     from specdec.spec import draft_model, eagle3, ngram_proposer  # noqa: F401  (registration)
 
     if config.method not in _PROPOSERS:
@@ -144,4 +159,8 @@ def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:
             f"speculative method {config.method!r} is not available; choose one of "
             f"{sorted(_PROPOSERS)}"
         )
-    return _PROPOSERS[config.method](config, **kwargs)
+    return _PROPOSERS[config.method]
+
+
+def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:
+    return proposer_class(config)(config, **kwargs)
