@@ -293,12 +293,17 @@ class OpenAIServing:
         text_chunk = TextChunk(
             lambda text: chunk([ChatChunkChoice(index=0, delta=DeltaMessage(content=text))])
         )
-        yield chunk([ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
+        # The role chunk goes out with the first output, as vLLM's does: clients (vLLM's
+        # benchmark among them) time the first token at the first chunk.
+        role = chunk([ChatChunkChoice(index=0, delta=DeltaMessage(role="assistant", content=""))])
         sent = 0
         async for out, error in _guard(stream):
             if error is not None:
                 yield error
                 break
+            if role:
+                yield role
+                role = ""
             c = out.outputs[0]
             logprobs = None
             if want_logprobs:

@@ -428,9 +428,10 @@ def test_server_config_and_flags(tmp_path):
 
 
 def test_the_server_layers_its_settings_over_the_heads_record():
-    """``OpenAIServing`` reads the draft head's record from the engine (``SpecExitRuntime``)
-    and puts the server's settings over it; a combination no request could use fails at
-    start-up, naming both."""
+    """``OpenAIServing`` reads the draft head's record from the engine core's info
+    (``EngineInfo.spec_exit_head_defaults``, from its ``SpecExitRuntime``) and puts the
+    server's settings over it; a combination no request could use fails at start-up,
+    naming both."""
     from types import SimpleNamespace
 
     from specdec.serve.config import ServeConfig
@@ -438,8 +439,8 @@ def test_the_server_layers_its_settings_over_the_heads_record():
     from specdec.serve.serving import OpenAIServing
 
     def serving(head, server):
-        runtime = SimpleNamespace(head_defaults=head) if head is not None else None
-        engine = SimpleNamespace(engine=SimpleNamespace(max_model_len=256, spec_exit=runtime))
+        info = SimpleNamespace(max_model_len=256, spec_exit_head_defaults=head)
+        engine = SimpleNamespace(info=info)
         return OpenAIServing(engine, ServeConfig(spec_exit=server), None, None)
 
     head = {"smoothing": "window", "window": 2}
