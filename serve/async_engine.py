@@ -126,18 +126,15 @@ class RequestStream:
 
     # ---- event loop, from the core's messages --------------------------------------------
     def _receive(self, output: TokenDelta, now: float) -> None:
-        _, token_ids, logprobs, finish_reason, stop_reason, metrics = output
-        if token_ids and self.stats.first_token_time is None:
+        if output.token_ids and self.stats.first_token_time is None:
             self.stats.first_token_time = now
-        self._token_ids += token_ids
-        if self._logprobs is not None and logprobs:
-            self._logprobs += logprobs
-        if finish_reason is not None:
-            self._finish_reason, self._stop_reason, self._metrics = (
-                finish_reason,
-                stop_reason,
-                metrics,
-            )
+        self._token_ids += output.token_ids
+        if self._logprobs is not None and output.logprobs:
+            self._logprobs += output.logprobs
+        if output.finish_reason is not None:
+            self._finish_reason = output.finish_reason
+            self._stop_reason = output.stop_reason
+            self._metrics = output.metrics
         self._wake.set()
 
     def _fail(self, error: BaseException) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +80,19 @@ def start_server(args: list[str]) -> ServerProcess:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     return ServerProcess(proc, port, log)
+
+
+@contextlib.contextmanager
+def running_server(args: list[str]) -> Iterator[ServerProcess]:
+    """``start_server(args)``, ready; stopped after the block, whose end also checks that
+    no request reached the server's catch-all error handler."""
+    server = start_server(args)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+    assert not server.unhandled_errors(), server.log_tail()
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 import yaml
-from serve_server import scrape, start_server
+from serve_server import running_server, scrape
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -32,13 +32,8 @@ def server(tmp_path_factory):
     }
     path = tmp_path_factory.mktemp("serve") / "tight.yaml"
     path.write_text(yaml.safe_dump(config))
-    server = start_server(["--config", str(path)])
-    try:
-        server.wait_ready()
+    with running_server(["--config", str(path)]) as server:
         yield server
-    finally:
-        server.stop()
-    assert not server.unhandled_errors(), server.log_tail()
 
 
 def test_yaml_config_names_limits_and_default_speculation(server):

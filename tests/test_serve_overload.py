@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from serve_server import CPU_ARGS, scrape, start_server
+from serve_server import CPU_ARGS, running_server, scrape
 
 MAX_NUM_SEQS, MAX_WAITING = 2, 4
 
@@ -21,13 +21,8 @@ MAX_NUM_SEQS, MAX_WAITING = 2, 4
 def server():
     args = [*CPU_ARGS, "--draft", "none", "--max-model-len", "256"]
     limits = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING)]
-    server = start_server([*args, *limits])
-    try:
-        server.wait_ready()
+    with running_server([*args, *limits]) as server:
         yield server
-    finally:
-        server.stop()
-    assert not server.unhandled_errors(), server.log_tail()
 
 
 def test_requests_queue_fcfs_and_only_those_past_the_bound_get_429(server):
