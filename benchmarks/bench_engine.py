@@ -10,6 +10,11 @@ Prefill: ``prefill_batch`` prompts of ``prefill_len`` tokens with max_tokens=1, 
 submission to completion; tokens/s = prompt tokens / seconds.
 
 Prefix caching is off so repeats measure real work. Every figure is a median of repeats.
+
+    python benchmarks/bench_engine.py --batch-sizes 1,64 --json out/engine.json   # on a GPU
+    python benchmarks/bench_engine.py --smoke                                      # CPU check
+
+Prints a table last: ms/step, decode tokens/s and prefill tokens/s per (variant, batch).
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ VARIANTS = {
     # name: engine keyword overrides
     "graphs+compile": {},  # async scheduling on (auto on the CUDA-graph path)
     "graphs+compile+sync": {"async_scheduling": False},
-    # The layout before RoPE moved into the cache write: the compiled code rotates q and
-    # k (one Inductor kernel per layer) and the backend stores (an A/B of that change).
+    # RoPE outside the cache write: the compiled code rotates q and k (one Inductor
+    # kernel per layer) and the backend only stores, to measure what the fusion saves.
     "graphs+compile+rope-unfused": {},
     "graphs": {"compile": False},
     "eager": {"enforce_eager": True},

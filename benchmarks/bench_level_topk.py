@@ -6,7 +6,7 @@ Rows are a level's logits: ``[batch * top_k, draft_vocab]`` (batch 1 and 16 of a
 tree over the 16,384-id draft vocabulary by default), plus the root level's
 ``[batch, draft_vocab]``.
 
-    python benchmarks/bench_level_topk.py --json $OUT/level_topk.json   # on the H200
+    python benchmarks/bench_level_topk.py --json out/level_topk.json   # on the H200
     python benchmarks/bench_level_topk.py --smoke                        # CPU, interpreter
 """
 

@@ -7,7 +7,7 @@ over a packed micro-batch of random sequences whose last ``--answer-frac`` of to
 labels (traces: ~75%). ``--check`` first compares every packed-attention implementation
 with ``sdpa`` on one batch (loss and gradients), so a broken ``varlen`` shows up here.
 
-    python benchmarks/bench_sft.py --check --json $OUT/sft.json     # on the H200
+    python benchmarks/bench_sft.py --check --json out/sft.json     # on the H200
     python benchmarks/bench_sft.py --smoke                           # CPU, tiny shapes
 """
 

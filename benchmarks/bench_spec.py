@@ -40,6 +40,12 @@ engine tests do): it measures the cost of drafting and verifying with a real hea
 shape, but its drafts are almost always rejected (τ ~ 1), so its speedup is a floor, not
 EAGLE-3's. Likewise, acceptance figures need the target's real weights: on a model with
 random weights only the oracle's τ and the timings mean anything.
+
+    python benchmarks/bench_spec.py --head specdec/heads/smollm2-135m-instruct \\
+        --variants plain,eagle3-k3,eagle3-tree,oracle-k3 --batch-sizes 1,16 --json out/spec.json
+    python benchmarks/bench_spec.py --smoke                                      # CPU check
+
+Prints a table last: tokens/s, speedup, τ, a_k, steps and "identical" per (variant, batch).
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ and Inductor caches (fresh temporary dirs unless ``--warm-caches``):
   ``--prompt-lens``, twice. The first pass pays any kernel compilation a new shape triggers
   (counted as Triton cache entries written during the request); the second pass is the
   warm time. A first-pass time far above the second means requests pay compilation.
+
+    python benchmarks/bench_startup.py --variants graphs+compile,graphs   # on a GPU
+
+Prints, per variant, the build's seconds, each graph's capture and Dynamo's compilations,
+then a table of milliseconds to the first token per pass and prompt length.
 """
 
 from __future__ import annotations

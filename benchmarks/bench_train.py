@@ -7,9 +7,9 @@ SmolLM2-135M and one shaped for Llama-3-8B (hidden 4096, vocab 128,256, draft vo
 32,000). The card's bf16 matmul rate is measured in the same run; utilisation = model
 FLOPs / step time / that rate, where model FLOPs count the head's forward and backward
 matmuls (fc, q/k/v/o, MLP, lm_head, attention scores and values), not the labels' lm_head
-(the target's, under no_grad) — the bar (#6): >= 35% for the 8B-shaped head.
+(the target's, under no_grad). The target: >= 35% for the 8B-shaped head.
 
-    python benchmarks/bench_train.py --json $OUT/train.json        # on the H200
+    python benchmarks/bench_train.py --json out/train.json        # on the H200
     python benchmarks/bench_train.py --smoke                        # CPU, tiny shapes
 """
 

@@ -6,7 +6,7 @@ script times both on the same paged bf16 cache (SmolLM2's attention shape by def
 each batch, context and ``q``, under the default tile configuration and a sweep, so the
 ratio a verify step pays in attention is visible per layer.
 
-    python benchmarks/bench_tree_kernel.py --json $OUT/tree_kernel.json   # on the H200
+    python benchmarks/bench_tree_kernel.py --json out/tree_kernel.json   # on the H200
     python benchmarks/bench_tree_kernel.py --smoke                         # CPU, interpreter
 """
 

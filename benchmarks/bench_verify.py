@@ -8,7 +8,11 @@ tree in node order (graphs send chains through the same tree-mask path, so a cha
 what a tree of its size does). The KV cache holds random values and every
 sequence has its own blocks. Reported: ms per step (median of repeats of ``--iters``
 back-to-back replays, CUDA events) and the ratio to the ``q = 1`` step at the same batch.
-The bar (issue #3): a 64-node verify step costs <= 1.3x a decode step at batch 1.
+The target: a 64-node verify step costs <= 1.3x a decode step at batch 1.
+
+    python benchmarks/bench_verify.py --batch-sizes 1,16 --q 1,4,6,65 --json out/verify.json
+
+Prints a table last: ms per step and the ratio to ``q = 1`` per (batch, q). Needs CUDA.
 """
 
 from __future__ import annotations

@@ -95,21 +95,6 @@ def time_once(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def time_step(engine, profiler=None) -> tuple[float, float]:
-    """One ``engine.step()``: (wall seconds, this thread's CPU seconds), run under the
-    cProfile ``profiler`` when one is given (host-time scripts: host_step, host_spec_step)."""
-    if profiler is not None:
-        profiler.enable()
-    t0, c0 = time.perf_counter(), time.thread_time()
-    try:
-        engine.step()
-    finally:
-        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        if profiler is not None:
-            profiler.disable()
-    return wall, cpu
-
-
 def measure(
     fn: Callable[[], object],
     device: torch.device,

@@ -1,14 +1,14 @@
 """Device ops per pipelined speculative step, by phase, counted on the CPU.
 
-On the H200 a speculative step at batch 1 is launch-bound: its time is close to its
-kernel count times ~2 µs (BENCHMARKS.md, session 12: 557 kernels for a chain of 3, 1,527
-for a 32-node tree). The work between the model forwards — tree growth and layout, the
-tree masks, verification inputs, acceptance, the K/V move, the next catch-up state — runs
-eagerly inside the step's CUDA graph, one kernel per torch op, and its op count does not
-depend on the device. This script counts it without a GPU: it runs ``SpecPipeline._step``
-(the function the graph captures) on the CPU under a dispatch mode that counts every torch
-op that does work (views and allocations excluded) and every Triton launch (the GPU path's
-kernels, run by the interpreter), attributed to the innermost phase running:
+On a GPU a speculative step at batch 1 is launch-bound: its time is close to its
+kernel count times the launch cost (~2 µs on the H200). The work between the model
+forwards — tree growth and layout, the tree masks, verification inputs, acceptance, the
+K/V move, the next catch-up state — runs eagerly inside the step's CUDA graph, one kernel
+per torch op, and its op count does not depend on the device. This script counts it
+without a GPU: it runs ``SpecPipeline._step`` (the function the graph captures) on the CPU
+under a dispatch mode that counts every torch op that does work (views and allocations
+excluded) and every Triton launch (the GPU path's kernels, run by the interpreter),
+attributed to the innermost phase running:
 
 - ``head`` / ``target``: the head's and the target's forwards, attention excluded. On
   the GPU these are compiled regions (Inductor fuses their elementwise ops), so their
@@ -21,7 +21,7 @@ kernels, run by the interpreter), attributed to the innermost phase running:
 The target is a 30-layer, 64-wide Llama with SmolLM2's config otherwise (the real depth
 sets the K/V move's and the verify's per-layer counts), the head a random EAGLE-3 head.
 
-    python benchmarks/count_step_ops.py --smollm2 DIR --shapes chain3,tree --batch 1
+    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py --shapes chain3,tree --batch 1
 """
 
 from __future__ import annotations
@@ -124,7 +124,6 @@ def patched(counter: OpCounter, engine):
         (spec_pipeline, "verify_inputs", "verify inputs"),
         (CausalLM, "forward", "target"),
         (CausalLM, "compute_logits", "target"),
-        (spec_pipeline, "greedy_accept_uniform", "accept"),  # before the one-launch accept
         (engine.pipeline, "_accept_and_stage", "accept"),
         (engine.runner, "move_accepted_kv", "move_kv"),
         (TorchAttentionBackend, "forward", "attention"),
@@ -133,9 +132,6 @@ def patched(counter: OpCounter, engine):
         (TritonAttentionBackend, "forward_rope", "attention"),
     ]
     launcher = _interpreted_launcher()
-    # (A target an older tree lacks, e.g. forward_rope, is skipped: the counter also
-    # measures earlier commits.)
-    targets = [(owner, attr, name) for owner, attr, name in targets if hasattr(owner, attr)]
     saved = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in targets]
     saved.append((launcher, "run", launcher.__dict__["run"]))
     run = launcher.run
@@ -212,7 +208,11 @@ def count(llm, batch: int, steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smollm2", required=True, help="a SmolLM2 dir (config + tokenizer)")
+    p.add_argument(
+        "--smollm2",
+        default="smollm2-135m-instruct",
+        help="SmolLM2's config + tokenizer: an HF dir, or a model name specdec resolves",
+    )
     p.add_argument("--shapes", type=parse_str_list, default=["chain3", "tree"])
     p.add_argument("--batch", type=parse_int_list, default=[1])
     p.add_argument("--layers", type=int, default=30, help="target depth (SmolLM2: 30)")
@@ -237,9 +237,12 @@ def main() -> None:
     from specdec import LLM
 
     results = {}
+    from specdec.models.loader import resolve_model
+
+    smollm2 = resolve_model(a.smollm2).hf_dir
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model_dir(
-            Path(tmp), Path(a.smollm2), seed=0, vocab_size=1024, num_layers=a.layers
+            Path(tmp), smollm2, seed=0, vocab_size=1024, num_layers=a.layers
         )
         n = a.layers
         head = random_head(str(model), Path(tmp), 512, [min(2, n - 1), n // 2, max(n - 3, 0)])

@@ -13,7 +13,7 @@ costs two ``perf_counter`` calls. Per engine step it prints:
 - each wrapped phase's host time per step (nested phases are included in their parents);
 - ``host busy`` = wall - wait: when it is near wall the device waits for the host.
 
-    python benchmarks/host_gap.py --head specdec/heads/smollm2-135m-instruct \
+    python benchmarks/host_gap.py --head specdec/heads/smollm2-135m-instruct \\
         --prompts humaneval.jsonl --shapes chain3 --batch 1,16 --max-tokens 256
 """
 

@@ -24,6 +24,13 @@ tokens/s = batch * steps / seconds; prefill tokens/s = batch * prompt_len / seco
 Correctness: the first ``--check-tokens`` greedy tokens of every variant are compared with
 ``eager`` (a mismatch is a warning in bf16, where near-ties can flip, and an error in
 ``--smoke``); with ``--check-hf`` (on in ``--smoke``) also with HF ``generate``.
+
+    python benchmarks/peer_gpt_fast.py --model-dir HF_DIR --batch-sizes 1,64 --json out/peer.json
+    python benchmarks/peer_gpt_fast.py --smoke --random-tiny                    # CPU check
+
+``HF_DIR``: an HF directory; for a specdec alias or GGUF, the one it converts to
+(``specdec.models.loader.resolve_model(name).hf_dir``). Prints a table last: ms/step,
+decode and prefill tokens/s per (variant, batch).
 """
 
 from __future__ import annotations

@@ -17,6 +17,12 @@ each the median of ``--repeats`` runs after ``--warmup`` untimed runs. Then
 
 The model's own generation config (sampling defaults, EOS) is replaced by a bare one so
 that only the arguments written here decide what ``generate`` does.
+
+    python benchmarks/peer_hf_generate.py --model-dir HF_DIR --batch-sizes 1,64 --json out/hf.json
+    python benchmarks/peer_hf_generate.py --smoke --random-tiny                 # CPU check
+
+``HF_DIR`` as in ``peer_gpt_fast.py``. Prints a table last: ms/step, decode and prefill
+tokens/s per (attention implementation, batch).
 """
 
 from __future__ import annotations

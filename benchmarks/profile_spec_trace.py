@@ -14,8 +14,8 @@ kernels share the replay's correlation id), and prints per step:
 - the device's busy time (the union of kernel intervals) against the step's wall time;
   what is left is the device waiting for the host.
 
-    python benchmarks/profile_spec_trace.py --head specdec/heads/smollm2-135m-instruct \
-        --prompts humaneval.jsonl --shapes chain3,tree --batch 1,16 --trace-dir $OUT
+    python benchmarks/profile_spec_trace.py --head specdec/heads/smollm2-135m-instruct \\
+        --prompts humaneval.jsonl --shapes chain3,tree --batch 1,16 --trace-dir out/
 
 ``--trace-dir`` keeps each run's Chrome trace (gzip) for chrome://tracing or Perfetto;
 ``summarize(trace)`` reads one back (``python profile_spec_trace.py --summarize FILE``).

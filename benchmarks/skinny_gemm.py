@@ -3,13 +3,13 @@ head), at the row counts decode, verify and draft steps multiply: device microse
 call, each measured as a CUDA graph of ``--calls`` back-to-back calls (no launch gaps from
 the host, as inside the engine's graphs), median of ``--repeats`` replays.
 
-    python benchmarks/skinny_gemm.py --rows 1,4,6,16,32,64,96 --json $OUT/skinny_gemm.json
+    python benchmarks/skinny_gemm.py --rows 1,4,6,16,32,64,96 --json out/skinny_gemm.json
 
 ``--cold`` rotates each call through copies of the weight that together exceed the L2
 (``--cold-mb``, default 256 MB), as a forward's 30 layers do; without it a projection's
-weight stays in L2 from call to call, which flattered the Triton kernel in session 20.
+weight stays in L2 from call to call, which flatters the Triton kernel.
 ``--tune`` also times a grid of tile configs at ``--tune-rows`` rows and prints the best
-per shape (how ``choose_gemm_config``'s defaults were picked). The gate/up rows compare
+per shape (how ``choose_gemm_config``'s defaults are chosen). The gate/up rows compare
 cuBLAS + SiLU + multiply (three kernels, as the eager module) against the fused kernel;
 the add+norm rows time the fused residual add + RMSNorm prologue against cuBLAS's
 projection alone (the compiled layer's add + norm kernel not counted on that side).

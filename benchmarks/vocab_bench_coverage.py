@@ -7,15 +7,12 @@ A token outside the draft vocabulary can never be drafted, so a step meeting one
 nothing past it. This is the bench-side check of a vocabulary built by ``data-gen vocab``
 (its own metadata reports the coverage of the training answers), before any training:
 
-    python benchmarks/vocab_bench_coverage.py --bench results/2026-12-04_h200_s29_old_b1.json \
-        --vocab specdec/heads/smollm2-135m-instruct --vocab data/s30/vocab/vocab.safetensors
+    specdec bench ... --json bench.json        # plain outputs; --analysis (fp32) for cut_steps
+    python benchmarks/vocab_bench_coverage.py --bench bench.json \\
+        --vocab specdec/heads/smollm2-135m-instruct --vocab data/smollm2/vocab/vocab.safetensors
 
-Session 29 (the shipped head's 16,384 ids, session 17's vocabulary; the batch-1 run's
-plain bf16 greedy outputs, 16 prompts, 256 tokens): humaneval 0.978, gsm_symbolic 0.985,
-writingbench 0.948, whose most frequent miss is ' Methodology' (47 of 3,907 tokens). The
-batch-16 run's writing outputs (bf16 batching flips near-tied tokens) covered 0.932. On
-the CPU (chain of 3, 8 prompts, 128 tokens, ``--analysis``), 11.5% of humaneval's and of
-writingbench's verify steps stopped at a token outside the vocabulary (BENCHMARKS.md).
+Prints, per vocabulary and set, the coverage and the most frequent misses (``--top``), the
+cut steps of each traced run, then a table of coverage per vocabulary and set.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Why it exists: WritingBench's academic and engineering requests ask for a paper'
 abstract or introduction, often around the paper's whole text (2,000-6,000 tokens). The
 ``writing`` source asks for essays, letters and stories of a few hundred words, so a head
 trained on it never sees a technical paper's prose, nor an answer that leans on a long
-document it was given (docs/default_head.md, session 27). No offline corpus holds papers,
+document it was given (docs/default_head.md). No offline corpus holds papers,
 so they are composed: a *paper* is a research subject in a setting under a title
 pattern; the target writes each of its sections itself (this source's section requests),
 and ``data-gen documents`` then joins those sections into the documents that long

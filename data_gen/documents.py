@@ -7,7 +7,7 @@ kinds WritingBench users make around a paper they paste in: write its abstract, 
 improve its introduction, write its conclusion, outline it, summarise it, review it.
 ``regenerate`` answers them (with ``--max-model-len`` large enough, e.g. 8192), and the
 head learns from answers that lean on a long context: copied terms, restated findings,
-positions far past the short requests' (docs/default_head.md, session 27).
+positions far past the short requests' (docs/default_head.md).
 
 A task may hold a section out of the document (``write the introduction`` sees every
 section but the introduction). The instruction comes before the document, after it, or

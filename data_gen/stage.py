@@ -51,7 +51,7 @@ def finish_stage(
     except ShardsIncompleteError as e:
         if rank.world_size == 1:
             raise
-        logger.warning("rank %d done; manifest not written yet: %s", rank.rank, e)
+        logger.info("rank %d done; manifest not written yet: %s", rank.rank, e)
         return None
     logger.info("manifest written: %s (%d shards)", store.root / "manifest.json", len(digests))
     return manifest

@@ -10,7 +10,7 @@
 #                                           # with programming requests (CODE_PROMPTS, 0 by default)
 #   PROMPT_SOURCES="mix writing code math" CODE_PROMPTS=15000 MATH_PROMPTS=8000 ...  # and word problems
 #   PROMPT_SOURCES="mix academic" ACADEMIC_PAPERS=1500 scripts/default_head.sh prompts regenerate \
-#       documents docregen train   # research papers, then long requests around them (session 27)
+#       documents docregen train   # research papers, then long requests around them
 #
 # Every stage resumes: rerun the same command after a kill (or a time limit) and it
 # continues where it stopped (finished shards are kept, training restarts from its newest
@@ -21,9 +21,10 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-smollm2-135m-instruct}
 DATA=${DATA:-data/smollm2}
 RUN=${RUN:-runs/smollm2-eagle3}
-NUM_PROMPTS=${NUM_PROMPTS:-70000}     # the issue's floor is 50,000 answered prompts
+NUM_PROMPTS=${NUM_PROMPTS:-70000}     # the recipe wants at least 50,000 answered prompts
 PROMPTS=${PROMPTS:-}                  # what regenerate answers (default $DATA/prompts), or a JSONL
-# data-gen prompts --source values (space-separated); session 17's data (docs/default_head.md)
+# data-gen prompts --source values (space-separated); the default is the general mix plus
+# long-form writing (docs/default_head.md)
 PROMPT_SOURCES=${PROMPT_SOURCES:-mix writing}
 # The mix's defaults (100 per BIG-bench task and per reasoning-gym generator) gave 37,161
 # prompts after deduplication and decontamination; larger caps let it reach NUM_PROMPTS
@@ -32,7 +33,7 @@ BIGBENCH_PER_TASK=${BIGBENCH_PER_TASK:-300}
 RG_PER_GENERATOR=${RG_PER_GENERATOR:-200}
 WRITING_PROMPTS=${WRITING_PROMPTS:-20000} # long-form requests (~21% of the prompts after sampling)
 # Programming requests (data_gen/coding.py); they count only with `code` in PROMPT_SOURCES,
-# e.g. PROMPT_SOURCES="mix writing code" CODE_PROMPTS=10000. 0 keeps session 17's prompts.
+# e.g. PROMPT_SOURCES="mix writing code" CODE_PROMPTS=10000. 0 leaves them out.
 CODE_PROMPTS=${CODE_PROMPTS:-0}
 # Arithmetic word problems (data_gen/word_problems.py); they count only with `math` in
 # PROMPT_SOURCES, e.g. PROMPT_SOURCES="mix writing code math" MATH_PROMPTS=8000.
@@ -46,7 +47,7 @@ DOC_MAX_MODEL_LEN=${DOC_MAX_MODEL_LEN:-8192}  # a document is 2-4k tokens, its a
 # Training reads the documents' answers too once the docregen stage has written them; a
 # sequence longer than MAX_SEQ_LEN is skipped (counted), so it follows DOC_MAX_MODEL_LEN then.
 MAX_SEQ_LEN=${MAX_SEQ_LEN:-}
-PROMPT_SEED=${PROMPT_SEED:-0}         # the prompts' shuffle and composed requests (0: sessions 17-19)
+PROMPT_SEED=${PROMPT_SEED:-0}         # the prompts' shuffle and composed requests
 MAX_TOKENS=${MAX_TOKENS:-512}         # per answer
 TEMPERATURE=${TEMPERATURE:-0.7}       # answers sampled like real traffic (EAGLE-3 uses 0.7-1)
 SEED=${SEED:-0}                       # sampling seed: another seed answers the same prompts anew

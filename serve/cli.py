@@ -49,13 +49,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     defaults = {f.name: f.default for f in fields(ServeConfig)}
     g = p.add_argument_group("server")
     g.add_argument(
-        "--config", help="YAML ServeConfig (see configs/serve/); given flags override it"
+        "--config",
+        help="YAML ServeConfig (see configs/serve/); given flags override it (default: none, "
+        "ServeConfig's defaults)",
     )
     g.add_argument(
         "--spec-config",
         help="speculation as JSON or a .yaml/.json file of SpeculativeConfig fields (method, "
         "num_speculative_tokens, tree, top_k, total_tokens, choices, ...); the --draft and "
-        "--spec-* flags given override it",
+        "--spec-* flags given override it (default: none, the model's shipped head or n-gram)",
     )
     g.add_argument("--host", help=f"default: {defaults['host']}")
     g.add_argument("--port", type=int, help=f"default: {defaults['port']}")
@@ -63,7 +65,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECDEC_API_KEY, else no auth)",
     )
-    g.add_argument("--served-model-name", nargs="+", help="names clients may use")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="names clients may use (default: the --model string)",
+    )
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -91,7 +97,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         help="SpecExit settings as JSON or a .yaml/.json file of SpecExitParams fields "
         "(confidence_above, progress_above, remaining_below, smoothing, alpha, think_start, "
         "think_end, delimiters, ...): they override the draft head's recorded setting, and "
-        "a request's spec_exit overrides them",
+        "a request's spec_exit overrides them (default: none, the head's recorded setting)",
     )
     g.add_argument(
         "--spec-exit-by-default",
@@ -242,25 +248,51 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     p.add_argument(
         "--base-url", "--url", dest="base_url", default=d.base_url,
-        help="the server: specdec serve, vLLM or any OpenAI-compatible one",
+        help="the server: specdec serve, vLLM or any OpenAI-compatible one (default: %(default)s)",
     )  # fmt: skip
-    p.add_argument("--endpoint", default=d.endpoint, choices=["chat", "completions"])
+    p.add_argument(
+        "--endpoint", default=d.endpoint, choices=["chat", "completions"],
+        help="/v1/chat/completions or /v1/completions (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument(
-        "--prompts-file", help=".txt (one per line) or .jsonl ({prompt} or {messages} objects)"
+        "--prompts-file",
+        help=".txt (one per line) or .jsonl ({prompt} or {messages} objects) (default: a "
+        "built-in set of short chat prompts)",
     )
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts cycle")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument(
+        "--num-prompts", type=int, default=d.num_prompts,
+        help="requests to send; prompts cycle (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-tokens", type=int, default=d.max_tokens,
+        help="max_tokens of every request (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--temperature", type=float, default=d.temperature,
+        help="sampling temperature, 0 for greedy (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
-    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument(
+        "--concurrency", type=int, default=None,
+        help="most requests in flight (default: unbounded)",
+    )  # fmt: skip
     p.add_argument(
         "--request-rate", type=float, default=d.request_rate,
         help="requests/s, Poisson arrivals (default: inf, all at once)",
     )  # fmt: skip
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"))
-    p.add_argument("--json", dest="json_out", help="write the report to this file")
+    p.add_argument(
+        "--seed", type=int, default=d.seed,
+        help="seed of the Poisson arrival times (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY, else none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--json", dest="json_out",
+        help="write the report to this file (default: none, print only)",
+    )  # fmt: skip
     p.add_argument(
         "--metrics-source", default=d.metrics_source, choices=["auto", *METRICS_SOURCES],
         help="whose /metrics names τ is read from (default: auto, whichever are there)",
@@ -269,7 +301,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 @command("bench-serve", _bench_args)
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    """Load a running server (concurrency, request rate) and report throughput and
+    """Benchmark a running OpenAI-compatible server under load.
+
+    Sends requests at a concurrency and request rate and reports throughput and
     TTFT/TPOT/ITL/end-to-end percentiles, like vLLM's serving benchmark, plus τ and
     per-position acceptance from its /metrics (specdec's or vLLM's)."""
     from specdec.serve.bench import DEFAULT_PROMPTS, BenchConfig, format_report, run_benchmark

@@ -24,9 +24,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # lookup (model-free). A model with a shipped head (specdec/heads) drafts with it.
 DEFAULT_DRAFT_METHOD = "ngram"
 # ...speculating while at most this many requests run; larger batches decode plainly with
-# async scheduling. On the H200 n-gram chains won at batch 1 (1.3-1.5x on the bench sets)
-# and lost from 16 on (0.65-0.84x in `specdec bench`; half the throughput of the plain
-# server at 16 and 64 concurrent requests): BENCHMARKS.md, sessions 7 and 9.
+# async scheduling. On the H200 n-gram chains win at batch 1 (1.37x on humaneval) and lose
+# from batch 16 on (0.74x): docs/benchmarks.md, "N-gram prompt lookup".
 DEFAULT_DRAFT_CUTOFF = 4
 
 

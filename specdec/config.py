@@ -211,7 +211,7 @@ class SpeculativeConfig:
     little more for their extra nodes (small batches), shallower ones where it does. A
     band may name a whole shape instead of a depth (``Band``): a tree while one request
     runs, where its verify costs what a chain's does and its drafting is cheap enough
-    (BENCHMARKS.md, session 26), chains above.
+    (docs/benchmarks.md, "Tree against chain by batch size"), chains above.
     """
 
     method: str = "ngram"
@@ -234,17 +234,20 @@ class SpeculativeConfig:
     # None: on where the device runs ahead of the host (the GPU path with CUDA graphs).
     pipelined: bool | None = None
     # torch.compile the EAGLE-3 head's layer and logits inside its captured graphs (the
-    # GPU path with EngineConfig.compile). H200, bf16, chain K=3: 1.39 -> 1.60x at batch 1,
-    # 1.22 -> 1.48x at batch 16 (BENCHMARKS.md, session 12).
+    # GPU path with EngineConfig.compile). On by default: on the H200 (bf16, chain K=3) it
+    # lifts the speedup from 1.39 to 1.60x at batch 1 and from 1.22 to 1.48x at batch 16
+    # (docs/benchmarks.md, "Engine defaults and the A/B behind each").
     compile_head: bool = True
     # With compile_head: the whole draft side of a captured step (the catch-up state's
     # index arithmetic, the head's catch-up forward, every draft level, the tree's ranking
     # and bookkeeping) compiles as one region, so inductor fuses the dozens of small index
     # kernels between the head's layers. Off: only the head's layer and logits compile.
-    # H200, bf16, same lease: the chain of 3's step before verify 64 kernels, 175 us
-    # (was 117, ~280 us); speedup at batch 1 1.74 -> 1.92x on humaneval, 1.54 -> 1.89x
-    # on gsm_symbolic (BENCHMARKS.md, session 21). The engine then starts in 32 s (chain)
-    # to 42 s (t8-d5-n32 tree) on the H200, compilation included.
+    # On by default: on the H200 (bf16, chain of 3, humaneval, on and off measured on one
+    # machine) the draft side before verify is 64 kernels and 175 us against 117 kernels
+    # and ~280 us off, and the speedup 1.92x against 1.74x at batch 1, 1.71x against 1.57x
+    # at batch 16 (docs/benchmarks.md, "Engine defaults and the A/B behind each"). The
+    # cost is start-up: the engine starts in 32 s (chain) to 42 s (t8-d5-n32 tree) on the
+    # H200, compilation included.
     compile_growth: bool = True
 
     def __post_init__(self) -> None:
@@ -342,16 +345,18 @@ class EngineConfig:
     ``triton_gemm_max_tokens``: on CUDA, projections of at most this many token rows (the
     target's and a draft head's: decode and verify steps, draft levels) run the skinny
     Triton GEMM (``kernels/skinny_gemm.py``) instead of cuBLAS. 0 (the default) keeps
-    cuBLAS for all: on the H200 the Triton path made SmolLM2's batch-1 decode step slower
-    (TPOT 0.86 -> 1.09 ms; BENCHMARKS.md, session 20). The CPU path always uses torch's.
+    cuBLAS for all: on the H200 the Triton path makes SmolLM2's batch-1 decode step slower
+    (TPOT 1.10 ms against 0.97; docs/benchmarks.md, "Kernel micro-benchmarks"). The CPU
+    path always uses torch's.
 
     ``prefill_graph_max_tokens`` / ``prefill_graph_max_seqs``: on the CUDA-graph path, steps
     with prefill tokens (prompts, prompt chunks, their mix with decodes; no draft tree) of
     at most this many tokens and sequences replay a CUDA graph per (token, sequence)
     bucket (``cuda_graph.PrefillGraphs``) instead of launching ~800 kernels from Python.
-    On the H200 a 100-token SmolLM2 prompt's TTFT fell from 18 to 3.4 ms; capturing the
-    48 graphs of the defaults takes ~5 s at start-up (BENCHMARKS.md, session 22). The
-    token bound is capped by ``max_num_batched_tokens`` and ``max_model_len``; 0: such
+    On the H200 a 100-token SmolLM2 prompt's TTFT is 3.4 ms with them against 18 ms
+    eager; capturing the 48 graphs of the defaults takes ~5 s at start-up
+    (docs/benchmarks.md, "Prefill, TTFT and start-up").
+    The token bound is capped by ``max_num_batched_tokens`` and ``max_model_len``; 0: such
     steps run eagerly.
     """
 

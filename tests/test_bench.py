@@ -2,7 +2,7 @@
 set): both reports are written and internally consistent, and every notebook in
 notebooks/ executes on the JSON and draws its figures.
 
-The bench runs once per session (a subprocess through the real ``specdec`` entry point, so
+The bench runs once per pytest session (a subprocess through the real ``specdec`` entry point, so
 the report records the command as typed); each test checks one invariant of its output.
 """
 
@@ -305,25 +305,3 @@ def test_bench_spec_script(tmp_path, smollm2_dir):
     saved = json.loads((tmp_path / "spec.json").read_text())
     assert [r["variant"] for r in saved["rows"]] == ["plain", "ngram-k3"]
     assert "graphed (target, draft)" in bench_spec.table(rows)
-
-
-def test_head_context_probe_script(bench_json, tmp_path):
-    """benchmarks/head_context_probe.py on a bench report: a cut longer than every prompt
-    leaves the head's view, hence its figures, exactly as with the whole prompt; a short
-    cut changes what it sees."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import head_context_probe
-    finally:
-        sys.path.pop(0)
-    out = tmp_path / "probe.json"
-    head_context_probe.main(
-        ["--bench", str(bench_json), "--set", "gsm_symbolic", "--min-prompt", "0",
-         "--keep", "0,100000,8", "--steps", "2", "--json", str(out)]
-    )  # fmt: skip
-    probe = json.loads(out.read_text())
-    whole, uncut, cut = (probe["summary"][k] for k in ("0", "100000", "8"))
-    assert whole == uncut
-    assert cut != whole
-    assert all(0 <= a <= 1 for a in whole["acc"]) and whole["simulated_tau"] >= 1
-    assert len(probe["rows"]) == 3 * 2  # two prompts, three views each

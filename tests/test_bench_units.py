@@ -111,9 +111,9 @@ def test_sweep_points_drop_the_bases_depths_by_batch_size():
 def test_bands_naming_shapes_parse_from_the_flag_and_label_by_shape():
     """``--num-speculative-tokens-by-batch-size 1:t8-d6-n32,2:c5,4:5``: a tree, a chain and a
     depth; the label names each band's shape."""
-    from specdec.cli import _depth_bands
+    from specdec.cli_engine import depth_bands
 
-    bands = _depth_bands("1:t8-d6-n32,2:c5,4:5")
+    bands = depth_bands("1:t8-d6-n32,2:c5,4:5")
     assert bands == [
         [1, {"tree": "dynamic", "top_k": 8, "num_speculative_tokens": 6, "total_tokens": 32}],
         [2, {"tree": "chain", "num_speculative_tokens": 5}],
@@ -124,10 +124,10 @@ def test_bands_naming_shapes_parse_from_the_flag_and_label_by_shape():
     )
     assert label(spec) == "eagle3-k3-b1t8d6n32-b2c5-b4k5"
     with pytest.raises(argparse.ArgumentTypeError, match="1:t8-d6-n32 a dynamic tree"):
-        _depth_bands("1:t8-d6")
+        depth_bands("1:t8-d6")
     with pytest.raises(argparse.ArgumentTypeError):
-        _depth_bands("1:5@cuda")  # a device confines a shape, not a depth
-    gpu = _depth_bands("1:t8-d6-n32@cuda,4:5")
+        depth_bands("1:5@cuda")  # a device confines a shape, not a depth
+    gpu = depth_bands("1:t8-d6-n32@cuda,4:5")
     assert gpu[0][1]["device"] == "cuda"
     spec = SpeculativeConfig(
         method="eagle3", model="head", num_speculative_tokens_by_batch_size=gpu

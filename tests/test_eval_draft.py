@@ -6,9 +6,7 @@ close."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -268,15 +266,7 @@ def test_replay_equals_the_engines_counts_per_request(tmp_path, monkeypatch, tra
     assert "K=3" in report and "note:" not in report
 
 
-# ---- benchmarks/lm_head_label_probe.py ------------------------------------------------
-
-
-def _probe():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        return importlib.import_module("lm_head_label_probe")
-    finally:
-        sys.path.pop(0)
+# ---- records with sources ----------------------------------------------------------------
 
 
 SOURCES = ["qa", "writing", "qa", ""]  # PROMPTS' sources in greedy_records
@@ -302,56 +292,6 @@ def greedy_records(tmp_path_factory) -> Path:
                               max_tokens=24, record_workers=0)  # fmt: skip
     run_regenerate(config, RankInfo(), llm=llm)
     return root / "regen"
-
-
-def test_label_probe_features_do_not_depend_on_the_lm_head(greedy_records, trained_head_dir):
-    """The probe's premise: along an unroll over greedy answers the head's hidden states
-    (the lm_head's inputs) and the label sources are the same whatever its lm_head holds,
-    so one pass of features serves every retrained lm_head."""
-    from specdec.train.head_eval import EvalConfig, HeadJudge
-
-    probe = _probe()
-    config = EvalConfig(records=(("greedy", str(greedy_records)),), head=str(trained_head_dir),
-                        steps=3, chains=(3,))  # fmt: skip
-    judge = HeadJudge.load(config)
-    records = judge.sets[0][1]
-    before = probe.gather_rows(judge, [("greedy", records)], 3)
-    with torch.no_grad():
-        judge.head.lm_head.weight.normal_()
-    after = probe.gather_rows(judge, [("greedy", records)], 3)
-    for a, b in zip(before, after, strict=True):
-        assert a.features.shape[0] > 0
-        assert torch.equal(a.features, b.features)
-        assert torch.equal(a.label_hidden, b.label_hidden)
-
-
-def test_label_probe_judges_as_eval_draft_and_trains(greedy_records, trained_head_dir, tmp_path):
-    """Its first row is the head as ``evaluate_head`` judges it; a retrained lm_head (a large
-    learning rate on the eval records themselves) fits them better: its step-0 accuracy
-    rises with hard labels."""
-    from specdec.train.head_eval import EvalConfig, evaluate_head
-
-    probe = _probe()
-    out = tmp_path / "probe.json"
-    probe.main(["--train", str(greedy_records), "--eval", f"greedy={greedy_records}",
-                "--head", str(trained_head_dir), "--weights", "1", "--epochs", "2",
-                "--lr", "3e-3", "--json", str(out)])  # fmt: skip
-    saved = json.loads(out.read_text())
-    results, misses = saved["results"], saved["step0_misses"]["greedy"]
-    assert [(r["variant"], r["epoch"]) for r in results] == [
-        ("head", 0), ("argmax_weight=1", 1), ("argmax_weight=1", 2)
-    ]  # fmt: skip
-    config = EvalConfig(records=(("greedy", str(greedy_records)),), head=str(trained_head_dir),
-                        steps=3, chains=(3,))  # fmt: skip
-    (figures,) = evaluate_head(config, progress=False)
-    head = results[0]["sets"]["greedy"]
-    assert head["tau"] == figures.chains[3].tau and head["acc"] == figures.acc
-    assert head["acc"][0] < 1.0
-    assert results[-1]["sets"]["greedy"]["acc"][0] > head["acc"][0]
-    # The miss table counts the same step-0 positions and accuracy as the judge.
-    assert misses["acc_0"] == pytest.approx(head["acc"][0])
-    assert sum(b["share"] for b in misses["by_p1"]) == pytest.approx(1.0)
-    assert sum(misses["miss_rank"].values()) == pytest.approx(1.0)
 
 
 # ---- eval-draft --by-source -------------------------------------------------------------

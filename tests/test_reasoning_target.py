@@ -14,7 +14,7 @@ from specdec.models import ALIASES, resolve_model
 from specdec.models.aliases import TARGETS_DIR, PackagedModel
 
 ALIAS = "smollm2-135m-reasoning"
-# The SpecExit setting measured with the shipped head (BENCHMARKS.md, session 16).
+# The SpecExit setting measured with the shipped head (docs/spec_exit.md).
 SHIPPED_SETTING = {"smoothing": "window", "window": 2}
 
 
@@ -36,8 +36,8 @@ def test_a_missing_shipped_directory_names_the_reinstall(monkeypatch, tmp_path):
 
 def test_the_shipped_target_thinks_and_answers_held_out_items(tmp_path, smollm2_tokenizer):
     """The first eval item of three tasks: each reply opens and closes its think span and
-    its answer passes the verifier. These three were right in the 200-item eval of
-    BENCHMARKS.md (session 14); the base model writes no think span at all."""
+    its answer passes the verifier. These three are right in the 200-item eval of
+    docs/reasoning_target.md; the base model writes no think span at all."""
     pytest.importorskip("reasoning_gym")
     tasks = ("chain_sum", "basic_arithmetic", "leg_counting")
     traces = write_eval_items(tmp_path / "eval.jsonl", smollm2_tokenizer, tasks, num_per_task=1)
@@ -75,7 +75,7 @@ def test_the_shipped_head_records_its_measured_spec_exit_setting():
 
 def test_the_shipped_head_ends_thinking_early_and_keeps_the_answers(tmp_path, smollm2_tokenizer):
     """The reasoning alias ships an EAGLE-3 head with SpecExit channels (specdec/heads/,
-    BENCHMARKS.md session 16): it is the alias's default speculation, a chain of 3, and
+    docs/spec_exit.md): it is the alias's default speculation, a chain of 3, and
     with SpecExit on in its recorded setting (``"spec_exit": {}``) it ends each held-out
     item's thinking early while every reply keeps EAGLE-3's answer (the exit lands once
     the answer is settled)."""

@@ -173,8 +173,9 @@ def test_two_processes_follow_one_process_at_equal_global_batch(data, straight, 
     """Data parallelism: 2 processes (torchrun, gloo on CPU) x 1 micro-batch per step
     follow 1 process x 2 micro-batches — the same micro-batches, the mean of the same
     gradients — to float rounding: losses, held-out figures and the final head. The
-    held-out split does not divide evenly between the two, which used to deadlock the
-    first evaluation (DDP's forward is itself a collective) and then break its reduction."""
+    held-out split does not divide evenly between the two, which deadlocks the first
+    evaluation (DDP's forward is itself a collective) unless every process runs the same
+    number of forwards, and breaks its reduction unless the repeated batch is dropped."""
     two = config(data, tmp_path / "two", optim={"grad_accum": 1})
     cfg_path = tmp_path / "two.yaml"
     cfg_path.write_text(json.dumps(two.to_dict()))
@@ -267,7 +268,7 @@ def test_online_mode_computes_the_dumped_states_and_trains(data, tmp_path):
 
 def test_time_limit_saves_head_and_checkpoint_and_the_rerun_continues(data, tmp_path):
     """A run past run.time_limit_s stops at the next optimizer step with a checkpoint and
-    a loadable head (the time a lease had is not lost); the same command continues."""
+    a loadable head (a job's time limit loses no work); the same command continues."""
     cfg = config(data, tmp_path, optim={"max_steps": 4, "grad_accum": 1},
                  run={"time_limit_s": 1e-6})  # fmt: skip
     result = train(cfg)

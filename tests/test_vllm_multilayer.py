@@ -26,7 +26,8 @@ def test_a_deeper_head_drafts_in_vllm_as_in_specdec(tmp_path, smollm2_dir, smoll
     emits the same greedy tokens and accepts its drafts as specdec does, per position.
     Its second layer is made to matter: it lowers the chain of 3's τ from the shipped
     head's ~2.9 to ~2.1, so a reader that skipped or misread the layer would differ by a
-    third (session 33's run: 178 vLLM steps against 177, 198 accepted tokens in both)."""
+    third, far outside the 5% the checks allow (the two engines typically differ by one
+    step in ~180, with equal accepted tokens)."""
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"{SKIP_ENV}=1")
     with exclusive_vllm() as python:

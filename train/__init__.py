@@ -1,5 +1,5 @@
-"""``specdec.train``: EAGLE-3 draft-head training (``specdec train-draft``).
+"""``specdec.train``: EAGLE-3 draft-head training (``specdec train-draft``) and the target's
+supervised fine-tuning (``specdec train-sft``).
 
-Installed from the top-level ``train/`` folder. Training lands with the train-draft issue;
-the package exists now so the layout in docs/DESIGN.md installs as documented.
+Installed from the top-level ``train/`` folder (package-dir mapping in pyproject.toml).
 """

@@ -17,18 +17,31 @@ import json
 from pathlib import Path
 
 from specdec.cli import command
+from specdec.cli_engine import DEFAULT_MODEL, positive_int
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML run config (configs/train/*.yaml); default: built-ins")
+    p.add_argument(
+        "--config",
+        metavar="YAML",
+        help="YAML run config such as configs/train/smollm2.yaml (default: the config "
+        "classes' built-in values)",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. optim.lr=3e-4 data.path=out/dump")  # fmt: skip
-    p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
 @command("train-draft", _args)
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    """Train an EAGLE-3 draft head (training-time test) on data_gen dumps or online."""
+    """Train an EAGLE-3 draft head (training-time test) on data-gen output, offline or online.
+
+    Settings come from a YAML run config (--config, e.g. configs/train/smollm2.yaml) with
+    section.key=value overrides on top. A run resumes from the newest checkpoint in
+    run.output_dir; under accelerate launch it trains data-parallel (configs/accelerate/).
+
+        specdec train-draft --config configs/train/smollm2.yaml data.path=out/dump
+    """
     from specdec.train.config import TrainConfig
 
     config = TrainConfig.load(args.config, args.overrides)
@@ -43,8 +56,12 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--head", help="EAGLE-3 head directory (default: the head shipped for --model)")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="the target")
+    p.add_argument(
+        "--head",
+        metavar="DIR",
+        help="EAGLE-3 head directory (default: the head shipped for --model)",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default: %(default)s)")
     p.add_argument(
         "--records",
         action="append",
@@ -61,25 +78,45 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         metavar="K,K,...",
         help="chain lengths to replay (default: 1..--steps)",
     )
-    p.add_argument("--steps", type=int, default=7, help="TTT steps unrolled (acc_i, sim τ)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
-        "--max-tokens", type=int, default=4096, help="tokens per packed batch (longer: clipped)"
+        "--steps",
+        type=positive_int,
+        default=7,
+        help="TTT steps unrolled, for acc_i and simulated τ (default: %(default)s)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=4096,
+        help="tokens per packed batch; longer records are clipped (default: %(default)s)",
     )
     p.add_argument(
         "--answer-max-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="the max_tokens the answers were generated with (default: the manifest's)",
     )
-    p.add_argument("--per-answer", action="store_true", help="--json lists every answer's counts")
+    p.add_argument(
+        "--per-answer", action="store_true", help="--json also lists every answer's counts"
+    )
     p.add_argument(
         "--by-source",
         action="store_true",
         help="also report each set per prompt source (the records' `source`), as SET/SOURCE",
     )
-    p.add_argument("--json", dest="json_out", help="write the figures to this file")
+    p.add_argument(
+        "--json",
+        dest="json_out",
+        metavar="FILE",
+        help="also write the figures to this file (default: print only)",
+    )
 
 
 def _record_set(spec: str) -> tuple[str, str]:
@@ -101,7 +138,14 @@ def _int_list(value: str) -> tuple[int, ...]:
 
 @command("eval-draft", _eval_args)
 def cmd_eval_draft(args: argparse.Namespace) -> int:
-    """Judge an EAGLE-3 head on record sets: acc_i, simulated τ, exact chain τ by replay."""
+    """Judge an EAGLE-3 head on record sets: acc_i, simulated τ, exact chain τ by replay.
+
+    No engine runs: the head reads the target's hidden states over each set's answers
+    (specdec data-gen regenerate output) and every chain length is replayed as greedy
+    chain decoding would accept it.
+
+        specdec eval-draft --head runs/eagle3/head --records humaneval=data/regen_humaneval
+    """
     from specdec.train.head_eval import EvalConfig, evaluate_head, format_report, resolve_head
 
     config = EvalConfig(
@@ -135,7 +179,11 @@ def cmd_eval_draft(args: argparse.Namespace) -> int:
 
 @command("train-sft", _args)
 def cmd_train_sft(args: argparse.Namespace) -> int:
-    """Fine-tune a target model on chat records (assistant-token loss, packed)."""
+    """Fine-tune a target model on chat records (assistant-token loss, packed).
+
+    Settings as for train-draft: a YAML run config (--config, e.g.
+    configs/train/smollm2_reasoning_sft.yaml) with section.key=value overrides on top.
+    """
     from specdec.train.sft_config import SFTConfig
 
     config = SFTConfig.load(args.config, args.overrides)

@@ -116,7 +116,8 @@ class SpecExitSection:
     remaining_loss: str = "huber"  # huber | mse, on log1p(tokens)
     # Which probe's label a token between probes takes (spec_exit_labels.CONFIDENCE_HOLDS):
     # next_probe (that of the boundary closing its step, what serving decides on) or
-    # previous_probe (session 16's first head: its exits came one step late).
+    # previous_probe (that of the boundary opening it; its exits come one step late,
+    # spec_exit_labels' docstring).
     confidence_hold: str = "next_probe"
     # Train only the channels, on top of a trained head (model.init_head), frozen.
     freeze_draft: bool = False
@@ -175,7 +176,8 @@ class RunSection:
     # Wall-clock budget from the command's start (set-up, compilation and evaluations
     # included): at the first optimizer step past it the run evaluates, saves a checkpoint
     # and its result (head or model), then returns (rerun to continue); leave a margin for
-    # that. For leased GPUs and job time limits; the lr schedule still spans max_steps.
+    # that. For machines held for a fixed time and job time limits; the lr schedule still
+    # spans max_steps.
     time_limit_s: float | None = None
 
     def __post_init__(self) -> None:

@@ -225,8 +225,8 @@ def by_source(records: list[TokenRecord]) -> dict[str, list[TokenRecord]]:
 class HeadJudge:
     """The loaded models, settings and record sets every set is judged with. The target's
     forward (``forward_batches``) and the head's judgement (``judge``) are separate steps, so
-    a caller may keep a set's forwarded batches and judge several heads' lm_heads on them
-    (``benchmarks/lm_head_label_probe.py``); ``evaluate_head`` streams them."""
+    a caller may keep a set's forwarded batches and judge several heads' lm_heads on them;
+    ``evaluate_head`` streams them."""
 
     config: EvalConfig
     head: Eagle3Head  # with a TTT attention backend, embedding bound

@@ -55,8 +55,8 @@ def evaluate_shards(
     Every process runs the same number of forwards: a process whose share is one short
     repeats a batch and drops its output. A wrapped model's forward can be a collective
     itself (DDP broadcasts buffers before a forward, ZeRO-3 gathers parameters), so one
-    forward more on one process than on another deadlocks the run; a 2-process run on
-    CPU hung at its first evaluation before this.
+    forward more on one process than on another deadlocks the run (a 2-process run on
+    CPU hangs at its first evaluation without the repeated batch).
     """
     rank, world = accelerator.process_index, accelerator.num_processes
     share = plan[rank::world]

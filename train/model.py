@@ -78,8 +78,9 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 def attention_backend(name: str, device: torch.device) -> TTTAttention:
     """``flex``: FlexAttention over the steps' key buffer (static shapes, compiled on GPU).
     ``auto``: flex on CUDA, the reference elsewhere. On the H200 the trainer's flex path
-    ran 62-64k tok/s against the reference's 19-23k with the same losses (BENCHMARKS.md,
-    session 9); on CPU, compiling it costs more than it saves in a test-sized run."""
+    trains the SmolLM2 head at 63-67k tok/s against the reference's 19-23k with the same
+    losses (docs/benchmarks.md, "Training"); on CPU, compiling it costs more than it saves
+    in a test-sized run."""
     if name == "flex" or (name == "auto" and device.type == "cuda"):
         return TTTFlexAttention(compile=device.type == "cuda")
     return TTTAttention()

@@ -21,18 +21,19 @@ read the whole start marker, the end marker is still to come):
 
 Why hold at all: serving averages each signal over the tokens of a step (the catch-up
 rows, ``DraftTree.exit_signals``), and a step's tokens are mostly not probe positions. A
-channel trained only at probes is unconstrained between them; the first head trained so
-(session 15, BENCHMARKS.md) read 0.8-0.98 at settled probes but 0.1-0.2 averaged over a
-step, so its smoothed confidence never passed 0.5 and no exit fired on 500 items.
+channel trained only at probes is unconstrained between them: on the reasoning target
+such a head reads 0.6-0.98 at settled boundaries but 0.03-0.25 averaged over a step's
+tokens, and fires no exit at the default thresholds (docs/spec_exit.md).
 
 Why the *next* probe: serving decides at a delimiter ``x[b]`` (a probe position) from the
 signals its step's proposal read, which are the tokens the target verified the step
 before, i.e. the last tokens of the step that ``x[b]`` closes. The question asked there
 is "is an answer forced after ``x[b]`` settled", which is probe ``b``'s label. Holding the
-*previous* probe's label (``previous_probe``, session 16's first head) taught those tokens
-whether the answer was settled when their step began, so every exit came one step late:
-on the session-16 traces the earliest settled boundary would cut 57.9% of the thinking,
-the boundary after it 38.3%, and that head cut 36.3% (BENCHMARKS.md, session 16).
+*previous* probe's label (``previous_probe``) teaches those tokens whether the answer was
+settled when their step began, so every exit comes one step late: on the reasoning
+target's labelled train traces the earliest boundary from which every probe is settled
+would cut 57.9% of the thinking, the boundary after it 38.3%, and in the offline replay a
+head trained with ``previous_probe`` cuts 36.3% (docs/spec_exit.md).
 
 Positions outside the span, spans without thinking (``L = 0``) and spans without
 confidence labels have no label (NaN): the loss skips them (``previous_probe`` also leaves

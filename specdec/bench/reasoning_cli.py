@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.cli import _add_engine_args, _engine_kwargs, command
+from specdec.cli import command
+from specdec.cli_engine import add_engine_args, engine_kwargs, positive_int
 
 
 def _json_object(text: str) -> dict:
@@ -27,12 +28,26 @@ def _json_object(text: str) -> dict:
 
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traces", required=True, help="eval split of data-gen reasoning-traces")
-    p.add_argument("--out", help="directory for report.json and report.md")
-    p.add_argument("--per-task", type=int, default=None, help="the first N items of each task")
-    p.add_argument("--max-tokens", type=int, default=1024, help="per reply")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="directory for report.json and report.md (default: print the table only)",
+    )
+    p.add_argument(
+        "--per-task",
+        type=positive_int,
+        default=None,
+        help="the first N items of each task (default: all)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=1024,
+        help="output tokens per reply at most (default: %(default)s)",
+    )
     p.add_argument(
         "--concurrency",
-        type=int,
+        type=positive_int,
         default=None,
         help="requests in flight (default: all; 1 measures single-request latency)",
     )
@@ -40,7 +55,8 @@ def _args(p: argparse.ArgumentParser) -> None:
         "--sampling",
         type=_json_object,
         default={},
-        help="extra SamplingParams fields as JSON, e.g. '{\"temperature\": 0.6}'",
+        help="extra SamplingParams fields as JSON, e.g. '{\"temperature\": 0.6}' (default: "
+        "{}, greedy)",
     )
     p.add_argument(
         "--spec-exit",
@@ -48,9 +64,10 @@ def _args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="SpecExit settings (SamplingParams.spec_exit) as a JSON object of "
         "SpecExitParams fields; they override the draft head's recorded setting "
-        "(spec_exit_defaults), which overrides the defaults ('{}': the head's)",
+        "(spec_exit_defaults), which overrides the defaults ('{}': the head's; default: "
+        "SpecExit off)",
     )
-    _add_engine_args(p)
+    add_engine_args(p)
 
 
 @command("eval-reasoning", _args)
@@ -69,7 +86,7 @@ def cmd_eval_reasoning(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         concurrency=args.concurrency,
         sampling=sampling,
-        engine=_engine_kwargs(args),
+        engine=engine_kwargs(args),
     )
     report = run_eval(config)
     print(markdown(report))

@@ -41,7 +41,9 @@ def _target_arg(p: argparse.ArgumentParser, required_for: str) -> None:
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("head_dir", help="the head to export (any format specdec loads)")
     p.add_argument("out_dir", help="a new (or empty) directory for the export")
-    p.add_argument("--to", required=True, choices=_EXPORT_TARGETS, help="the engine to load it")
+    p.add_argument(
+        "--to", required=True, choices=_EXPORT_TARGETS, help="the engine that will load it"
+    )
     _target_arg(p, "needed for research-format heads")
     p.add_argument(
         "--verifier",
@@ -59,8 +61,14 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 @command("export", _export_args)
 def cmd_export(args: argparse.Namespace) -> int:
-    """Export an EAGLE-3 head for vLLM (speculators format) or SGLang/EAGLE (research
-    format), validated, and print the command that serves it."""
+    """Export an EAGLE-3 head for vLLM or SGLang/EAGLE and print the command that serves it.
+
+    vLLM gets the speculators format, SGLang and EAGLE the research format (SGLang's
+    aux-layer ids). The output is validated for that engine against the target; an export
+    that would not load there fails, naming every finding.
+
+        specdec export --to vllm runs/eagle3/head exported/vllm
+    """
     from specdec.interop.export import export_head
 
     with _new_dir_errors():
@@ -125,8 +133,13 @@ def _tree_defaults(value):
 
 @command("import", _import_args)
 def cmd_import(args: argparse.Namespace) -> int:
-    """Import a published EAGLE-3 head (EAGLE research layout, SpecForge export, speculators)
-    into specdec's format, converting aux-layer ids to vLLM numbering."""
+    """Import a published EAGLE-3 head into specdec's format.
+
+    Reads the EAGLE research layout, SpecForge exports and the speculators format, and
+    converts aux-layer ids to vLLM's numbering.
+
+        specdec import yuhuili-head/ heads/llama --target meta-llama/Llama-3.1-8B-Instruct
+    """
     import torch
 
     from specdec.interop.importer import import_head
@@ -174,8 +187,11 @@ def _validate_args(p: argparse.ArgumentParser) -> None:
 
 @command("validate-head", _validate_args)
 def cmd_validate_head(args: argparse.Namespace) -> int:
-    """Check an EAGLE-3 head directory (keys, shapes, dtypes, config fields, aux-layer id
-    conventions) for an engine; exit 1 and name each fix if it would not load there."""
+    """Check that an EAGLE-3 head directory would load in an engine.
+
+    Checks keys, shapes, dtypes, config fields and aux-layer id conventions; exits 1 and
+    names each fix if the head would not load there.
+    """
     from specdec.interop.target import local_target
     from specdec.interop.validate import validate_head
     from specdec.models.eagle3_formats import detect_format

@@ -55,8 +55,7 @@ def require_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 # Integer arguments that change from step to step. Triton otherwise compiles a variant per
 # value class (== 1, divisible by 16, other) of each, and a request whose batch lands in a
-# new combination pays that compilation on its first token (0.75-1.2 s measured on the
-# H200, BENCHMARKS.md session 8).
+# new combination pays that compilation on its first token (0.75-1.2 s on the H200).
 RUNTIME_INTS = ("num_splits", "num_tokens", "stride_bt")
 
 # CUDA caps grid dims y and z (x is 2**31 - 1).

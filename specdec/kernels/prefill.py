@@ -135,7 +135,7 @@ def default_prefill_config(
 # verify step at batch 16 has 48 programs: one wave of long key loops at 1 per SM, where
 # more, shorter splits hide each loop's load latency, as the decode kernel's four per SM
 # do. H200, 4-token verify at batch 16 and 4,096 tokens of context: 2.06 ms at 1, 1.58 at
-# 4, 1.72 at 8, against 1.42 for a decode step (BENCHMARKS.md, session 22).
+# 4, 1.72 at 8, against 1.42 for a decode step (docs/benchmarks.md, "Long context").
 SPLIT_PROGRAMS_PER_SM = 4
 
 

@@ -4,16 +4,17 @@ PyTorch references.
 A decode or verify step of a small model multiplies 1-96 token rows by each projection.
 That is a weight read, ~1-3.5 MB per projection of SmolLM2-135M (well under a
 microsecond of the H200's bandwidth), yet cuBLAS took 3.0-5.1 µs per projection
-(BENCHMARKS.md, session 20): its kernels tile the token dimension for large batches and
+on the H200: its kernels tile the token dimension for large batches and
 spread a skinny product over few thread blocks. Here every program owns ``BLOCK_N``
 output columns of up to ``BLOCK_M`` rows and reads its slice of the weight once, so even
 a 576-column projection runs ~36 programs at once and a 49,152-row LM head ~770.
 
-Measured on the H200 (BENCHMARKS.md, session 20): with a weight resident in L2 (the
-same projection called back to back) it beats cuBLAS at 1-16 rows (qkv 2.7 against
-3.5 µs, gate/up + SiLU 3.5 against 8.2); inside the engine, where 30 layers' weights
-stream from HBM, SmolLM2's decode step got slower (TPOT 0.86 -> 1.09 ms at batch 1), so
-the engine leaves it off unless asked (``EngineConfig.triton_gemm_max_tokens``).
+Measured on the H200 (docs/benchmarks.md, "Kernel micro-benchmarks"): with a weight
+resident in L2 (the same projection called back to back) it beats cuBLAS at 1-16 rows (qkv
+2.7 against 3.5 µs, gate/up + SiLU 3.5 against 8.2); inside the engine, where 30 layers'
+weights stream from HBM, SmolLM2's decode step is slower with it (TPOT 1.10 ms against
+0.97 at batch 1), so the engine leaves it off unless asked
+(``EngineConfig.triton_gemm_max_tokens``).
 
 ``gate_up_silu`` fuses the MLP's first half: ``silu(x @ gate.T) * (x @ up.T)`` from the
 fused ``gate_up`` weight (gate rows first), one launch and no ``[rows, 2 * I]`` round

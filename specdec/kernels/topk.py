@@ -5,7 +5,8 @@ A dynamic tree (EAGLE-2) ranks every frontier node's children by log-probability
 torch ops a level is a log-softmax over the draft vocabulary (five reductions and an
 elementwise kernel once inductor has fused them) and ``spec.topk.chunked_topk`` (two
 ``torch.topk`` calls, each a radix select plus a bitonic sort): nine kernels and ~40 µs of
-a ~108 µs level on the H200 at batch 1 (BENCHMARKS.md, session 21's tree trace).
+a ~108 µs level on the H200 at batch 1 (a profiled tree step). On the same GPU the two
+launches here take ~9 µs (docs/benchmarks.md, "Kernel micro-benchmarks").
 
 Here the first launch gives each (row, chunk of ``BLOCK`` ids) one program that reduces
 its chunk to a running max, a sum of exponentials and its ``k`` best (value, id) pairs;

@@ -88,7 +88,7 @@ def gguf_to_hf_dir(
     _remove_stale_tmp_dirs(final.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        logger.warning(
+        logger.info(
             "converting %s to a float32 HF directory (one time; ~20 s for 135M params) -> %s",
             gguf_path,
             final,
@@ -103,7 +103,7 @@ def gguf_to_hf_dir(
             if not (final / "config.json").is_file():
                 raise
             logger.info("another process cached %s first; using its copy", final)
-        logger.warning("converted in %.1f s", time.perf_counter() - start)
+        logger.info("converted in %.1f s", time.perf_counter() - start)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

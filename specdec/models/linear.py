@@ -3,8 +3,8 @@
 ``Linear`` is ``nn.Linear`` (same parameters, same checkpoints) whose forward runs
 ``kernels.skinny_gemm`` when the input has at most ``max_rows`` rows, and cuBLAS
 otherwise. ``max_rows`` is 0 (off) until ``use_triton_gemm`` sets it: the engine does so
-on CUDA when ``EngineConfig.triton_gemm_max_tokens`` asks (off by default: slower than
-cuBLAS in the engine on the H200 so far, BENCHMARKS.md session 20); training, the CPU and
+on CUDA when ``EngineConfig.triton_gemm_max_tokens`` asks (off by default: in the engine
+on the H200 it is slower than cuBLAS, docs/benchmarks.md); training, the CPU and
 prefills keep ``F.linear``.
 
 A pre-norm block's entries fuse further on that path (``add_norm_linear``,

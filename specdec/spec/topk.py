@@ -3,9 +3,9 @@
 ``torch.topk`` on CUDA gives a row ("slice") of fewer than ~20,000 elements to one thread
 block when there are few rows, and that block runs a radix select over the whole row. A
 dynamic tree at batch 1 asks for the top 8 of 8 rows of 16,384 draft logits per level:
-on the H200 each such call took ~75 µs, 374 µs of a 2.1 ms tree step (BENCHMARKS.md,
-session 20). Cutting each row into chunks gives the GPU many short rows at once: the top
-k of every chunk, then the top k of those ``chunks * k`` survivors.
+on the H200 each such call takes ~75 µs, 374 µs of a 2.1 ms tree step.
+Cutting each row into chunks gives the GPU many short rows at once: the top k of every
+chunk, then the top k of those ``chunks * k`` survivors.
 
 Exact: an element among its row's k largest is among its chunk's k largest, so the
 second pass sees every winner and returns the same values in the same (descending)
