@@ -89,13 +89,14 @@ class ProcCoreClient:
         messages_out, messages_in = ctx.Pipe(duplex=False)
         self._commands = commands_in
         self._messages = messages_out
+        self._started = time.monotonic()  # system-wide on Linux: the child reads it too
         self.process = ctx.Process(
             target=run_core_process,
-            args=(build_engine, config, commands_out, messages_in, logging.getLogger().level),
+            args=(build_engine, config, commands_out, messages_in, logging.getLogger().level,
+                  self._started),
             name="specdec-engine-core",
             daemon=True,
-        )
-        self._started = time.monotonic()
+        )  # fmt: skip
         self.process.start()
         # The child holds its ends; closing ours lets each side see the other's exit.
         commands_out.close()

@@ -215,15 +215,23 @@ class EngineCore:
 
 # ---- the core's own process --------------------------------------------------------------
 def run_core_process(build_engine: Callable[[Any], Any], config: Any, commands, messages,
-                     log_level: int) -> None:  # fmt: skip
+                     log_level: int, launched: float | None = None) -> None:  # fmt: skip
     """Entry point of the engine core process (``multiprocessing`` spawn target).
 
     ``commands`` / ``messages`` are one-way ``multiprocessing`` connections. A reader thread
     turns commands into the loop's inbox and a writer thread sends its messages, so the
     loop neither blocks on a slow reader nor waits for input. The process ends on a
     shutdown command, or when the API process goes away (its end of ``commands`` closes).
+    ``launched``: the parent's ``time.monotonic()`` when it started this process, for the
+    start-up log.
     """
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    if launched is not None:
+        logger.info(
+            "engine core process up %.1f s after launch (interpreter and imports); building "
+            "the engine",
+            time.monotonic() - launched,
+        )
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     writer = threading.Thread(target=_write, args=(outbox, messages), daemon=True)
     writer.start()

@@ -113,12 +113,20 @@ class ModelRunner:
             self.attention = get_attention_backend(self.runtime.attention_backend)
         self.model_config: ModelConfig = load_config(model_source)
         self.max_model_len = decide_max_model_len(config, self.model_config)
+        t0 = time.perf_counter()
         self.model = load_model(
             model_source,
             dtype=self.dtype,
             device=self.device,
             attention=self.attention,
             max_positions=self.max_model_len,  # RoPE table only as long as needed
+        )
+        logger.info(
+            "loaded the target's weights (%.0f MiB, %s on %s) in %.1f s",
+            sum(p.numel() * p.element_size() for p in self.model.parameters()) / 2**20,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            time.perf_counter() - t0,
         )
         # Few-row projections on the skinny Triton GEMM where steps replay CUDA graphs (a
         # Triton launch from eager Python costs more host time than cuBLAS's).
@@ -188,6 +196,7 @@ class ModelRunner:
         """Run the largest step the scheduler can produce (``max_num_batched_tokens`` of
         prefill) against a scratch cache, and return what the utilisation target leaves for
         KV after weights and that peak activation memory."""
+        t0 = time.perf_counter()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
@@ -216,7 +225,10 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak
         logger.info(
-            "memory profile: peak %.2f GiB (weights + activations), KV budget %.2f GiB",
+            "memory profile (a %d-token prefill, %.1f s): peak %.2f GiB (weights + "
+            "activations), KV budget %.2f GiB",
+            num_tokens,
+            time.perf_counter() - t0,
             peak / 2**30,
             budget / 2**30,
         )
@@ -309,12 +321,21 @@ class ModelRunner:
             self.graph_forward, self.block_table_width, self.max_model_len, self.device
         )
         sizes = graph_batch_sizes(max_bs)
-        logger.info("capturing CUDA graphs for decode batch sizes %s", sizes)
+        logger.info(
+            "capturing CUDA graphs for decode batch sizes %s%s",
+            sizes,
+            " (compiling the target's layers first)" if self.use_compile else "",
+        )
+        t0 = time.perf_counter()
         self.graphs.capture(1, sizes)
+        logger.info("captured the decode graphs in %.1f s", time.perf_counter() - t0)
         for q, sizes in (tree_sizes or {}).items():
             if q > 1 and sizes:
                 logger.info("capturing CUDA graphs for %d-node trees, batch sizes %s", q, sizes)
+                t0 = time.perf_counter()
                 self.graphs.capture(q, sizes)
+                took = time.perf_counter() - t0
+                logger.info("captured the %d-node tree graphs in %.1f s", q, took)
         tokens, seqs = prefill_graph_buckets(
             self.config.prefill_graph_max_tokens,
             min(self.config.prefill_graph_max_seqs, self.config.scheduler.max_num_seqs),
