@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
+from specdec.ops.attention_metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)

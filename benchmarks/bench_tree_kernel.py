@@ -26,11 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
-from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.tree_mask import build_tree_mask
 from specdec.kernels import paged_attention, paged_decode
 from specdec.kernels.launch import num_sms
 from specdec.kernels.prefill import PrefillConfig, default_prefill_config, paged_attention_ref
+from specdec.ops.attention_metadata import AttentionMetadata
 
 
 @dataclass

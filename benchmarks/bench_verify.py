@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
 from specdec import LLM
-from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.tree_mask import build_tree_mask
+from specdec.ops.attention_metadata import AttentionMetadata
 
 
 def step_inputs(q: int, batch: int, context: int, block_size: int, vocab: int, seed: int):

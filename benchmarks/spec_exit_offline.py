@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.spec.spec_exit import spec_exit_params
     from specdec.spec.spec_exit_replay import replay_exit
     from specdec.spec.spec_exit_runtime import SpecExitRuntime
-    from specdec.spec.think_markers import resolve_marker
-    from specdec.train.spec_exit_labels import find_think_span
+    from specdec.spec.think_markers import find_think_span, resolve_marker
 
     args = parse_args(argv)
     head_config = read_eagle3_config(args.head, load_config(args.model))

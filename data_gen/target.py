@@ -11,7 +11,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def prefill_inputs(lengths: np.ndarray, block_size: int, device: torch.device):
     """Positions and attention metadata for prefilling whole sequences back to back into
     a scratch cache: sequence ``s`` owns consecutive blocks after the null block 0."""
-    from specdec.attention.metadata import AttentionMetadata
+    from specdec.ops.attention_metadata import AttentionMetadata
 
     blocks = -(-lengths // block_size)  # [num_seqs]
     first = 1 + np.concatenate([[0], np.cumsum(blocks)[:-1]])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from specdec.spec.tree import ChainShape, DynamicTreeShape, StaticTreeShape, TreeShape
+from specdec.tree_shapes import ChainShape, DynamicTreeShape, StaticTreeShape, TreeShape
 
 _GIB = 1 << 30
 

@@ -23,8 +23,8 @@ from specdec.spec.acceptance import (
     sample_accept,
     sample_accept_batch,
 )
-from specdec.spec.metadata import SpecDecodeMetadata
-from specdec.spec.tree import DraftTree, DynamicTreeShape, StaticTreeShape, build_tree
+from specdec.spec.tree import DraftTree, build_tree
+from specdec.tree_shapes import DynamicTreeShape, StaticTreeShape
 
 CPU = torch.device("cpu")
 VOCAB = 10
@@ -463,8 +463,8 @@ def test_rows_must_match_the_tree() -> None:
 
 
 def test_accept_batch_matches_per_tree_functions() -> None:
-    """One step of four requests (greedy, seeded with top-p, unseeded, seeded), laid out
-    in a fake verify output through SpecDecodeMetadata."""
+    """One step of four requests (greedy, seeded with top-p, unseeded, seeded), their
+    nodes' rows gathered from a fake verify output."""
     ctx = make_context(PLAIN, seed=7)
     trees = [
         build_tree(TOPK_TREE, 0, draft_fn(ctx)),
@@ -479,21 +479,17 @@ def test_accept_batch_matches_per_tree_functions() -> None:
         SamplingParams(temperature=0.9, min_p=0.05, seed=12),
     ]
     # The verify forward also holds a prefill chunk's rows: trees start at rows 0, 20, 31, 40.
-    spec = SpecDecodeMetadata.from_trees(trees, query_start=[0, 20, 31, 40], device=CPU)
-    assert spec.num_nodes == [13, 9, 3, 1]
-    assert spec.node_offsets.tolist() == [0, 13, 22, 25, 26]
-    assert spec.logits_indices[13:16].tolist() == [20, 21, 22]
-    assert spec.max_draft_tokens == 12
-    prefix = torch.tensor([50, 60, 70, 80])
-    assert spec.positions(prefix)[22:26].tolist() == [70, 71, 72, 80]
+    num_nodes = [t.num_nodes for t in trees]
+    assert num_nodes == [13, 9, 3, 1]
+    rows = [s + i for s, n in zip([0, 20, 31, 40], num_nodes, strict=True) for i in range(n)]
+    offsets = [0, 13, 22, 25, 26]
 
     verify_out = torch.randn(41, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
-    logits = verify_out[spec.logits_indices]  # [26, VOCAB]
+    logits = verify_out[rows]  # [26, VOCAB]: node order, tree after tree
     batch_rng = torch.Generator().manual_seed(99)
     meta = SamplingMetadata.build(params, [None, SeededStream(11), None, SeededStream(12)], CPU)
-    results = accept_batch(spec.trees, logits, meta, batch_rng)
+    results = accept_batch(trees, logits, meta, batch_rng)
 
-    offsets = spec.node_offsets.tolist()
     assert results[0] == greedy_accept(trees[0], logits[: offsets[1]])
     # The random rows: per-node filtered targets, each row's own stream or the batch's RNG.
     probs = torch.cat(
@@ -549,20 +545,3 @@ def test_accept_batch_checks_its_inputs() -> None:
         ValueError, match=r"target_logits has shape \(6, 10\); expected \[7, vocab\]"
     ):
         accept_batch([HAND_TREE], torch.zeros(6, VOCAB), _meta([PLAIN]))
-
-
-def test_spec_decode_metadata_checks_its_fields() -> None:
-    spec = SpecDecodeMetadata.from_trees([HAND_TREE], query_start=[3], device=CPU)
-    assert spec.logits_indices.tolist() == list(range(3, 10))
-    with pytest.raises(ValueError, match=r"got 2 query starts for 1 trees"):
-        SpecDecodeMetadata.from_trees([HAND_TREE], query_start=[0, 7], device=CPU)
-    with pytest.raises(ValueError, match=r"parents has shape \(6,\); expected \[7\]"):
-        SpecDecodeMetadata(
-            trees=spec.trees,
-            num_nodes=spec.num_nodes,
-            node_offsets=spec.node_offsets,
-            token_ids=spec.token_ids,
-            parents=spec.parents[:6],
-            depths=spec.depths,
-            logits_indices=spec.logits_indices,
-        )

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.attention.metadata import AttentionMetadata
 from specdec.config import SpeculativeConfig
+from specdec.ops.attention_metadata import AttentionMetadata
 
 # Six requests end at different lengths: the batch stays above the cutoff (2) until the
 # four short ones finish, then the last two speculate on top of a prompt and 16 output

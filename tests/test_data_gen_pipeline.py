@@ -25,12 +25,12 @@ import torch
 from prompts import QUESTIONS
 from safetensors import safe_open
 
-from specdec.attention.metadata import AttentionMetadata
 from specdec.data_gen.dump import DumpConfig, run_dump
 from specdec.data_gen.dump_plan import plan_groups, plan_shards
 from specdec.data_gen.regenerate import RegenerateConfig, run_regenerate
 from specdec.data_gen.shards import KILL_ENV, RankInfo, load_manifest, verify_manifest
 from specdec.data_gen.vocab import VocabConfig, run_vocab
+from specdec.ops.attention_metadata import AttentionMetadata
 
 MODEL = "smollm2-135m-instruct"
 ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_memory": 64 << 20, "max_num_seqs": 4}

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from specdec.attention import AttentionMetadata, get_attention_backend
+from specdec.attention import get_attention_backend
 from specdec.models import ModelConfig, WeightLoadError
 from specdec.models.eagle3_formats import (
     MAX_SHARD_BYTES,
@@ -37,6 +37,7 @@ from specdec.models.eagle3_head import (
     default_aux_layer_ids,
     validate_vocab_map,
 )
+from specdec.ops.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 4
 FORMATS = ("specdec", "eagle", "speculators")

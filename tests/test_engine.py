@@ -537,7 +537,7 @@ def test_random_eagle3_head_is_lossless(smollm2_dir, random_head_dir, lossless, 
 
 def _full_forward_inputs(n: int, block_size: int = 16):
     """Metadata for one sequence of n tokens laid out in blocks 1, 2, ... (fresh cache)."""
-    from specdec.attention.metadata import AttentionMetadata
+    from specdec.ops.attention_metadata import AttentionMetadata
 
     nb = (n + block_size - 1) // block_size
     blocks = torch.arange(1, nb + 1, dtype=torch.int32)

@@ -33,7 +33,6 @@ if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 triton = pytest.importorskip("triton")
 
 from specdec.attention.base import get_attention_backend  # noqa: E402
-from specdec.attention.metadata import AttentionMetadata  # noqa: E402
 from specdec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from specdec.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from specdec.kernels import (  # noqa: E402
@@ -59,7 +58,9 @@ from specdec.kernels.move_kv import (  # noqa: E402
 )
 from specdec.kernels.topk import log_softmax_topk, log_softmax_topk_ref  # noqa: E402
 from specdec.models.rope import RopeParams, RotaryEmbedding  # noqa: E402
-from specdec.spec.tree import DynamicTreeShape, grow_trees  # noqa: E402
+from specdec.ops.attention_metadata import AttentionMetadata  # noqa: E402
+from specdec.spec.tree import grow_trees  # noqa: E402
+from specdec.tree_shapes import DynamicTreeShape  # noqa: E402
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 POISON = 60.0  # cache value where no context lives: large enough to dominate any softmax

@@ -29,7 +29,6 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specdec.attention import AttentionMetadata
 from specdec.models import (
     ALIASES,
     CausalLM,
@@ -41,6 +40,7 @@ from specdec.models import (
 )
 from specdec.models import gguf as gguf_module
 from specdec.models.rope import RopeParams, rope_cos_sin
+from specdec.ops.attention_metadata import AttentionMetadata
 
 TOL = 1e-4
 VOCAB = 96

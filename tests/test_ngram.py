@@ -64,7 +64,7 @@ def test_the_proposer_refuses_tree_bands():
     band of another depth is kept."""
     from specdec.config import SpeculativeConfig
     from specdec.spec.ngram_proposer import NgramProposer
-    from specdec.spec.tree import ChainShape
+    from specdec.tree_shapes import ChainShape
 
     tree = {"tree": "dynamic", "num_speculative_tokens": 4, "top_k": 4, "total_tokens": 8}
     with pytest.raises(ValueError, match=r"drafts chains only, but bands \[\(1, Dynamic"):

@@ -16,7 +16,7 @@ from specdec.config import SpeculativeConfig
 from specdec.models import packaged_heads
 from specdec.models.eagle3_head import TreeDefaults
 from specdec.serve.cli import serve_config_from_args
-from specdec.spec.tree import ChainShape, DynamicTreeShape
+from specdec.tree_shapes import ChainShape, DynamicTreeShape
 
 MODEL = "smollm2-135m-instruct"
 TREE = {

@@ -13,13 +13,13 @@ from tiny_models import make_tiny_model_dir
 
 from specdec.bench.reasoning import (
     EvalConfig,
-    Scorer,
     load_items,
     run_eval,
     sampling_params,
     tokens_through,
 )
 from specdec.data_gen.reasoning.format import parse
+from specdec.data_gen.reasoning.tasks import Scorer
 
 pytest.importorskip("reasoning_gym")
 

@@ -187,12 +187,8 @@ def test_layers_override_field_by_field_lowest_first():
 
 def test_labels_on_a_known_trace():
     """prompt p p | <think> t t t t | </think> a a: span (2, 7), four thinking tokens."""
-    from specdec.train.spec_exit_labels import (
-        ReasoningRecord,
-        ThinkSpan,
-        exit_targets,
-        find_think_span,
-    )
+    from specdec.spec.think_markers import ThinkSpan, find_think_span
+    from specdec.train.spec_exit_labels import ReasoningRecord, exit_targets
 
     ids = np.array([9, 9, START, 4, 4, 4, 4, END, 5, 5])
     span = find_think_span(ids, START, END)

@@ -86,7 +86,7 @@ def test_smollm2_markers_alone_are_the_ids_the_traces_hold(smollm2_tokenizer):
     tok = smollm2_tokenizer
     assert context_mismatch(tok, "<think>") is None and context_mismatch(tok, "</think>") is None
     assert tok.encode("\n\n", add_special_tokens=False) == [NL2]
-    from specdec.train.spec_exit_labels import find_think_span
+    from specdec.spec.think_markers import find_think_span
 
     checked = 0
     for task in get_tasks(None):
@@ -164,7 +164,8 @@ def test_delimiters_match_merged_and_split_newlines(smollm2_tokenizer):
 def test_labels_on_a_multi_token_span():
     """p <think> t t t </think> a: span (3, 7) from the start marker's last token to the
     end marker's first, three thinking tokens in between."""
-    from specdec.train.spec_exit_labels import ExitLabeler, find_think_span
+    from specdec.spec.think_markers import find_think_span
+    from specdec.train.spec_exit_labels import ExitLabeler
 
     ids = np.array([9, *OPEN, 4, 5, 4, *CLOSE, 5])
     span = find_think_span(ids, OPEN, CLOSE)

@@ -25,14 +25,16 @@ from test_engine import (
 from test_spec_exit_engine import CLOSE_IDS, OPEN_IDS, SIGNALS, check_exit, pick_delimiter
 
 from specdec import SamplingParams
-from specdec.attention.metadata import cache_slots
 from specdec.config import SpeculativeConfig
 from specdec.models import load_config
 from specdec.models.eagle3_formats import load_eagle3, save_eagle3
 from specdec.models.eagle3_head import Eagle3Head
-from specdec.spec.acceptance import UniformAcceptance, greedy_accept_batch, greedy_accept_uniform
+from specdec.ops.accept import UniformAcceptance
+from specdec.ops.attention_metadata import cache_slots
+from specdec.spec.acceptance import greedy_accept_batch, greedy_accept_uniform
 from specdec.spec.spec_exit import SpecExitParams
-from specdec.spec.tree import ChainShape, DraftTree, StaticTreeShape
+from specdec.spec.tree import DraftTree
+from specdec.tree_shapes import ChainShape, StaticTreeShape
 
 PICKED = [0, 3, 5, 7, 9, 12]  # six prompts of varied length
 

@@ -10,15 +10,9 @@ import math
 import pytest
 import torch
 
-from specdec.spec.topk import CHUNK, chunked_topk
-from specdec.spec.tree import (
-    ChainShape,
-    DraftTree,
-    DynamicTreeShape,
-    StaticTreeShape,
-    build_tree,
-    grow_trees,
-)
+from specdec.ops.topk import CHUNK, chunked_topk
+from specdec.spec.tree import DraftTree, build_tree, grow_trees
+from specdec.tree_shapes import ChainShape, DynamicTreeShape, StaticTreeShape
 
 ROOT = 3
 

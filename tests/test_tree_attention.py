@@ -21,12 +21,7 @@ import torch
 from test_kernels import DEVICE, POISON, TOL, Case, gpu_only, make_case
 
 from specdec.attention.custom_op import OpaqueAttention
-from specdec.attention.metadata import AttentionMetadata
-from specdec.attention.torch_backend import (
-    TorchAttentionBackend,
-    gather_context,
-    paged_attention_batched_ref,
-)
+from specdec.attention.torch_backend import TorchAttentionBackend, paged_attention_batched_ref
 from specdec.attention.tree_mask import (
     ancestor_closure,
     build_tree_mask,
@@ -34,7 +29,10 @@ from specdec.attention.tree_mask import (
 )
 from specdec.attention.triton_backend import TritonAttentionBackend
 from specdec.kernels import PrefillConfig, paged_attention, paged_attention_ref
-from specdec.models.rope import RopeParams, RotaryEmbedding, apply_rotary
+from specdec.models.rope import RopeParams, RotaryEmbedding
+from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.paged_attention import gather_context
+from specdec.ops.rope import apply_rotary
 
 
 def random_parents(rng: random.Random, t: int) -> list[int]:

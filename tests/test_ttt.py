@@ -7,8 +7,9 @@ import pytest
 import torch
 from test_eagle3_head import random_head, target_config
 
-from specdec.attention import AttentionMetadata, get_attention_backend
+from specdec.attention import get_attention_backend
 from specdec.models.eagle3_head import Eagle3Head
+from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.train.ttt import PackedBatch, StepIndex, draft_rows, mix_argmax, ttt_forward, unroll
 from specdec.train.ttt_attention import (
     TTTAttention,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention.base import AttentionBackend
-from specdec.attention.torch_backend import is_gqa
+from specdec.ops.paged_attention import is_gqa
 
 
 @dataclass

@@ -50,21 +50,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from specdec.models.exit_signals import canonical_signals
-from specdec.spec.think_markers import Marker, as_marker, check_markers, find_marker, resolve_marker
-
-
-@dataclass(frozen=True)
-class ThinkSpan:
-    start: int  # index of the think-start marker's last token
-    end: int  # index of the think-end marker's first token
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start < self.end:
-            raise ValueError(f"think span ({self.start}, {self.end}) needs 0 <= start < end")
-
-    @property
-    def num_thinking(self) -> int:
-        return self.end - self.start - 1
+from specdec.spec.think_markers import (
+    Marker,
+    ThinkSpan,
+    as_marker,
+    check_markers,
+    find_think_span,
+    resolve_marker,
+)
 
 
 @dataclass(frozen=True)
@@ -87,24 +80,6 @@ class ReasoningRecord:
                 f"confidence has {len(self.confidence)} labels for a {n}-token trace; give one "
                 "per position (NaN where unknown)"
             )
-
-
-def find_think_span(
-    token_ids: Sequence[int] | np.ndarray,
-    think_start: int | Sequence[int],  # a marker's ids (one int: a one-token marker)
-    think_end: int | Sequence[int],
-) -> ThinkSpan | None:
-    """The first think-start marker and the first think-end marker after it (matched
-    as whole id sequences); None when there is no start or the span never closes (an
-    unfinished trace has no known end)."""
-    ids = np.asarray(token_ids)
-    start_ids, end_ids = as_marker(think_start), as_marker(think_end)
-    first = find_marker(ids, start_ids)
-    if first is None:
-        return None
-    start = first + len(start_ids) - 1
-    end = find_marker(ids, end_ids, start + 1)
-    return None if end is None else ThinkSpan(start, end)
 
 
 def hold_forward(values: np.ndarray) -> np.ndarray:  # [m] float, NaN = none -> [m]

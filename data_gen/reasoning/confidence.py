@@ -196,7 +196,7 @@ class ReasoningGymVerifier:
     item (tasks cached per (task, params), as eval-reasoning does)."""
 
     def __init__(self) -> None:
-        from specdec.bench.reasoning import Scorer
+        from specdec.data_gen.reasoning.tasks import Scorer
 
         self._scorer = Scorer()
 
@@ -308,7 +308,7 @@ class ConfidenceProber:
     ) -> tuple[list[_Probe], Score | None]:
         """The record's probes and the scorer of their answers; none (and a count saying
         why) when it cannot be labelled."""
-        from specdec.train.spec_exit_labels import find_think_span
+        from specdec.spec.think_markers import find_think_span
 
         ids = record.get("input_ids")
         if not isinstance(ids, list) or not ids:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.data_gen.mix import REASONING_GYM_EXCLUDED
-from specdec.data_gen.reasoning.format import Solution
+from specdec.data_gen.reasoning.format import Completion, Solution
 
 Tracer = Callable[[dict[str, Any], random.Random], Solution]
 
@@ -98,3 +99,30 @@ def get_tasks(names: list[str] | tuple[str, ...] | None) -> list[ReasoningTask]:
     if len(set(names)) != len(names):
         raise ValueError(f"reasoning tasks listed twice: {names}")
     return [tasks[n] for n in names]
+
+
+class Scorer:
+    """Verifiers by (task, params), rebuilt once each."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, ReasoningTask] = {}
+        self._registry = registry()
+
+    def task(self, record: dict[str, Any]) -> ReasoningTask:
+        name = record["task"]
+        if name not in self._registry:
+            raise ValueError(f"{record['id']}: unknown reasoning task {name!r}")
+        key = json.dumps([name, record["params"]], sort_keys=True)
+        if key not in self._tasks:
+            self._tasks[key] = ReasoningTask(name, self._registry[name].tracer, record["params"])
+        return self._tasks[key]
+
+    def score(self, record: dict[str, Any], completion: Completion) -> float:
+        task = self.task(record)
+        entry = task.entry(record["seed"])
+        if entry["question"] != record["conversations"][0]["content"]:
+            raise ValueError(
+                f"{record['id']}: reasoning-gym now generates another question for this seed; "
+                "the traces were made with another reasoning-gym version (0.1.25 is pinned)"
+            )
+        return 0.0 if completion.answer is None else task.score(completion.answer, entry)

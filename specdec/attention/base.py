@@ -2,7 +2,7 @@
 
 A backend writes the new tokens' K/V into the paged cache at ``meta.slot_mapping`` and
 then computes attention for every query token over its sequence's cached context (which
-now includes the new tokens), following the causal rule in ``metadata.py``.
+now includes the new tokens), following the causal rule in ``specdec.ops.attention_metadata``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
+from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.rope import apply_rotary
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
@@ -58,8 +59,6 @@ class AttentionBackend(ABC):
         """``forward`` on q and k before RoPE (HF's "half" layout): rotate, store, attend.
         The default rotates with ``apply_rotary``; a backend may fold the rotation into
         its cache write (``fuses_rope``)."""
-        from specdec.models.rope import apply_rotary  # specdec.models imports this module
-
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.forward(q, k, v, k_cache, v_cache, meta, scale)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdec.attention.base import AttentionBackend, get_attention_backend
-from specdec.attention.metadata import AttentionMetadata
+from specdec.ops.attention_metadata import AttentionMetadata
 
 _INSTANCES: dict[str, AttentionBackend] = {}
 

@@ -3,7 +3,7 @@
 A draft tree of ``t`` nodes is given by ``parents`` (``[t]`` int): ``parents[0] == 0`` (the
 root is its own parent) and ``parents[i] < i`` otherwise, so node order is a topological
 order and node ``i``'s ancestors all precede it. Its mask row ``i`` marks node ``i`` and
-every ancestor (the rule in ``specdec.attention.metadata``).
+every ancestor (the rule in ``specdec.ops.attention_metadata``).
 
 The closure is computed on the parents' device with tensor ops only: pointer jumping
 doubles the covered path length each round, so ``ceil(log2(t))`` rounds of one gather
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
+from specdec.ops.attention_metadata import AttentionMetadata
 
 __all__ = ["TreeMask", "ancestor_closure", "build_tree_mask", "check_parents"]
 

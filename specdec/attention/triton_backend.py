@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from specdec.attention.base import AttentionBackend
-from specdec.attention.metadata import AttentionMetadata
 from specdec.kernels import paged_attention, paged_decode, rope_store_kvcache, store_kvcache
+from specdec.ops.attention_metadata import AttentionMetadata
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -9,7 +9,7 @@ from typing import Any
 
 from specdec.bench.sets import DEFAULT_SETS, SetOptions, get_set
 from specdec.config import SpeculativeConfig
-from specdec.spec.tree import ChainShape, DynamicTreeShape, TreeShape
+from specdec.tree_shapes import ChainShape, DynamicTreeShape, TreeShape
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from specdec.data_gen.reasoning.format import Completion, parse
-from specdec.data_gen.reasoning.tasks import ReasoningTask, registry
+from specdec.data_gen.reasoning.format import parse
+from specdec.data_gen.reasoning.tasks import Scorer
 
 
 @dataclass(frozen=True)
@@ -66,33 +66,6 @@ class ItemResult:
     output_tokens: int
     latency_s: float
     answer: str | None
-
-
-class Scorer:
-    """Verifiers by (task, params), rebuilt once each."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[str, ReasoningTask] = {}
-        self._registry = registry()
-
-    def task(self, record: dict[str, Any]) -> ReasoningTask:
-        name = record["task"]
-        if name not in self._registry:
-            raise ValueError(f"{record['id']}: unknown reasoning task {name!r}")
-        key = json.dumps([name, record["params"]], sort_keys=True)
-        if key not in self._tasks:
-            self._tasks[key] = ReasoningTask(name, self._registry[name].tracer, record["params"])
-        return self._tasks[key]
-
-    def score(self, record: dict[str, Any], completion: Completion) -> float:
-        task = self.task(record)
-        entry = task.entry(record["seed"])
-        if entry["question"] != record["conversations"][0]["content"]:
-            raise ValueError(
-                f"{record['id']}: reasoning-gym now generates another question for this seed; "
-                "the traces were made with another reasoning-gym version (0.1.25 is pinned)"
-            )
-        return 0.0 if completion.answer is None else task.score(completion.answer, entry)
 
 
 def load_items(path: str | Path, per_task: int | None = None) -> list[dict[str, Any]]:

@@ -31,8 +31,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
 from specdec.engine.staging import aligned, to_device
+from specdec.ops.attention_metadata import AttentionMetadata
 
 ForwardFn = Callable[
     [torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor | None]

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
 from specdec.attention.tree_mask import TreeMask, build_tree_mask
 from specdec.engine.cuda_graph import GraphStaging
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.staging import to_device, to_device_packed
+from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.spec.tree import DraftTree, cat_on
 
 _NO_TREE = torch.empty(0, dtype=torch.int64)

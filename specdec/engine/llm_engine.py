@@ -53,7 +53,8 @@ from specdec.spec.metrics import SpecStats
 from specdec.spec.proposer import make_proposer, proposer_class
 from specdec.spec.spec_exit import ExitCut, SpecExitState
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
-from specdec.spec.tree import DraftTree, TreeShape, root_only_tree
+from specdec.spec.tree import DraftTree, root_only_tree
+from specdec.tree_shapes import TreeShape
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,6 @@ import torch
 
 from specdec.attention import get_attention_backend
 from specdec.attention.custom_op import OpaqueAttention
-from specdec.attention.metadata import AttentionMetadata
-from specdec.attention.torch_backend import move_kvcache_ref
 from specdec.config import EngineConfig
 from specdec.engine.cuda_graph import (
     PrefillGraphs,
@@ -30,6 +28,8 @@ from specdec.engine.staging import to_device
 from specdec.models import load_config, load_model
 from specdec.models.config import ModelConfig
 from specdec.models.linear import use_triton_gemm
+from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.paged_attention import move_kvcache_ref
 
 logger = logging.getLogger(__name__)
 
@@ -414,7 +414,7 @@ class ModelRunner:
     @torch.inference_mode()
     def move_accepted_kv(
         self,
-        acceptance,  # spec.acceptance.UniformAcceptance of a batch of trees
+        acceptance,  # ops.accept.UniformAcceptance of a batch of trees
         slots: torch.Tensor,  # [batch, q] int64: the slots of each tree's nodes (root first)
     ) -> None:
         """``move_kv`` for trees with device-side acceptance, node ``i`` of tree ``b``

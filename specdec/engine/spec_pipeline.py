@@ -53,16 +53,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.attention.metadata import AttentionMetadata, cache_slots
 from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
 from specdec.engine.cuda_graph import capture_graph
 from specdec.engine.input_batch import BlockTables, StepInputs
 from specdec.engine.request import Request
 from specdec.engine.staging import HostCopy, aligned, to_device, to_host
 from specdec.models.compiling import compile_region
-from specdec.spec.acceptance import greedy_accept_and_stage
-from specdec.spec.tree import TreeBatch, TreeShape
+from specdec.ops.accept import greedy_accept_and_stage
+from specdec.ops.attention_metadata import AttentionMetadata, cache_slots
+from specdec.spec.tree import TreeBatch
 from specdec.spec.tree_draft import GrowInputs
+from specdec.tree_shapes import TreeShape
 
 
 @dataclass

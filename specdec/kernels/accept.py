@@ -6,7 +6,7 @@ per tree, the nodes whose token is their parent's argmax all the way from the ro
 accepted path by depth, the emitted tokens (accepted, then the bonus), and then writes the
 next step's catch-up state: those tokens, the target's aux states gathered along the path,
 the accepted count and the root's cache index. As torch ops
-(``spec.acceptance.greedy_accept_and_stage``: acceptance, the aux gather, the state copies
+(``ops.accept.greedy_accept_and_stage``: acceptance, the aux gather, the state copies
 and the packed read-back row) that is ~25 small kernels per step, where a step on the GPU
 is launch-bound (~2-3 µs a kernel). This kernel does all of it after the argmax: one
 program per tree.
@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from specdec.kernels.launch import next_power_of_2, require_launchable
-from specdec.spec.acceptance import UniformAcceptance
-from specdec.spec.acceptance import greedy_accept_and_stage as accept_and_stage_ref
+from specdec.ops.accept import UniformAcceptance
+from specdec.ops.accept import greedy_accept_and_stage as accept_and_stage_ref
 
 __all__ = ["accept_and_stage", "accept_and_stage_ref"]
 

@@ -27,8 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.attention.metadata import AttentionMetadata
-from specdec.attention.torch_backend import paged_decode_ref
 from specdec.kernels.launch import (
     RUNTIME_INTS,
     dot_precision,
@@ -41,6 +39,8 @@ from specdec.kernels.launch import (
     require_launchable,
 )
 from specdec.kernels.split_k import merge_partial
+from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.paged_attention import paged_decode_ref
 
 __all__ = [
     "DecodeConfig",

@@ -41,7 +41,7 @@ def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def require_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The paged layout of ``metadata.py``: two equal, contiguous 4-d tensors."""
+    """The paged layout of ``ops.attention_metadata``: two equal, contiguous 4-d tensors."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "

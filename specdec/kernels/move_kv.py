@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.attention.torch_backend import move_kvcache_ref as move_kv_slots_ref
 from specdec.kernels.launch import next_power_of_2, require_launchable
+from specdec.ops.paged_attention import move_kvcache_ref as move_kv_slots_ref
 
 __all__ = ["cache_pointer_table", "move_kv_slots", "move_kv_slots_ref"]
 

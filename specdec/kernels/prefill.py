@@ -22,7 +22,7 @@ over all its splits. A split program runs iff its first key precedes its tile's 
 position + 1, and then writes every row of the tile (rows that see no key in it write an
 empty partial); the combine recomputes the same split length and reads only those.
 
-Draft trees (``meta.has_tree``, rule in ``specdec.attention.metadata``) compile a variant
+Draft trees (``meta.has_tree``, rule in ``specdec.ops.attention_metadata``) compile a variant
 whose masked loop also reads the tree-mask bits of (tree query row, tree key column) pairs.
 The unmasked loop then stops at the tree's first cache index as well as at the diagonal: a
 tree row sees all keys before the tree but only its ancestors inside it. Tiles wholly before
@@ -41,8 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.attention.metadata import AttentionMetadata
-from specdec.attention.torch_backend import paged_attention_ref
 from specdec.kernels.launch import (
     RUNTIME_INTS,
     dot_precision,
@@ -55,6 +53,8 @@ from specdec.kernels.launch import (
     require_launchable,
 )
 from specdec.kernels.split_k import merge_partial
+from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.paged_attention import paged_attention_ref
 
 __all__ = [
     "PrefillConfig",

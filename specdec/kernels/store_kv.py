@@ -1,11 +1,11 @@
 """Write new tokens' K/V into the paged cache (Triton), next to the PyTorch references.
 
 Token ``t`` goes to slot ``slot_mapping[t]`` (slot = block * block_size + offset, see
-``specdec.attention.metadata``). Padded tokens carry slots inside the null block 0, so the
+``specdec.ops.attention_metadata``). Padded tokens carry slots inside the null block 0, so the
 kernels need no sentinel test and launch a fixed grid of one program per token.
 
 ``rope_store_kvcache`` also applies RoPE on the way: it rotates q and k (HF's "half"
-layout, ``specdec.models.rope.apply_rotary``) in float32, writes the rotated q to a new
+layout, ``specdec.ops.rope.apply_rotary``) in float32, writes the rotated q to a new
 tensor and the rotated k with v to the cache. A decode step is launch-bound on the GPU, so
 folding the rotation into the cache write saves one kernel per layer per forward.
 """
@@ -16,13 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.attention.torch_backend import rope_store_kvcache_ref, store_kvcache_ref
 from specdec.kernels.launch import (
     next_power_of_2,
     require_kv_cache,
     require_last_dim_contiguous,
     require_launchable,
 )
+from specdec.ops.paged_attention import rope_store_kvcache_ref, store_kvcache_ref
 
 __all__ = ["rope_store_kvcache", "rope_store_kvcache_ref", "store_kvcache", "store_kvcache_ref"]
 

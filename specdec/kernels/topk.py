@@ -3,7 +3,7 @@ each row of draft logits, next to the PyTorch reference.
 
 A dynamic tree (EAGLE-2) ranks every frontier node's children by log-probability. As
 torch ops a level is a log-softmax over the draft vocabulary (five reductions and an
-elementwise kernel once inductor has fused them) and ``spec.topk.chunked_topk`` (two
+elementwise kernel once inductor has fused them) and ``ops.topk.chunked_topk`` (two
 ``torch.topk`` calls, each a radix select plus a bitonic sort): nine kernels and ~40 µs of
 a ~108 µs level on the H200 at batch 1 (a profiled tree step). On the same GPU the two
 launches here take ~9 µs (docs/benchmarks.md, "Kernel micro-benchmarks").
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels.launch import next_power_of_2, require_last_dim_contiguous, require_launchable
-from specdec.spec.topk import log_softmax_topk_ref
+from specdec.ops.topk import log_softmax_topk_ref
 
 __all__ = ["log_softmax_topk", "log_softmax_topk_ref"]
 

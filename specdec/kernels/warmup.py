@@ -16,10 +16,10 @@ from dataclasses import replace
 
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
 from specdec.kernels.decode import default_decode_config, paged_decode
 from specdec.kernels.launch import gqa_group
 from specdec.kernels.prefill import paged_attention, prefill_block_m_choices, prefill_config_for
+from specdec.ops.attention_metadata import AttentionMetadata
 
 __all__ = ["warm_up_attention"]
 

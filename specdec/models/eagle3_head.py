@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from specdec.attention.base import AttentionBackend
-from specdec.attention.metadata import AttentionMetadata
 from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig, validate_decoder_shape
 from specdec.models.exit_signals import activate, canonical_signals
@@ -47,6 +46,7 @@ from specdec.models.rope import (
     RotaryEmbedding,
     max_context_len,
 )
+from specdec.ops.attention_metadata import AttentionMetadata
 
 Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids [n] -> embeddings [n, hidden]
 HeadKV = Sequence[KVCache]  # the head's K/V, one (k_cache, v_cache) per layer

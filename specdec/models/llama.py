@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.attention.base import AttentionBackend
-from specdec.attention.metadata import AttentionMetadata
 from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig
 from specdec.models.linear import Linear, add_norm_gate_up_silu, add_norm_linear
-from specdec.models.rope import RotaryEmbedding, apply_rotary
+from specdec.models.rope import RotaryEmbedding
+from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.rope import apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, kv_heads, head_dim]
 

@@ -246,15 +246,6 @@ def rope_cos_sin(
     return torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
 
 
-def apply_rotary(
-    x: torch.Tensor,  # [num_tokens, heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim // 2]
-) -> torch.Tensor:  # [num_tokens, heads, head_dim]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin table; ``forward`` gathers the rows for the given positions.
 

@@ -52,6 +52,7 @@ import torch
 from specdec.engine.sampler import SamplingMetadata, probs_from_logits
 from specdec.engine.seeded_stream import SeededStream, keys_tensor, row_exponentials, uniforms
 from specdec.engine.staging import to_device
+from specdec.ops.accept import UniformAcceptance, greedy_accept_argmax
 from specdec.spec.tree import DraftTree, cat_on
 
 # Divisor floor: Exp(1) draws of exactly 0 (as in the sampler) and emptied distributions.
@@ -196,27 +197,6 @@ def greedy_accept_batch(
     return results
 
 
-@dataclass
-class UniformAcceptance:
-    """Greedy acceptance of a batch of equally sized trees, left on the device (nothing
-    read back): what the pipelined speculative step needs to launch the next step before
-    the host sees this one.
-
-    Row ``b``'s accepted path is ``path[b, 1 : num_accepted[b] + 1]`` (tree node indices
-    by depth; ``path[b, 0] == 0`` is the root) and the step emits ``token_ids[b, :
-    num_accepted[b] + 1]`` (the accepted tokens, then the bonus). Entries past those are
-    padding (node 0, arbitrary tokens): consumers mask them with ``num_accepted``.
-    """
-
-    num_accepted: torch.Tensor  # [batch] int64
-    path: torch.Tensor  # [batch, depth + 1] int64: accepted node at each depth
-    token_ids: torch.Tensor  # [batch, depth + 1] int64: emitted tokens
-
-    @property
-    def bonus_token_ids(self) -> torch.Tensor:  # [batch] int64
-        return self.token_ids.gather(1, self.num_accepted[:, None]).squeeze(1)
-
-
 def greedy_accept_uniform(
     token_ids: torch.Tensor,  # [batch, q] int64: each tree's nodes, root first
     parents: torch.Tensor,  # [batch, q] int64: tree-local parent indices
@@ -237,69 +217,6 @@ def greedy_accept_uniform(
         )
     best = target_logits.argmax(dim=-1).view(batch, q)  # [batch, q]
     return greedy_accept_argmax(token_ids, parents, depths, best, max_depth)
-
-
-def greedy_accept_argmax(
-    token_ids: torch.Tensor,  # [batch, q] int64
-    parents: torch.Tensor,  # [batch, q] int64
-    depths: torch.Tensor,  # [batch, q] int64
-    best: torch.Tensor,  # [batch, q] int64: the target's argmax at each node
-    max_depth: int,
-) -> UniformAcceptance:
-    """``greedy_accept_uniform`` from the target's argmax per node (what the one-launch
-    kernel ``kernels.accept`` takes too)."""
-    batch, q = token_ids.shape
-    on_path = token_ids == best.gather(1, parents)
-    on_path[:, 0] = True  # the root passes (its own parent), so chains of passes reach it
-    jump = parents
-    # After round r a node has checked itself and its 2**r - 1 nearest ancestors; a node
-    # at depth <= max_depth needs max_depth of them (the root passes).
-    for _ in range(max(min(max_depth, q - 1) - 1, 0).bit_length()):
-        on_path = on_path & on_path.gather(1, jump)
-        jump = jump.gather(1, jump)
-    on_path[:, 0] = False
-    num_accepted = on_path.sum(dim=1)  # [batch]
-    # Accepted node i goes to column depths[i]; the rest to a spare column, dropped.
-    column = torch.where(on_path, depths, max_depth + 1)
-    nodes = torch.arange(q, device=token_ids.device).expand(batch, q)
-    path = torch.zeros(batch, max_depth + 2, dtype=torch.int64, device=token_ids.device)
-    path = path.scatter(1, column, nodes)[:, : max_depth + 1]  # [batch, depth + 1]
-    last = path.gather(1, num_accepted[:, None])  # [batch, 1]: the deepest accepted node
-    bonus = best.gather(1, last)  # [batch, 1]: the target's argmax there
-    # Accepted tokens by depth (columns 0 .. depth - 1), padded to depth + 1 columns; the
-    # bonus then goes to column num_accepted, right after the accepted ones.
-    emitted = torch.cat([token_ids.gather(1, path[:, 1:]), bonus], dim=1)
-    emitted = emitted.scatter(1, num_accepted[:, None], bonus)
-    return UniformAcceptance(num_accepted=num_accepted, path=path, token_ids=emitted)
-
-
-def greedy_accept_and_stage(
-    best: torch.Tensor,  # [batch, q] int64: argmax of each node's target logits
-    token_ids: torch.Tensor,  # [batch, q] int64
-    parents: torch.Tensor,  # [batch, q] int64
-    depths: torch.Tensor,  # [batch, q] int64
-    max_depth: int,
-    aux: torch.Tensor,  # [batch * q, A]: the target's aux states at every node
-    root_index: torch.Tensor,  # [batch] int64
-    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # rows >= batch
-) -> tuple[UniformAcceptance, torch.Tensor]:
-    """The pipelined speculative step's acceptance (``greedy_accept_argmax``), its next
-    catch-up state written into rows ``0 .. batch`` of ``state`` (tokens [rows, W], aux
-    [rows, W, A] gathered along each path, last [rows], start [rows]; columns ``0 ..
-    depth + 1`` of the W >= depth + 1, the rest untouched) and the packed read-back row
-    [batch, depth + 2] (num_accepted, then the emitted tokens). Torch ops only
-    (capturable); the reference of ``kernels.accept.accept_and_stage``."""
-    batch, q = token_ids.shape
-    d1 = max_depth + 1
-    acceptance = greedy_accept_argmax(token_ids, parents, depths, best, max_depth)
-    path = acceptance.path[:, :, None].expand(-1, -1, aux.shape[1])
-    tokens, st_aux, last, start = state
-    tokens[:batch, :d1].copy_(acceptance.token_ids)
-    st_aux[:batch, :d1].copy_(aux.view(batch, q, -1).gather(1, path))
-    last[:batch].copy_(acceptance.num_accepted)
-    start[:batch].copy_(root_index)
-    packed = torch.cat([acceptance.num_accepted[:, None], acceptance.token_ids], dim=1)
-    return acceptance, packed
 
 
 def _result(layout: _Layout, b: int, path: list[int], token_ids: list[int]) -> AcceptResult:
@@ -496,7 +413,7 @@ def accept_batch(
     """Acceptance for one step's batch: row b of ``meta`` samples tree b.
 
     ``target_logits`` holds the raw verify logits of tree 0's nodes, then tree 1's, ...
-    (node order; ``SpecDecodeMetadata.logits_indices`` gathers them). Greedy rows go to
+    (node order, tree after tree). Greedy rows go to
     ``greedy_accept_batch`` on the raw logits; random rows to ``sample_accept_batch`` on
     ``probs_from_logits`` of their nodes (one batched call), with the row's stream when
     seeded and ``generator`` (the engine's batch RNG) otherwise, as the sampler does.

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.attention.metadata import AttentionMetadata
 from specdec.engine.request import Request
 from specdec.engine.staging import to_device, to_device_packed
+from specdec.ops.attention_metadata import AttentionMetadata
 
 
 @dataclass

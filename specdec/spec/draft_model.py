@@ -26,7 +26,7 @@ from specdec.models import load_config, load_model, resolve_model
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
 from specdec.spec.topk import level_topk_for
-from specdec.spec.tree import DraftTree, TreeBatch, TreeShape, grow_trees
+from specdec.spec.tree import DraftTree, TreeBatch, grow_trees
 from specdec.spec.tree_draft import (
     GrowInputs,
     TreeDraftLayout,
@@ -34,6 +34,7 @@ from specdec.spec.tree_draft import (
     catch_up_inputs,
     pack_catch_ups,
 )
+from specdec.tree_shapes import TreeShape
 
 
 @dataclass

@@ -43,7 +43,7 @@ from specdec.models.linear import use_triton_gemm
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
 from specdec.spec.topk import level_topk_for
-from specdec.spec.tree import DraftTree, TreeBatch, TreeShape, grow_trees, tree_plan
+from specdec.spec.tree import DraftTree, TreeBatch, grow_trees, tree_plan
 from specdec.spec.tree_draft import (
     GrowInputs,
     TreeDraftLayout,
@@ -51,6 +51,7 @@ from specdec.spec.tree_draft import (
     catch_up_inputs,
     pack_catch_ups,
 )
+from specdec.tree_shapes import TreeShape
 
 
 @dataclass(slots=True)

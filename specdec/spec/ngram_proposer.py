@@ -9,7 +9,8 @@ import torch
 from specdec.config import SpeculativeConfig
 from specdec.spec.ngram import NgramConfig, NgramIndex
 from specdec.spec.proposer import Proposer
-from specdec.spec.tree import ChainShape, DraftTree
+from specdec.spec.tree import DraftTree
+from specdec.tree_shapes import ChainShape
 
 
 def chain_tree(root: int, drafts: Sequence[int]) -> DraftTree:

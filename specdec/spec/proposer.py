@@ -21,7 +21,8 @@ import torch
 from specdec.config import SpeculativeConfig, band_shape
 from specdec.engine.request import Request
 from specdec.models.config import ModelConfig
-from specdec.spec.tree import ChainShape, DraftTree, TreeShape
+from specdec.spec.tree import DraftTree
+from specdec.tree_shapes import ChainShape, TreeShape
 
 _PROPOSERS: dict[str, type[Proposer]] = {}
 

@@ -29,6 +29,7 @@ the last ``len(longest marker) - 1`` tokens between pushes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -130,3 +131,35 @@ def find_marker(ids: np.ndarray, marker: Marker, start: int = 0) -> int | None:
         windows = np.lib.stride_tricks.sliding_window_view(tail, k)
         hits = np.flatnonzero((windows == np.asarray(marker)).all(axis=1))
     return start + int(hits[0]) if hits.size else None
+
+
+@dataclass(frozen=True)
+class ThinkSpan:
+    start: int  # index of the think-start marker's last token
+    end: int  # index of the think-end marker's first token
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"think span ({self.start}, {self.end}) needs 0 <= start < end")
+
+    @property
+    def num_thinking(self) -> int:
+        return self.end - self.start - 1
+
+
+def find_think_span(
+    token_ids: Sequence[int] | np.ndarray,
+    think_start: int | Sequence[int],  # a marker's ids (one int: a one-token marker)
+    think_end: int | Sequence[int],
+) -> ThinkSpan | None:
+    """The first think-start marker and the first think-end marker after it (matched
+    as whole id sequences); None when there is no start or the span never closes (an
+    unfinished trace has no known end)."""
+    ids = np.asarray(token_ids)
+    start_ids, end_ids = as_marker(think_start), as_marker(think_end)
+    first = find_marker(ids, start_ids)
+    if first is None:
+        return None
+    start = first + len(start_ids) - 1
+    end = find_marker(ids, end_ids, start + 1)
+    return None if end is None else ThinkSpan(start, end)

@@ -1,0 +1,94 @@
+"""Greedy acceptance of a batch of equally shaped draft trees as device ops (no sync,
+capturable), and the pipelined step's catch-up staging around it: the reference of the
+one-launch kernel ``kernels.accept`` and what the engine runs without it. The host-side
+acceptance of any trees, greedy or sampled, is ``specdec.spec.acceptance``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class UniformAcceptance:
+    """Greedy acceptance of a batch of equally sized trees, left on the device (nothing
+    read back): what the pipelined speculative step needs to launch the next step before
+    the host sees this one.
+
+    Row ``b``'s accepted path is ``path[b, 1 : num_accepted[b] + 1]`` (tree node indices
+    by depth; ``path[b, 0] == 0`` is the root) and the step emits ``token_ids[b, :
+    num_accepted[b] + 1]`` (the accepted tokens, then the bonus). Entries past those are
+    padding (node 0, arbitrary tokens): consumers mask them with ``num_accepted``.
+    """
+
+    num_accepted: torch.Tensor  # [batch] int64
+    path: torch.Tensor  # [batch, depth + 1] int64: accepted node at each depth
+    token_ids: torch.Tensor  # [batch, depth + 1] int64: emitted tokens
+
+    @property
+    def bonus_token_ids(self) -> torch.Tensor:  # [batch] int64
+        return self.token_ids.gather(1, self.num_accepted[:, None]).squeeze(1)
+
+
+def greedy_accept_argmax(
+    token_ids: torch.Tensor,  # [batch, q] int64
+    parents: torch.Tensor,  # [batch, q] int64
+    depths: torch.Tensor,  # [batch, q] int64
+    best: torch.Tensor,  # [batch, q] int64: the target's argmax at each node
+    max_depth: int,
+) -> UniformAcceptance:
+    """``spec.acceptance.greedy_accept_uniform`` from the target's argmax per node (what
+    the one-launch kernel ``kernels.accept`` takes too)."""
+    batch, q = token_ids.shape
+    on_path = token_ids == best.gather(1, parents)
+    on_path[:, 0] = True  # the root passes (its own parent), so chains of passes reach it
+    jump = parents
+    # After round r a node has checked itself and its 2**r - 1 nearest ancestors; a node
+    # at depth <= max_depth needs max_depth of them (the root passes).
+    for _ in range(max(min(max_depth, q - 1) - 1, 0).bit_length()):
+        on_path = on_path & on_path.gather(1, jump)
+        jump = jump.gather(1, jump)
+    on_path[:, 0] = False
+    num_accepted = on_path.sum(dim=1)  # [batch]
+    # Accepted node i goes to column depths[i]; the rest to a spare column, dropped.
+    column = torch.where(on_path, depths, max_depth + 1)
+    nodes = torch.arange(q, device=token_ids.device).expand(batch, q)
+    path = torch.zeros(batch, max_depth + 2, dtype=torch.int64, device=token_ids.device)
+    path = path.scatter(1, column, nodes)[:, : max_depth + 1]  # [batch, depth + 1]
+    last = path.gather(1, num_accepted[:, None])  # [batch, 1]: the deepest accepted node
+    bonus = best.gather(1, last)  # [batch, 1]: the target's argmax there
+    # Accepted tokens by depth (columns 0 .. depth - 1), padded to depth + 1 columns; the
+    # bonus then goes to column num_accepted, right after the accepted ones.
+    emitted = torch.cat([token_ids.gather(1, path[:, 1:]), bonus], dim=1)
+    emitted = emitted.scatter(1, num_accepted[:, None], bonus)
+    return UniformAcceptance(num_accepted=num_accepted, path=path, token_ids=emitted)
+
+
+def greedy_accept_and_stage(
+    best: torch.Tensor,  # [batch, q] int64: argmax of each node's target logits
+    token_ids: torch.Tensor,  # [batch, q] int64
+    parents: torch.Tensor,  # [batch, q] int64
+    depths: torch.Tensor,  # [batch, q] int64
+    max_depth: int,
+    aux: torch.Tensor,  # [batch * q, A]: the target's aux states at every node
+    root_index: torch.Tensor,  # [batch] int64
+    state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # rows >= batch
+) -> tuple[UniformAcceptance, torch.Tensor]:
+    """The pipelined speculative step's acceptance (``greedy_accept_argmax``), its next
+    catch-up state written into rows ``0 .. batch`` of ``state`` (tokens [rows, W], aux
+    [rows, W, A] gathered along each path, last [rows], start [rows]; columns ``0 ..
+    depth + 1`` of the W >= depth + 1, the rest untouched) and the packed read-back row
+    [batch, depth + 2] (num_accepted, then the emitted tokens). Torch ops only
+    (capturable); the reference of ``kernels.accept.accept_and_stage``."""
+    batch, q = token_ids.shape
+    d1 = max_depth + 1
+    acceptance = greedy_accept_argmax(token_ids, parents, depths, best, max_depth)
+    path = acceptance.path[:, :, None].expand(-1, -1, aux.shape[1])
+    tokens, st_aux, last, start = state
+    tokens[:batch, :d1].copy_(acceptance.token_ids)
+    st_aux[:batch, :d1].copy_(aux.view(batch, q, -1).gather(1, path))
+    last[:batch].copy_(acceptance.num_accepted)
+    start[:batch].copy_(root_index)
+    packed = torch.cat([acceptance.num_accepted[:, None], acceptance.token_ids], dim=1)
+    return acceptance, packed
