@@ -128,15 +128,14 @@ def _action(p: argparse.ArgumentParser, dest: str) -> argparse.Action:
 
 def serve_config_from_args(args: argparse.Namespace):
     """The ServeConfig that ``specdec serve ARGS`` runs with."""
-    from specdec.config import SpeculativeConfig, override_fields
-    from specdec.engine.llm import build_engine_config
+    from specdec.config import EngineConfig, SpeculativeConfig, override_fields
     from specdec.models.packaged_heads import head_speculative, packaged_head
     from specdec.serve.config import ServeConfig, default_speculative
     from specdec.spec.spec_exit import spec_exit_fields
 
     given = {d for d in args.serve_flags if getattr(args, d) is not None}
     base = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
-    # Engine: the base's fields, flattened as build_engine_config takes them.
+    # Engine: the base's fields, flattened as EngineConfig.from_flat takes them.
     flat: dict[str, Any] = {f.name: getattr(base.engine, f.name) for f in fields(base.engine)}
     for section in ("cache", "scheduler"):
         section_config = flat.pop(section)
@@ -180,7 +179,7 @@ def serve_config_from_args(args: argparse.Namespace):
             spec_fields = _as_fields(head_speculative(flags["model"]))
         spec_fields = override_fields(spec_fields, flags)
     flat["speculative"] = SpeculativeConfig(**spec_fields) if spec_fields is not None else None
-    engine = build_engine_config(flat.pop("model"), **flat)
+    engine = EngineConfig.from_flat(flat.pop("model"), **flat)
     server = {f.name: getattr(base, f.name) for f in fields(base) if f.name != "engine"}
     for dest, name in _SERVER_FLAGS.items():
         if dest in given:

@@ -417,6 +417,20 @@ class EngineConfig:
         _check_keys(cls, data, exclude={"cache", "scheduler", "speculative"})
         return cls(**data, cache=cache, scheduler=scheduler, speculative=spec)
 
+    @classmethod
+    def from_flat(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments, vLLM style (``block_size=16,
+        max_num_seqs=64``): cache and scheduler fields go to their sections; unknown
+        keywords raise. Torch-free, so a server's API process can resolve its engine's
+        config and start the engine core before importing torch."""
+        cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS}
+        sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHEDULER_FIELDS}
+        return cls.from_dict({"model": model, **kwargs, "cache": cache, "scheduler": sched})
+
+
+_CACHE_FIELDS = frozenset(f.name for f in fields(CacheConfig))
+_SCHEDULER_FIELDS = frozenset(f.name for f in fields(SchedulerConfig))
+
 
 _DTYPES = {"auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"}
 

@@ -33,10 +33,10 @@ from specdec.models.eagle3_formats import (
 from specdec.models.eagle3_head import (
     Eagle3Config,
     Eagle3Head,
-    TreeDefaults,
     default_aux_layer_ids,
     validate_vocab_map,
 )
+from specdec.models.tree_defaults import TreeDefaults
 from specdec.ops.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 4

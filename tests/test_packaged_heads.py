@@ -14,7 +14,7 @@ from specdec.bench.cli import config_from_args
 from specdec.cli import _engine_kwargs, build_parser, main
 from specdec.config import SpeculativeConfig
 from specdec.models import packaged_heads
-from specdec.models.eagle3_head import TreeDefaults
+from specdec.models.tree_defaults import TreeDefaults
 from specdec.serve.cli import serve_config_from_args
 from specdec.tree_shapes import ChainShape, DynamicTreeShape
 

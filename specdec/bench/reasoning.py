@@ -137,11 +137,11 @@ def recorded_spec_exit(config: EvalConfig) -> dict[str, Any] | None:
     no record."""
     if not isinstance(config.sampling.get("spec_exit"), dict):
         return None
-    from specdec.engine.llm import build_engine_config
+    from specdec.config import EngineConfig
     from specdec.models.eagle3_formats import read_eagle3_config
     from specdec.models.loader import load_config
 
-    spec = build_engine_config(config.model, **config.engine).speculative
+    spec = EngineConfig.from_flat(config.model, **dict(config.engine)).speculative
     if spec is None or spec.method != "eagle3" or spec.model is None:
         return None
     return read_eagle3_config(spec.model, load_config(config.model)).spec_exit_defaults

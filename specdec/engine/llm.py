@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from specdec.config import CacheConfig, EngineConfig, SchedulerConfig
+from specdec.config import EngineConfig
 from specdec.engine.llm_engine import LLMEngine
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
-
-_CACHE_KEYS = {f.name for f in fields(CacheConfig)}
-_SCHED_KEYS = {f.name for f in fields(SchedulerConfig)}
-
-
-def build_engine_config(model: str, **kwargs: Any) -> EngineConfig:
-    """Flat keyword arguments (vLLM style: ``block_size=16, max_num_seqs=64``) → the nested
-    typed config. Unknown keywords raise."""
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_KEYS}
-    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED_KEYS}
-    return EngineConfig.from_dict({"model": model, **kwargs, "cache": cache, "scheduler": sched})
 
 
 class LLM:
@@ -36,7 +25,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
-        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        self.engine = LLMEngine(EngineConfig.from_flat(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def generate(

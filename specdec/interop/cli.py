@@ -123,7 +123,7 @@ def _import_args(p: argparse.ArgumentParser) -> None:
 def _tree_defaults(value):
     from dataclasses import fields
 
-    from specdec.models.eagle3_head import TreeDefaults
+    from specdec.models.tree_defaults import TreeDefaults
 
     known = [f.name for f in fields(TreeDefaults)]
     if not isinstance(value, dict) or set(value) - set(known) or "tree" not in value:

@@ -24,7 +24,7 @@ from specdec.interop.consumers import EXPORT_TARGETS, LaunchSpec, get_consumer
 from specdec.interop.target import resolve_target
 from specdec.interop.validate import ValidationReport, validate_head
 from specdec.models.eagle3_formats import dropped_keys, load_eagle3, save_eagle3, stored_dtype
-from specdec.models.eagle3_head import TreeDefaults
+from specdec.models.tree_defaults import TreeDefaults
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 

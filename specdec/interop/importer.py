@@ -30,7 +30,7 @@ from specdec.models.eagle3_formats import (
     stored_dtype,
     tensor_infos,
 )
-from specdec.models.eagle3_head import TreeDefaults
+from specdec.models.tree_defaults import TreeDefaults
 
 
 class HeadImportError(ValueError):

@@ -87,13 +87,9 @@ from safetensors.torch import save_file
 
 from specdec.attention.base import AttentionBackend, get_attention_backend
 from specdec.models.config import ModelConfig
-from specdec.models.eagle3_head import (
-    Eagle3Config,
-    Eagle3Head,
-    TreeDefaults,
-    default_aux_layer_ids,
-)
+from specdec.models.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from specdec.models.rope import rope_from_hf
+from specdec.models.tree_defaults import TreeDefaults
 from specdec.models.weights import WeightLoadError
 
 Eagle3Format = Literal["specdec", "eagle", "speculators"]

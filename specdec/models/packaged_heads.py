@@ -39,7 +39,7 @@ def tree_defaults(head_dir: str | Path) -> dict[str, Any]:
     """The ``SpeculativeConfig`` fields of the tree a head was tuned for ({} if its config
     records none, or if ``head_dir`` is not a local directory with a config, e.g. a hub
     name); validated as ``TreeDefaults``."""
-    from specdec.models.eagle3_head import TreeDefaults
+    from specdec.models.tree_defaults import TreeDefaults
 
     path = Path(head_dir) / "config.json"
     if not path.is_file():
