@@ -48,11 +48,11 @@ PHASES = {
     "specdec.engine.spec_pipeline:SpecStepGraphs.run": "graph_run",
     "specdec.engine.spec_pipeline:SpecStepGraphs._replay": "replay_call",
     "specdec.engine.llm_engine:LLMEngine._finish_spec": "finish_spec",
-    "specdec.engine.staging:HostCopy.tolist": "read_back",
+    "specdec.device.staging:HostCopy.tolist": "read_back",
     "torch.cuda:Event.synchronize": "wait",
     "torch.cuda:Event.record": "event_record",
-    "specdec.engine.staging:_PinnedRing.copy": "stage_h2d",
-    "specdec.engine.staging:_PinnedRing.copy_to_host": "stage_d2h",
+    "specdec.device.staging:_PinnedRing.copy": "stage_h2d",
+    "specdec.device.staging:_PinnedRing.copy_to_host": "stage_d2h",
 }
 
 

@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.models import load_config
     from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
     from specdec.models.loader import load_tokenizer
-    from specdec.spec.spec_exit import spec_exit_params
     from specdec.spec.spec_exit_replay import replay_exit
     from specdec.spec.spec_exit_runtime import SpecExitRuntime
-    from specdec.spec.think_markers import find_think_span, resolve_marker
+    from specdec.spec_exit_params import spec_exit_params
+    from specdec.think_markers import find_think_span, resolve_marker
 
     args = parse_args(argv)
     head_config = read_eagle3_config(args.head, load_config(args.model))

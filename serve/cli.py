@@ -131,7 +131,7 @@ def serve_config_from_args(args: argparse.Namespace):
     from specdec.config import EngineConfig, SpeculativeConfig, override_fields
     from specdec.models.packaged_heads import head_speculative, packaged_head
     from specdec.serve.config import ServeConfig, default_speculative
-    from specdec.spec.spec_exit import spec_exit_fields
+    from specdec.spec_exit_params import spec_exit_fields
 
     given = {d for d in args.serve_flags if getattr(args, d) is not None}
     base = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()

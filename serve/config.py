@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.spec.spec_exit import spec_exit_fields
+from specdec.spec_exit_params import spec_exit_fields
 
 if TYPE_CHECKING:  # specdec.config imports torch; the CLI parser must stay light
     from specdec.config import EngineConfig, SpeculativeConfig

@@ -22,7 +22,7 @@ from specdec.serve.protocol import (
     SamplingFields,
     SpecExitBody,
 )
-from specdec.spec.spec_exit import SpecExitParams, spec_exit_params
+from specdec.spec_exit_params import SpecExitParams, spec_exit_params
 
 logger = logging.getLogger(__name__)
 

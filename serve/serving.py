@@ -56,7 +56,7 @@ from specdec.serve.protocol import (
     TopLogprob,
     Usage,
 )
-from specdec.spec.spec_exit import spec_exit_params
+from specdec.spec_exit_params import spec_exit_params
 
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with this floor.
 _MIN_LOGPROB = -9999.0

@@ -1,7 +1,7 @@
 """Per-request sampling parameters: how one request turns logits into tokens, and when it stops.
 
 The order in which the random-sampling filters apply is defined once here and followed by
-``specdec.engine.sampler`` (and so by lossless rejection sampling, which reuses it):
+``specdec.sampling.sampler`` (and so by lossless rejection sampling, which reuses it):
 temperature scaling, then top-k, then top-p on the top-k-renormalised distribution, then
 min-p (a ratio to the most likely token, so it does not care about renormalisation).
 """
@@ -12,7 +12,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from specdec.spec.spec_exit import SpecExitParams
+from specdec.spec_exit_params import SpecExitParams
 
 # Most top logprobs a request may ask for per token (the OpenAI API's limit).
 MAX_LOGPROBS = 20

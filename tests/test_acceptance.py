@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.engine.sampler import SamplingMetadata, probs_from_logits
-from specdec.engine.seeded_stream import SeededStream
+from specdec.sampling.sampler import SamplingMetadata, probs_from_logits
+from specdec.sampling.seeded_stream import SeededStream
 from specdec.sampling_params import SamplingParams
 from specdec.spec.acceptance import (
     AcceptResult,

@@ -35,34 +35,11 @@ FORBIDDEN = [
 ]
 
 
-# Known back edges, each with every file that still makes it. They are left out of the
-# cycle search and the layering check; the tests below fail when a new file takes such an
-# import and when a listed file stops making it (drop it here then): the list only shrinks.
-# What is left is one knot: the proposers and acceptance run on the engine's Request,
-# pinned staging, sampler, seeded streams and graph capture, and SamplingParams (which
-# the engine's Request holds) and the head's config hold SpecExit's settings, defined
-# in spec.spec_exit. Untying it moves those engine pieces and SpecExitParams (with its
-# smoothers and think markers) into modules below both.
-KNOWN_BACK_EDGES: dict[tuple[str, str], set[str]] = {
-    ("specdec.spec", "specdec.engine"): {
-        "specdec/spec/acceptance.py",
-        "specdec/spec/chunk_inputs.py",
-        "specdec/spec/draft_model.py",
-        "specdec/spec/eagle3.py",
-        "specdec/spec/proposer.py",
-        "specdec/spec/tree.py",
-        "specdec/spec/tree_draft.py",
-    },
-    ("specdec.sampling_params", "specdec.spec"): {"specdec/sampling_params.py"},
-    ("specdec.models", "specdec.spec"): {"specdec/models/eagle3_head.py"},
-}
-
-
 @dataclass(frozen=True)
 class Site:
     path: Path
     line: int
-    target: str  # the imported module, e.g. "specdec.engine.request"
+    target: str  # the imported module, e.g. "specdec.engine.scheduler"
 
     def __str__(self) -> str:
         return f"{self.path.relative_to(REPO)}:{self.line}"
@@ -199,16 +176,8 @@ def describe(graph, cycle: list[str]) -> str:
     return text
 
 
-def _without_known_back_edges(graph):
-    return {
-        src: {dst: s for dst, s in edges.items() if (src, dst) not in KNOWN_BACK_EDGES}
-        for src, edges in graph.items()
-    }
-
-
 def test_no_import_cycles_between_packages():
-    full = import_graph()
-    graph = _without_known_back_edges(full)
+    graph = import_graph()
     cycles = find_cycles(graph)
     assert not cycles, "import cycles between specdec's packages:\n" + "\n".join(
         describe(graph, c) for c in cycles
@@ -220,25 +189,9 @@ def test_layering():
     broken = [
         f"{src} imports {dst}: " + ", ".join(f"{s} ({s.target})" for s in graph[src][dst])
         for src, dst in FORBIDDEN
-        if dst in graph[src] and (src, dst) not in KNOWN_BACK_EDGES
+        if dst in graph[src]
     ]
     assert not broken, "\n".join(broken)
-
-
-def test_known_back_edges_only_shrink():
-    graph = import_graph()
-    for (src, dst), listed in KNOWN_BACK_EDGES.items():
-        sites = graph[src].get(dst, [])
-        found = {str(s.path.relative_to(REPO)) for s in sites}
-        new = sorted(found - listed)
-        assert not new, f"{src} -> {dst} is a known back edge; do not add to it: " + ", ".join(
-            str(s) for s in sites if str(s.path.relative_to(REPO)) in new
-        )
-        gone = sorted(listed - found)
-        assert not gone, (
-            f"{gone} no longer import {dst} from {src}: remove them from KNOWN_BACK_EDGES "
-            "(and the edge once its list is empty)"
-        )
 
 
 def test_the_checker_sees_a_lazy_import_cycle(tmp_path, monkeypatch):

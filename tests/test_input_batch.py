@@ -14,8 +14,8 @@ from specdec.engine.input_batch import (
     block_table_array,
     build_step_inputs,
 )
-from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledRequest
+from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from specdec.engine.sampler import (
+from specdec.sampling.sampler import (
     Sampler,
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
     probs_from_logits,
 )
-from specdec.engine.seeded_stream import (
+from specdec.sampling.seeded_stream import (
     SeededStream,
     keys_tensor,
     row_exponentials,

@@ -14,8 +14,8 @@ import pytest
 from specdec.config import SchedulerConfig
 from specdec.engine.block_pool import NULL_BLOCK_ID, BlockPool
 from specdec.engine.kv_cache_manager import KVCacheManager, cdiv
-from specdec.engine.request import Request, RequestStatus
 from specdec.engine.scheduler import Scheduler
+from specdec.request import Request, RequestStatus
 from specdec.sampling_params import SamplingParams
 
 VOCAB = 1000

@@ -10,13 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.spec.spec_exit import (
-    SMOOTHERS,
-    SpecExitParams,
-    SpecExitState,
-    spec_exit_fields,
-    spec_exit_params,
-)
+from specdec.spec.spec_exit import SpecExitState
+from specdec.spec_exit_params import SMOOTHERS, SpecExitParams, spec_exit_fields, spec_exit_params
 
 START, END = 1, 2  # think markers
 DELIM = 3  # a token whose text is "\n\n"
@@ -187,7 +182,7 @@ def test_layers_override_field_by_field_lowest_first():
 
 def test_labels_on_a_known_trace():
     """prompt p p | <think> t t t t | </think> a a: span (2, 7), four thinking tokens."""
-    from specdec.spec.think_markers import ThinkSpan, find_think_span
+    from specdec.think_markers import ThinkSpan, find_think_span
     from specdec.train.spec_exit_labels import ReasoningRecord, exit_targets
 
     ids = np.array([9, 9, START, 4, 4, 4, 4, END, 5, 5])

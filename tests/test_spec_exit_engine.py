@@ -31,8 +31,8 @@ from specdec.config import SpeculativeConfig
 from specdec.models import load_config
 from specdec.models.eagle3_formats import save_eagle3
 from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
-from specdec.spec.spec_exit import SpecExitParams
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
+from specdec.spec_exit_params import SpecExitParams
 
 THINK_START, THINK_END = "<filename>", "<gh_stars>"  # ids 6 and 7 in SmolLM2's vocabulary
 OPEN_IDS, CLOSE_IDS = [44, 17400, 46], [9617, 17400, 46]  # SmolLM2's "<think>", "</think>"

@@ -1,4 +1,4 @@
-"""Think markers of several tokens (specdec/spec/think_markers.py): resolution with SmolLM2's
+"""Think markers of several tokens (specdec/think_markers.py): resolution with SmolLM2's
 tokenizer against the reasoning traces' own ids, span tracking over matches that straddle
 engine steps and the prompt/output boundary, cuts that force the whole end marker, and
 training labels on multi-token spans."""
@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec.spec.spec_exit import SpecExitParams, SpecExitState
-from specdec.spec.think_markers import (
+from specdec.spec.spec_exit import SpecExitState
+from specdec.spec_exit_params import SpecExitParams
+from specdec.think_markers import (
     MarkerMatcher,
     as_marker,
     context_mismatch,
@@ -86,7 +87,7 @@ def test_smollm2_markers_alone_are_the_ids_the_traces_hold(smollm2_tokenizer):
     tok = smollm2_tokenizer
     assert context_mismatch(tok, "<think>") is None and context_mismatch(tok, "</think>") is None
     assert tok.encode("\n\n", add_special_tokens=False) == [NL2]
-    from specdec.spec.think_markers import find_think_span
+    from specdec.think_markers import find_think_span
 
     checked = 0
     for task in get_tasks(None):
@@ -164,7 +165,7 @@ def test_delimiters_match_merged_and_split_newlines(smollm2_tokenizer):
 def test_labels_on_a_multi_token_span():
     """p <think> t t t </think> a: span (3, 7) from the start marker's last token to the
     end marker's first, three thinking tokens in between."""
-    from specdec.spec.think_markers import find_think_span
+    from specdec.think_markers import find_think_span
     from specdec.train.spec_exit_labels import ExitLabeler
 
     ids = np.array([9, *OPEN, 4, 5, 4, *CLOSE, 5])

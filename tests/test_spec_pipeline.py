@@ -32,8 +32,8 @@ from specdec.models.eagle3_head import Eagle3Head
 from specdec.ops.accept import UniformAcceptance
 from specdec.ops.attention_metadata import cache_slots
 from specdec.spec.acceptance import greedy_accept_batch, greedy_accept_uniform
-from specdec.spec.spec_exit import SpecExitParams
 from specdec.spec.tree import DraftTree
+from specdec.spec_exit_params import SpecExitParams
 from specdec.tree_shapes import ChainShape, StaticTreeShape
 
 PICKED = [0, 3, 5, 7, 9, 12]  # six prompts of varied length

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.engine.staging import to_device, to_host
+from specdec.device.staging import to_device, to_host
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.float32, np.bool_])

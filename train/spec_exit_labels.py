@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specdec.models.exit_signals import canonical_signals
-from specdec.spec.think_markers import (
+from specdec.think_markers import (
     Marker,
     ThinkSpan,
     as_marker,

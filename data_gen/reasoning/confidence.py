@@ -31,7 +31,7 @@ Other positions have no label here; training fills them from the probes
 boundary that closes its step, the one serving decides at).
 
 Spans and boundaries are serving's and training's: the span is train-draft's
-``find_think_span`` (markers as token sequences, ``specdec.spec.think_markers``), a
+``find_think_span`` (markers as token sequences, ``specdec.think_markers``), a
 boundary is a token whose text, joined with the span's text before it, ends one of
 ``delimiters`` (``SpecExitState``'s rule).
 
@@ -76,7 +76,7 @@ from specdec.data_gen.dump_plan import CONFIDENCE_KEY
 from specdec.data_gen.records import SkipCounts, dumps_record
 from specdec.data_gen.shards import RankInfo, ShardStore, chunk_ranges, digest_json
 from specdec.data_gen.stage import finish_stage, write_plan
-from specdec.spec.think_markers import as_marker
+from specdec.think_markers import as_marker
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class ConfidenceProber:
 
     def __init__(self, config: ExitLabelsConfig, llm, verifier: Verifier | None = None) -> None:
         from specdec.sampling_params import SamplingParams
-        from specdec.spec.think_markers import check_markers, resolve_marker
+        from specdec.think_markers import check_markers, resolve_marker
 
         self.config, self.llm, self._verifier = config, llm, verifier
         self.judge = JUDGES[config.target]
@@ -308,7 +308,7 @@ class ConfidenceProber:
     ) -> tuple[list[_Probe], Score | None]:
         """The record's probes and the scorer of their answers; none (and a count saying
         why) when it cannot be labelled."""
-        from specdec.spec.think_markers import find_think_span
+        from specdec.think_markers import find_think_span
 
         ids = record.get("input_ids")
         if not isinstance(ids, list) or not ids:

@@ -113,7 +113,7 @@ def sampling_params(config: EvalConfig, head_spec_exit: dict[str, Any] | None = 
     head's recorded setting) by ``spec_exit_params``: ``{}`` takes the head's setting, else
     the library defaults."""
     from specdec.sampling_params import RequestOutputKind, SamplingParams
-    from specdec.spec.spec_exit import spec_exit_params
+    from specdec.spec_exit_params import spec_exit_params
 
     known = {f.name for f in fields(SamplingParams)}
     unknown = sorted(set(config.sampling) - known)

@@ -26,36 +26,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import torch
 
-from specdec.engine.staging import aligned, to_device
+from specdec.device.graph_capture import capture_graph
+from specdec.device.staging import aligned, to_device
 from specdec.ops.attention_metadata import AttentionMetadata
 
 ForwardFn = Callable[
     [torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor | None]
 ]
 """``forward(input_ids, positions, meta) -> (logits [n, vocab], aux [n, A] or None)``."""
-T = TypeVar("T")
-
-
-def capture_graph(
-    fn: Callable[[], T], pool=None, warmups: int = 2
-) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Run ``fn`` ``warmups`` times (lazy allocations, compilation, autotuning), then
-    capture one call as a CUDA graph in memory pool ``pool`` (None: a new one; pass the
-    largest graph's ``graph.pool()`` so smaller ones reuse it). Returns the graph and the
-    captured call's outputs: static tensors that every replay rewrites."""
-    for _ in range(warmups):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = fn()
-    torch.cuda.synchronize()
-    return graph, outputs
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:

@@ -1,8 +1,8 @@
 """Host-side assembly of one step's model inputs from the scheduler's decision.
 
 Everything is built with numpy on the host and moved to the device in two packed copies
-(one int64, one int32) through pinned staging (``staging.py``), so building a step never
-waits for the device.
+(one int64, one int32) through pinned staging (``specdec.device.staging``), so building a
+step never waits for the device.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from specdec.attention.tree_mask import TreeMask, build_tree_mask
+from specdec.device.staging import to_device, to_device_packed
 from specdec.engine.cuda_graph import GraphStaging
 from specdec.engine.scheduler import ScheduledRequest
-from specdec.engine.staging import to_device, to_device_packed
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.spec.tree import DraftTree, cat_on
 

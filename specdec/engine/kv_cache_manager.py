@@ -8,7 +8,7 @@ K/V instead of recomputing it — a shared system prompt is computed once.
 from __future__ import annotations
 
 from specdec.engine.block_pool import BlockHash, BlockPool
-from specdec.engine.request import Request
+from specdec.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -27,18 +27,15 @@ import numpy as np
 import torch
 
 from specdec.config import EngineConfig
+from specdec.device.staging import to_device, to_host
 from specdec.engine.block_pool import BlockPool
 from specdec.engine.cuda_graph import tree_graph_batch_sizes
 from specdec.engine.detokenizer import IncrementalDetokenizer
 from specdec.engine.input_batch import PendingTokens
 from specdec.engine.kv_cache_manager import KVCacheManager, cdiv
 from specdec.engine.model_runner import ModelRunner
-from specdec.engine.request import Request, RequestStatus
-from specdec.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from specdec.engine.scheduler import ScheduledRequest, Scheduler
-from specdec.engine.seeded_stream import SeededStream
 from specdec.engine.spec_pipeline import SpecLaunch, SpecPipeline
-from specdec.engine.staging import to_device, to_host
 from specdec.models import load_config, load_tokenizer, resolve_model
 from specdec.outputs import (
     CompletionOutput,
@@ -47,6 +44,9 @@ from specdec.outputs import (
     TokenDelta,
     TokenLogprobs,
 )
+from specdec.request import Request, RequestStatus
+from specdec.sampling.sampler import LogprobsTensors, Sampler, SamplingMetadata
+from specdec.sampling.seeded_stream import SeededStream
 from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.spec.acceptance import accept_batch, greedy_accept_batch
 from specdec.spec.metrics import SpecStats

@@ -15,6 +15,7 @@ import torch
 from specdec.attention import get_attention_backend
 from specdec.attention.custom_op import OpaqueAttention
 from specdec.config import EngineConfig
+from specdec.device.staging import to_device
 from specdec.engine.cuda_graph import (
     PrefillGraphs,
     StepGraphs,
@@ -24,7 +25,6 @@ from specdec.engine.cuda_graph import (
 from specdec.engine.input_batch import PendingTokens, StepInputs, build_step_inputs
 from specdec.engine.kv_cache_manager import cdiv
 from specdec.engine.scheduler import ScheduledRequest
-from specdec.engine.staging import to_device
 from specdec.models import load_config, load_model
 from specdec.models.config import ModelConfig
 from specdec.models.linear import use_triton_gemm

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from specdec.config import SchedulerConfig
 from specdec.engine.kv_cache_manager import KVCacheManager
-from specdec.engine.request import Request, RequestStatus
+from specdec.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

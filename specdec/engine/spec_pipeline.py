@@ -54,13 +54,13 @@ import numpy as np
 import torch
 
 from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
-from specdec.engine.cuda_graph import capture_graph
+from specdec.device.graph_capture import capture_graph
+from specdec.device.staging import HostCopy, aligned, to_device, to_host
 from specdec.engine.input_batch import BlockTables, StepInputs
-from specdec.engine.request import Request
-from specdec.engine.staging import HostCopy, aligned, to_device, to_host
 from specdec.models.compiling import compile_region
 from specdec.ops.accept import greedy_accept_and_stage
 from specdec.ops.attention_metadata import AttentionMetadata, cache_slots
+from specdec.request import Request
 from specdec.spec.tree import TreeBatch
 from specdec.spec.tree_draft import GrowInputs
 from specdec.tree_shapes import TreeShape

@@ -48,6 +48,7 @@ from specdec.models.rope import (
 )
 from specdec.models.tree_defaults import TreeDefaults
 from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.spec_exit_params import spec_exit_fields, spec_exit_params
 
 Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids [n] -> embeddings [n, hidden]
 HeadKV = Sequence[KVCache]  # the head's K/V, one (k_cache, v_cache) per layer
@@ -124,8 +125,6 @@ class Eagle3Config:
     def _checked_spec_exit(self) -> dict[str, Any] | None:
         """``spec_exit_defaults`` made canonical ({} records nothing: None); raises naming
         the record and the fix."""
-        from specdec.spec.spec_exit import spec_exit_fields, spec_exit_params
-
         record = self.spec_exit_defaults
         if not self.exit_signals:
             raise ValueError(

@@ -17,7 +17,7 @@ id, as ``torch.argmax``).
 
 Random rows (``sample_accept``, ``sample_accept_batch``) use recursive rejection
 sampling against the *filtered target distribution* p of
-``specdec.engine.sampler.probs_from_logits`` (temperature, top-k, top-p, min-p), so
+``specdec.sampling.sampler.probs_from_logits`` (temperature, top-k, top-p, min-p), so
 speculation reproduces plain sampling exactly.
 
 Why ``sample_accept`` is lossless. (1) One draft: x ~ q, accept with probability
@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.engine.sampler import SamplingMetadata, probs_from_logits
-from specdec.engine.seeded_stream import SeededStream, keys_tensor, row_exponentials, uniforms
-from specdec.engine.staging import to_device
+from specdec.device.staging import to_device
 from specdec.ops.accept import UniformAcceptance, greedy_accept_argmax
+from specdec.sampling.sampler import SamplingMetadata, probs_from_logits
+from specdec.sampling.seeded_stream import SeededStream, keys_tensor, row_exponentials, uniforms
 from specdec.spec.tree import DraftTree, cat_on
 
 # Divisor floor: Exp(1) draws of exactly 0 (as in the sampler) and emptied distributions.

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.engine.request import Request
-from specdec.engine.staging import to_device, to_device_packed
+from specdec.device.staging import to_device, to_device_packed
 from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.request import Request
 
 
 @dataclass

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.engine.request import Request
 from specdec.models import load_config, load_model, resolve_model
+from specdec.request import Request
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
 from specdec.spec.topk import level_topk_for

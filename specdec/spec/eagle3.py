@@ -34,12 +34,12 @@ import numpy as np
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.engine.request import Request
-from specdec.engine.staging import to_device
+from specdec.device.staging import to_device
 from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig
 from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
 from specdec.models.linear import use_triton_gemm
+from specdec.request import Request
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import Proposer
 from specdec.spec.topk import level_topk_for

@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 import torch
 
 from specdec.config import SpeculativeConfig, band_shape
-from specdec.engine.request import Request
 from specdec.models.config import ModelConfig
+from specdec.request import Request
 from specdec.spec.tree import DraftTree
 from specdec.tree_shapes import ChainShape, TreeShape
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specdec.spec.spec_exit import SpecExitParams
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
+from specdec.spec_exit_params import SpecExitParams
 
 
 def replay_exit(

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from specdec.spec.spec_exit import SpecExitParams, SpecExitState, SpecExitStats
-from specdec.spec.think_markers import Marker, context_mismatch, resolve_marker
+from specdec.spec.spec_exit import SpecExitState, SpecExitStats
 from specdec.spec.tree import DraftTree
+from specdec.spec_exit_params import SpecExitParams
+from specdec.think_markers import Marker, context_mismatch, resolve_marker
 
 logger = logging.getLogger(__name__)
 _MAX_CACHED_MARKERS = 64

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.tree_mask import ancestor_closure
-from specdec.engine.staging import to_device
+from specdec.device.staging import to_device
 from specdec.ops.topk import LevelTopK, chunked_topk, log_softmax_topk_ref
 from specdec.tree_shapes import ChainShape, DynamicTreeShape, StaticTreeShape, TreeShape
 

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from specdec.attention.tree_mask import uniform_tree_mask
-from specdec.engine.cuda_graph import capture_graph
-from specdec.engine.request import Request
-from specdec.engine.staging import to_device
+from specdec.device.graph_capture import capture_graph
+from specdec.device.staging import to_device
 from specdec.ops.attention_metadata import AttentionMetadata, cache_slots
+from specdec.request import Request
 from specdec.spec.chunk_inputs import ChunkInputs
 from specdec.spec.tree import TreeBatch
 from specdec.tree_shapes import TreeShape

@@ -1,4 +1,4 @@
-"""One sequence's state as the scheduler and model runner see it.
+"""One sequence's state as the scheduler, the model runner and the proposers see it.
 
 *Computed tokens* are the tokens whose K/V are in the paged cache. There are no prefill or
 decode phases: each step computes up to ``num_tokens - num_computed_tokens`` tokens (a

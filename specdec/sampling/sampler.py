@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.engine.seeded_stream import SeededStream, keys_tensor, row_exponentials
-from specdec.engine.staging import to_device
+from specdec.device.staging import to_device
+from specdec.sampling.seeded_stream import SeededStream, keys_tensor, row_exponentials
 from specdec.sampling_params import SamplingParams
 
 # Exp(1) draws of exactly 0 would divide by zero; 0/0 is NaN and argmax favours NaN.

@@ -24,7 +24,7 @@ import logging
 import numpy as np
 import torch
 
-from specdec.engine.staging import to_device
+from specdec.device.staging import to_device
 
 logger = logging.getLogger(__name__)
 
