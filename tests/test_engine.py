@@ -186,8 +186,12 @@ def test_preemption_keeps_outputs(smollm2_dir, mixed, tight_sync):
 
 
 def test_prefix_cache_computes_shared_system_prompt_once(llm, chats):
+    # The default system prompt (~20 tokens) spans at least one full block. Requests
+    # admitted in the same step as the one that computes it cannot reuse it yet, so one
+    # request runs first (whatever ran before on the shared engine); then every later
+    # request hits.
+    llm.generate(chats[7:8], greedy(4), use_tqdm=False)
     outs = llm.generate(chats[8:12], greedy(4), use_tqdm=False)
-    # The default system prompt (~20 tokens) spans at least one full block: hit for all.
     assert all(o.metrics.num_cached_tokens >= 16 for o in outs)
 
 
