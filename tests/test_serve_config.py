@@ -5,6 +5,8 @@ and flags given on the command line override a config file."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,24 @@ def test_missing_config_file_is_a_clear_error(capsys):
 
     assert main(["serve", "--config", "no/such.yaml"]) == 2
     assert "serve config 'no/such.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_resolving_the_server_config_imports_no_torch():
+    """The API process resolves its config (the shipped head's bands included) and
+    imports its HTTP stack without torch, so it starts the engine core, which needs torch,
+    within a second of launch instead of after its own torch import."""
+    code = (
+        "import sys\n"
+        "from specdec.cli import build_parser\n"
+        "from specdec.serve.cli import serve_config_from_args\n"
+        "config = serve_config_from_args(build_parser().parse_args(['serve']))\n"
+        "assert config.engine.speculative.method == 'eagle3', config.engine.speculative\n"
+        "import uvicorn\n"
+        "import specdec.serve.app, specdec.serve.core_client\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "print(len(loaded), loaded[:5])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("0 "), f"torch was imported before the engine core starts: {out}"
