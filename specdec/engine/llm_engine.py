@@ -50,7 +50,7 @@ from specdec.sampling.seeded_stream import SeededStream
 from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.spec.acceptance import accept_batch, greedy_accept_batch
 from specdec.spec.metrics import SpecStats
-from specdec.spec.proposer import make_proposer, proposer_class
+from specdec.spec.proposer import PipelinedProposer, make_proposer, proposer_class
 from specdec.spec.spec_exit import ExitCut, SpecExitState
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
 from specdec.spec.tree import DraftTree, root_only_tree
@@ -134,7 +134,7 @@ class LLMEngine:
         # Pipelined speculative steps (spec_pipeline.py), on by default where steps replay
         # CUDA graphs; the one in flight.
         self.pipeline: SpecPipeline | None = None
-        if self.proposer is not None and self.proposer.pipelines:
+        if isinstance(self.proposer, PipelinedProposer):
             pipelined = spec.pipelined
             if pipelined is None:
                 pipelined = self.runner.runtime.use_cuda_graphs

@@ -41,7 +41,7 @@ pipeline. Without this every arrival cost a read of the step in flight and two
 synchronous steps (the prefill, then the first draft from the prompt), and
 at batch 16 with requests arriving as others finish about a quarter of all steps ran so.
 
-Greedy requests of an EAGLE-3-style proposer only (``Proposer.pipelines``): sampled
+Greedy requests of an EAGLE-3-style proposer only (a ``PipelinedProposer``): sampled
 acceptance, logprobs, chunked prefills, forced tokens and SpecExit's admissions run the
 synchronous step, after the steps in flight are read (``LLMEngine`` decides per step).
 """
@@ -61,6 +61,7 @@ from specdec.models.compiling import compile_region
 from specdec.ops.accept import greedy_accept_and_stage
 from specdec.ops.attention_metadata import AttentionMetadata, cache_slots
 from specdec.request import Request
+from specdec.spec.proposer import PipelinedProposer
 from specdec.spec.tree import TreeBatch
 from specdec.spec.tree_draft import GrowInputs
 from specdec.tree_shapes import TreeShape
@@ -219,7 +220,7 @@ class SpecPipeline:
     still replay their own graphs where they fit).
     """
 
-    def __init__(self, runner, proposer) -> None:
+    def __init__(self, runner, proposer: PipelinedProposer) -> None:
         self.runner = runner
         self.proposer = proposer
         # Beyond a synchronous step's reservation: the step in flight may emit up to
@@ -319,7 +320,7 @@ class SpecPipeline:
         bonus), so its catch-up state row gets token ``first_tokens[i]``, aux ``aux[i]``,
         ``last = 0`` and ``start = r``: the next launch catches the head up there and
         drafts from the first token. The head's K/V below ``r`` is the caller's
-        (``Eagle3Proposer.start_pipelined``). Device ops and a queued read-back: no host
+        (``PipelinedProposer.start_pipelined``). Device ops and a queued read-back: no host
         sync."""
         n = len(requests)
         rows = [self.arrivals_at + (self._next_arrival + i) % self.rows for i in range(n)]

@@ -41,7 +41,7 @@ from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
 from specdec.models.linear import use_triton_gemm
 from specdec.request import Request
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
-from specdec.spec.proposer import Proposer
+from specdec.spec.proposer import PipelinedProposer
 from specdec.spec.topk import level_topk_for
 from specdec.spec.tree import DraftTree, TreeBatch, grow_trees, tree_plan
 from specdec.spec.tree_draft import (
@@ -79,7 +79,7 @@ class _HeadState:
         return [aux[row, :count], *self.pending]
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(PipelinedProposer):
     name = "eagle3"
 
     def __init__(self, config: SpeculativeConfig, *, runner) -> None:
@@ -281,8 +281,6 @@ class Eagle3Proposer(Proposer):
         return spans, aux
 
     # ---- the pipelined step (engine/spec_pipeline.py) ----------------------------------
-    pipelines = True
-
     def pipeline_ready(self, request: Request) -> bool:
         """Whether ``request`` can start a pipelined step from the host: it has been
         observed and catches up on 1 .. ``catch_up_width`` positions (a verify step or a

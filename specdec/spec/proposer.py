@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from specdec.config import SpeculativeConfig, band_shape
 from specdec.models.config import ModelConfig
 from specdec.request import Request
-from specdec.spec.tree import DraftTree
+from specdec.spec.tree import DraftTree, TreeBatch
+
+if TYPE_CHECKING:
+    from specdec.spec.tree_draft import GrowInputs
 from specdec.tree_shapes import ChainShape, TreeShape
 
 _PROPOSERS: dict[str, type[Proposer]] = {}
@@ -79,10 +82,6 @@ class Proposer(ABC):
     # fields, ``Eagle3Config.spec_exit_defaults``): the base requests' settings override.
     spec_exit_defaults: dict[str, Any] | None = None
 
-    # Whether this proposer runs pipelined speculative steps (engine/spec_pipeline.py):
-    # it then has ``pipeline_ready``, ``pipeline_inputs``, ``grow_pipelined``,
-    # ``start_pipelined`` and ``resume`` (Eagle3Proposer).
-    pipelines: ClassVar[bool] = False
     # Whether the growth its captured graphs run is one compiled region
     # (``SpeculativeConfig.compile_growth``); a pipeline then compiles its own draft
     # side, which inlines the growth, as one region too. Set by ``capture_graphs``.
@@ -165,3 +164,44 @@ def proposer_class(config: SpeculativeConfig) -> type[Proposer]:
 
 def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:
     return proposer_class(config)(config, **kwargs)
+
+
+class PipelinedProposer(Proposer):
+    """A proposer that runs pipelined speculative steps (engine/spec_pipeline.py): the
+    next step's draft is grown on the device from the step in flight's outcome, before
+    the host reads it. Its catch-up state travels between launches as device tensors of
+    ``catch_up_width`` positions per request (the engine reserves that many slots beyond
+    a synchronous step's lookahead)."""
+
+    catch_up_width: int
+
+    @abstractmethod
+    def pipeline_ready(self, request: Request) -> bool:
+        """Whether ``request`` can start a pipelined step from the host state."""
+
+    @abstractmethod
+    def pipeline_inputs(self, requests: Sequence[Request]) -> GrowInputs:
+        """``grow_pipelined``'s inputs from the host state of ``pipeline_ready`` requests."""
+
+    @abstractmethod
+    def start_pipelined(self, requests: Sequence[Request]) -> torch.Tensor:
+        """Arrivals joining the pipeline right after their prefill: the state their first
+        pipelined step continues from (the catch-up aux rows)."""
+
+    @abstractmethod
+    def grow_pipelined(
+        self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int, captured: bool = False
+    ) -> TreeBatch:
+        """Catch-up and growth of ``shape`` from device inputs (device ops only)."""
+
+    @abstractmethod
+    def resume(
+        self,
+        request: Request,
+        start: int,
+        aux: torch.Tensor,  # [rows, catch_up_width, aux width]: a launch's catch-up aux
+        row: int,
+        num_rows: int,
+    ) -> None:
+        """After the engine read a pipelined step: the next catch-up of ``request`` starts
+        at cache index ``start`` with ``aux[row, :num_rows]``."""
