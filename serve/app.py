@@ -159,13 +159,13 @@ def run_server(config: ServeConfig) -> None:
     )
     tokenizer: Future = Future()
     if config.engine_process:
-        core = ProcCoreClient(config.engine, wait=False)
+        core = ProcCoreClient(config.core_engine, wait=False)
         # The API side's tokenizer loads while the core loads weights and captures graphs.
         core.wait_ready(on_resolved=lambda model: _load_in_background(tokenizer, model))
     else:
         from specdec.engine.llm_engine import LLMEngine
 
-        core = InprocCoreClient(LLMEngine(config.engine))
+        core = InprocCoreClient(LLMEngine(config.core_engine))
     info = core.info
     logger.info(
         "serving %s as %s on %s %s (%s), max_model_len %d, %d KV blocks",

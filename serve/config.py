@@ -9,7 +9,7 @@ server's default speculation for the model (its shipped head, else n-gram lookup
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +125,16 @@ class ServeConfig:
     @property
     def max_in_flight(self) -> int:
         return self.engine.scheduler.max_num_seqs + self.max_waiting_requests
+
+    @property
+    def core_engine(self) -> EngineConfig:
+        """``engine`` as the server's core builds it: the draft's CUDA graphs deferred
+        (``SpeculativeConfig.defer_graphs``) unless the config chose, so /health answers
+        once the target is ready and speculation starts when its graphs are."""
+        spec = self.engine.speculative
+        if spec is None or spec.defer_graphs is not None:
+            return self.engine
+        return replace(self.engine, speculative=replace(spec, defer_graphs=True))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ServeConfig:

@@ -164,12 +164,22 @@ class EngineCore:
 
     def _iteration(self) -> bool:
         """Apply queued commands (waiting for one while idle), then run one step if any
-        request is unfinished. Returns False once shutdown was asked for."""
+        request is unfinished. Idle with deferred draft graphs left to capture, it
+        captures one instead of waiting (``LLMEngine.capture_pending_graph``). Returns
+        False once shutdown was asked for."""
         engine = self.engine
         if not engine.has_unfinished_requests():
             if self._changed:  # idle from here: what /metrics reads now is final
                 self._send_snapshot([])
-            if not self._apply(self.inbox.get()):
+            if engine.has_pending_graphs:
+                try:
+                    command = self.inbox.get_nowait()
+                except queue.Empty:
+                    engine.capture_pending_graph()
+                    return True
+            else:
+                command = self.inbox.get()
+            if not self._apply(command):
                 return False
         while True:
             try:

@@ -208,6 +208,14 @@ def add_engine_args(
         "the head's layer and logits (default: on)",
     )
     g.add_argument(
+        "--spec-defer-graphs",
+        type=on_off,
+        default=None,
+        metavar="on|off",
+        help="capture the draft's CUDA graphs after start-up, between steps; plain steps "
+        "until they are ready (default: on for serve, off otherwise)",
+    )
+    g.add_argument(
         "--spec-choices",
         type=json.loads,
         default=None,
@@ -229,6 +237,7 @@ TREE_FLAGS = {
     "spec_pipelined": "pipelined",
     "spec_compile_head": "compile_head",
     "spec_compile_growth": "compile_growth",
+    "spec_defer_graphs": "defer_graphs",
 }
 
 

@@ -249,6 +249,12 @@ class SpeculativeConfig:
     # cost is start-up: the engine starts in 32 s (chain) to 42 s (t8-d5-n32 tree) on the
     # H200, compilation included.
     compile_growth: bool = True
+    # GPU path: capture (and compile) the draft side's CUDA graphs after the engine
+    # starts, one graph at a time between steps (or while idle), instead of before: every
+    # step decodes plainly until the last one is ready (the same tokens either way, only
+    # slower), so the engine is up in the target's start-up time. None: off for ``LLM``
+    # and ``specdec bench``, on for ``specdec serve``, whose /health then answers sooner.
+    defer_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,21 @@ def test_speculative_left_out_keeps_the_default_and_null_turns_it_off():
     )
     assert ServeConfig.from_dict({"engine": {"speculative": None}}).engine.speculative is None
     assert ServeConfig.from_dict({"served_model_name": "x"}).model_names == ["x"]
+
+
+def test_the_server_defers_the_draft_graphs_unless_told_otherwise(monkeypatch):
+    """The core builds ``core_engine``: draft graphs deferred when the config leaves it
+    open, as given when it says so; the config itself stays as given."""
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    config = _config()
+    assert config.engine.speculative.defer_graphs is None
+    assert config.core_engine.speculative.defer_graphs is True
+    assert config.core_engine == replace(
+        config.engine, speculative=replace(config.engine.speculative, defer_graphs=True)
+    )
+    assert _config("--spec-defer-graphs", "off").core_engine.speculative.defer_graphs is False
+    assert _config("--spec-defer-graphs", "on").engine.speculative.defer_graphs is True
+    assert _config("--draft", "none").core_engine.speculative is None
 
 
 @pytest.mark.parametrize(

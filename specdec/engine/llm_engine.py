@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,11 @@ from specdec.spec.tree import DraftTree, root_only_tree
 from specdec.tree_shapes import TreeShape
 
 logger = logging.getLogger(__name__)
+
+# With deferred draft graphs (SpeculativeConfig.defer_graphs), a step under load captures
+# one at most this often (counted from the last capture's end), so requests keep being
+# served while they are captured.
+DEFERRED_CAPTURE_INTERVAL_S = 2.0
 
 
 @dataclass
@@ -142,6 +148,11 @@ class LLMEngine:
                 self.pipeline = SpecPipeline(self.runner, self.proposer)
         # The launches in flight: a step, then arrivals' prefills (SpecPipeline.arrive).
         self._spec_in_flight: list[SpecLaunch] = []
+        # The draft's graphs still to capture (SpeculativeConfig.defer_graphs): one per
+        # ``capture_pending_graph``; every step decodes plainly until none is left.
+        self._pending_graphs: Iterator[str] | None = None
+        self._capture_due = 0.0  # time.monotonic() from which step() may capture one
+        self._capture_times: dict[str, list[float]] = {}  # graph family -> seconds each
         self._capture_graphs()
         self.async_scheduling = self.config.async_scheduling
         if self.async_scheduling is None:  # auto: where the device runs ahead of the host
@@ -188,14 +199,57 @@ class LLMEngine:
             f"depth {shape.depth} ({shape.max_draft_tokens} drafts), batch {buckets}"
             for shape, buckets in sizes.items()
         )
-        logger.info("capturing the draft head's CUDA graphs (compiling first): %s", bands)
-        t0 = time.perf_counter()
-        self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len)
-        logger.info("captured the draft head's graphs in %.1f s", time.perf_counter() - t0)
+        graphs = self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len)
         if self.pipeline is not None:
-            t0 = time.perf_counter()
-            self.pipeline.capture_graphs(sizes)
-            logger.info("captured the pipelined step's graphs in %.1f s", time.perf_counter() - t0)
+            graphs = itertools.chain(graphs, self.pipeline.capture_graphs(sizes))
+        self._pending_graphs = graphs
+        if self.config.speculative.defer_graphs:
+            # Requests arriving with the engine's start are served before a capture.
+            self._capture_due = time.monotonic() + DEFERRED_CAPTURE_INTERVAL_S
+            logger.info(
+                "the draft's CUDA graphs (%s) are captured after start-up, between steps; "
+                "steps decode plainly until they are ready",
+                bands,
+            )
+            return
+        logger.info("capturing the draft's CUDA graphs (compiling first): %s", bands)
+        while self.capture_pending_graph():
+            pass
+
+    @property
+    def has_pending_graphs(self) -> bool:
+        """Whether deferred draft graphs remain to capture (``SpeculativeConfig.
+        defer_graphs``); until none does, every step decodes plainly."""
+        return self._pending_graphs is not None
+
+    @torch.inference_mode()
+    def capture_pending_graph(self) -> bool:
+        """Capture the draft's next pending CUDA graph; returns whether more remain. Runs
+        between steps with nothing in flight (``step`` reads the step in flight first);
+        ``specdec serve``'s core also calls it while idle. Speculation starts with the
+        step after the last one."""
+        graphs = self._pending_graphs
+        if graphs is None:
+            return False
+        if self._in_flight is not None or self._spec_in_flight:
+            raise RuntimeError("a draft graph is captured only with no step in flight")
+        t0 = time.perf_counter()
+        label = next(graphs, None)
+        if label is not None:
+            family = label.partition(":")[0]
+            self._capture_times.setdefault(family, []).append(time.perf_counter() - t0)
+            logger.debug("captured the draft graph of %s", label)
+            return True
+        self._pending_graphs = None
+        logger.info(
+            "captured the draft's CUDA graphs in %.1f s (%s); speculation is on",
+            sum(sum(t) for t in self._capture_times.values()),
+            ", ".join(
+                f"{family}: {len(t)} graphs, {sum(t):.1f} s"
+                for family, t in self._capture_times.items()
+            ),
+        )
+        return False
 
     def _band_graph_sizes(self) -> dict[TreeShape, list[int]]:
         """The bucketed batch sizes each band's shape needs graphs for: the buckets of the
@@ -328,7 +382,15 @@ class LLMEngine:
         ``output_kind``: a ``TokenDelta`` for TOKENS, else a ``RequestOutput``). With
         speculation, decoding requests verify a draft tree and may emit several tokens; the
         step is otherwise the same. Under async scheduling the outputs are those of the
-        step launched by the previous call."""
+        step launched by the previous call. While deferred draft graphs remain, a step
+        captures one first every ``DEFERRED_CAPTURE_INTERVAL_S`` (a call that finds a
+        step in flight only reads it)."""
+        if self._pending_graphs is not None and time.monotonic() >= self._capture_due:
+            if self._in_flight is not None:
+                done, self._in_flight = self._in_flight, None
+                return self._finish(done)
+            self.capture_pending_graph()
+            self._capture_due = time.monotonic() + DEFERRED_CAPTURE_INTERVAL_S
         deferring, self._deferring = self._deferring, False
         if self.pipeline is not None:
             if self._can_pipeline():
@@ -346,7 +408,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         observing = self.runner.aux_cache is not None
-        if observing and self._above_bands(len(sched.scheduled)):
+        if observing and self._decodes_plainly_at(len(sched.scheduled)):
             self._defer(num_running, deferring)
             observing = False
         trees = self._propose(sched.scheduled)
@@ -405,9 +467,12 @@ class LLMEngine:
             self._report(state, outputs)
         return outputs
 
-    def _above_bands(self, batch_size: int) -> bool:
-        """Whether a step of ``batch_size`` requests is above the speculation cutoff
-        (``disable_by_batch_size``), so drafts nothing."""
+    def _decodes_plainly_at(self, batch_size: int) -> bool:
+        """Whether a step of ``batch_size`` requests drafts nothing: it is above the
+        speculation cutoff (``disable_by_batch_size``), or deferred draft graphs are
+        still to capture."""
+        if self._pending_graphs is not None:
+            return True
         limit = self.config.speculative.disable_by_batch_size
         return limit is not None and batch_size > limit
 
@@ -427,7 +492,7 @@ class LLMEngine:
         """Whether the next step may verify drafts, and so must run synchronously: there is
         a proposer, and the requests running and waiting do not exceed its batch-size
         cutoff (above it ``_propose`` drafts nothing)."""
-        if self.proposer is None:
+        if self.proposer is None or self._pending_graphs is not None:
             return False
         limit = self.config.speculative.disable_by_batch_size
         return limit is None or self.scheduler.num_running + self.scheduler.num_waiting <= limit
@@ -443,7 +508,7 @@ class LLMEngine:
         start the pipeline."""
         scheduler = self.scheduler
         running = scheduler.running
-        if not running and not scheduler.num_waiting:
+        if (not running and not scheduler.num_waiting) or self._pending_graphs is not None:
             return False
         limit = self.config.speculative.disable_by_batch_size
         if limit is not None and len(running) > limit:
@@ -708,7 +773,7 @@ class LLMEngine:
 
     def _propose(self, scheduled) -> dict[int, DraftTree]:
         """Draft trees for decoding rows that reserved lookahead slots."""
-        if self.proposer is None or self._above_bands(len(scheduled)):
+        if self.proposer is None or self._decodes_plainly_at(len(scheduled)):
             return {}
         shape = self.proposer.shape_at(len(scheduled))  # the step's band
         rows, limits = [], []

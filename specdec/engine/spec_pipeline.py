@@ -48,6 +48,7 @@ synchronous step, after the steps in flight are read (``LLMEngine`` decides per 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -255,15 +256,18 @@ class SpecPipeline:
 
             self._accept_and_stage = accept_and_stage
 
-    def capture_graphs(self, batch_sizes: dict[TreeShape, list[int]]) -> None:
+    def capture_graphs(self, batch_sizes: dict[TreeShape, list[int]]) -> Iterator[str]:
         """Graphs of the whole step of each band's shape for its bucketed batch sizes (GPU
-        path, after the runner's and the proposer's own graphs). Where the proposer
-        compiles its growth, everything before the verify forward compiles as one region
-        with it: the state's gathers, the slots and the verification inputs fuse into a
-        few kernels."""
+        path, after the runner's and the proposer's own graphs), one per iteration (it
+        yields what it captured); launches replay them once all are captured. Where the
+        proposer compiles its growth, everything before the verify forward compiles as
+        one region with it: the state's gathers, the slots and the verification inputs
+        fuse into a few kernels."""
         if self.proposer.compiles_growth:
             self._graph_draft = compile_region(self._draft, fullgraph=True)
-        self.graphs = SpecStepGraphs(self, batch_sizes)
+        graphs = SpecStepGraphs(self, batch_sizes)
+        yield from graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def launch(self, requests: list[Request], prev: list[SpecLaunch]) -> SpecLaunch:
@@ -442,13 +446,18 @@ class SpecStepGraphs:
         self.graphs: dict[tuple[TreeShape, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_replays = 0
-        # Largest first: the others reuse its pool.
+
+    def capture(self) -> Iterator[str]:
+        """Capture one graph per iteration, largest batch first (the others reuse its
+        pool); yields what it captured. Steps replay them once all are captured."""
         keys = [(shape, bs) for shape, sizes in self.batch_sizes.items() for bs in sizes]
-        for key in sorted(keys, key=lambda k: -k[1]):
-            self.outputs[key] = self._capture(*key)
+        for shape, bs in sorted(keys, key=lambda k: -k[1]):
+            self.outputs[shape, bs] = self._capture(shape, bs)
+            drafts = shape.max_draft_tokens
+            yield f"pipelined step: depth {shape.depth}, {drafts} drafts, batch {bs}"
         # The warm-up and captured runs stepped the padding rows' outcomes into rows
         # 0 .. bs: start clean.
-        for t in pipeline.state.fields():
+        for t in self.pipeline.state.fields():
             t.zero_()
 
     def _args(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ the target has computed it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -148,9 +148,11 @@ class DraftModelProposer(Proposer):
 
     def capture_graphs(
         self, batch_sizes: dict[TreeShape, list[int]], block_table_width: int, max_seq_len: int
-    ):
+    ) -> Iterator[str]:
         tokens, last, start = pack_catch_ups([(0, 1)], [[0]], self.catch_up_width, self.device)
-        self.grower.capture(batch_sizes, (tokens, last, start), block_table_width, max_seq_len)
+        return self.grower.capture(
+            batch_sizes, (tokens, last, start), block_table_width, max_seq_len
+        )
 
     def _grow(self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int | None) -> TreeBatch:
         """Catch-up and growth, device ops only. Root state: ``pack_catch_ups``' tensors

@@ -27,7 +27,7 @@ last ``catch_up_width`` rows) — computed in the same capturable function as th
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -363,7 +363,7 @@ class Eagle3Proposer(PipelinedProposer):
 
     def capture_graphs(
         self, batch_sizes: dict[TreeShape, list[int]], block_table_width: int, max_seq_len: int
-    ):
+    ) -> Iterator[str]:
         width = self.catch_up_width
         tokens, last, start = pack_catch_ups([(0, 1)], [[0]], width, self.device)
         hidden_size = self.head.config.hidden_size
@@ -381,7 +381,7 @@ class Eagle3Proposer(PipelinedProposer):
             else:  # the head's layers and logits only
                 self.head.compile_regions()
                 self._graph_grow = functools.partial(self._grow, compiled=True)
-        self.grower.capture(
+        return self.grower.capture(
             batch_sizes,
             state_like,
             block_table_width,

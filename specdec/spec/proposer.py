@@ -13,7 +13,7 @@ limit or room is short of it (``shape_for``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -109,14 +109,17 @@ class Proposer(ABC):
         (catch-ups are padded to this width whatever the step's band)."""
         return self.max_depth + 1
 
-    def capture_graphs(  # noqa: B027  (optional hook)
+    def capture_graphs(
         self,
         batch_sizes: dict[TreeShape, list[int]],
         block_table_width: int,
         max_seq_len: int,
-    ) -> None:
-        """Capture CUDA graphs of the draft steps of each shape for its bucketed batch
-        sizes (model proposers; called once on the GPU path, after the target's graphs)."""
+    ) -> Iterator[str]:
+        """CUDA graphs of the draft steps of each shape for its bucketed batch sizes
+        (model proposers; once on the GPU path, after the target's graphs): each
+        iteration captures one graph and yields what it captured, so the engine can
+        capture them all before it starts or one at a time between steps. None here."""
+        return iter(())
 
     def release(self, request_id: str) -> None:  # noqa: B027  (optional hook)
         """Forget per-request state once a request finishes or is aborted."""

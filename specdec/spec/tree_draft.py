@@ -19,7 +19,8 @@ replays it for the configured shape at bucketed batch sizes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import bisect
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -267,7 +268,10 @@ only (``max_seq_len`` as for ``TreeDraftLayout``)."""
 
 
 class GrowGraphs:
-    """CUDA graphs of ``grow`` for one shape, one per bucketed batch size.
+    """CUDA graphs of ``grow`` for one shape, one per bucketed batch size, captured by
+    iterating ``capture()`` (largest first: the others reuse its memory pool).
+    ``batch_sizes`` holds the sizes captured so far, so a batch never picks a graph that
+    is not there yet.
 
     Padding rows grow trees below token 0 from cache index 0 through all-null block
     tables: they write the null block only, and their trees are dropped.
@@ -284,9 +288,10 @@ class GrowGraphs:
         pool=None,  # a memory pool to share (another shape's graphs)
     ) -> None:
         self.shape = shape
-        self.batch_sizes = sorted(batch_sizes)
+        self.planned = sorted(batch_sizes)
+        self.batch_sizes: list[int] = []  # captured, ascending
         device = state_like[0].device
-        m = self.batch_sizes[-1]
+        m = self.planned[-1]
         self.static = GrowInputs(
             roots=torch.zeros(m, dtype=torch.int64, device=device),
             start=torch.zeros(m, dtype=torch.int64, device=device),
@@ -301,8 +306,13 @@ class GrowGraphs:
         self.pool = pool
         self._grow = grow
         self.max_seq_len = max_seq_len
-        for bs in reversed(self.batch_sizes):  # largest first: the others reuse its pool
+
+    def capture(self) -> Iterator[int]:
+        """Capture one graph per iteration, largest batch size first; yields its size."""
+        for bs in reversed(self.planned):
             self.outputs[bs] = self._capture(bs, self._prefix(bs))
+            bisect.insort(self.batch_sizes, bs)
+            yield bs
 
     def _capture(self, bs: int, inputs: GrowInputs) -> TreeBatch:
         """Warm up (lazy allocations, autotuning, the shape's indices), capture the growth
@@ -373,10 +383,12 @@ class TreeGrower:
         block_table_width: int,
         max_seq_len: int,
         grow: GrowFn | None = None,
-    ) -> None:
-        """Graphs of each shape for its batch sizes, in one memory pool. ``grow``: the
-        function the graphs capture, when it differs from the eager one (e.g. compiled
-        regions, which only fixed graph shapes should run)."""
+    ) -> Iterator[str]:
+        """Graphs of each shape for its batch sizes, in one memory pool, one per
+        iteration (each yields what it captured). ``grow``: the function the graphs
+        capture, when it differs from the eager one (e.g. compiled regions, which only
+        fixed graph shapes should run). A shape's graphs serve ``grow`` once all of them
+        are captured."""
         pool = None
         for shape, sizes in batch_sizes.items():
             graphs = GrowGraphs(
@@ -388,6 +400,8 @@ class TreeGrower:
                 max_seq_len,
                 pool,
             )
+            for bs in graphs.capture():
+                yield f"growth: depth {shape.depth}, {shape.max_draft_tokens} drafts, batch {bs}"
             self.graphs[shape] = graphs
             pool = graphs.pool
 

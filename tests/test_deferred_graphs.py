@@ -1,0 +1,147 @@
+"""Deferred draft graphs (``SpeculativeConfig.defer_graphs``): the engine starts with the
+target's graphs only and captures the draft's afterwards, one per call between steps or
+while the serving core is idle. Until the last one is captured every step decodes
+plainly; then the head catches up and speculates. Real SmolLM2 (fp32, CPU) with a trained
+EAGLE-3 head, the GPU path's graphs as CPU stand-ins (test_engine.py)."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from test_engine import greedy, make_llm, token_ids
+from test_spec_pipeline import _use_graph_stand_ins
+
+from specdec.config import SpeculativeConfig
+from specdec.engine import llm_engine
+from specdec.serve.engine_core import EngineCore
+
+PICKED = [0, 3, 5, 7]
+LENGTHS = [40, 48, 36, 44]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir, chats) -> list[list[int]]:
+    outs = make_llm(smollm2_dir).generate(
+        [chats[i] for i in PICKED], [greedy(n) for n in LENGTHS], use_tqdm=False
+    )
+    return token_ids(outs)
+
+
+def _deferred_engine(smollm2_dir, head_dir, monkeypatch, **kwargs):
+    spec = SpeculativeConfig(
+        method="eagle3",
+        model=str(head_dir),
+        num_speculative_tokens=3,
+        disable_by_batch_size=4,
+        pipelined=True,
+        defer_graphs=True,
+    )
+    llm = make_llm(
+        smollm2_dir, speculative=spec, max_num_seqs=4, cuda_graph_max_batch_size=4, **kwargs
+    )
+    engine = llm.engine
+    _use_graph_stand_ins(engine, monkeypatch)
+    engine._capture_graphs()
+    return llm, engine
+
+
+def _count_speculation(engine, monkeypatch) -> list[bool]:
+    """Record, for every draft the engine asks for (synchronous proposals and pipelined
+    launches), whether deferred graphs were still pending then."""
+    seen: list[bool] = []
+    propose, launch = engine.proposer.propose, engine.pipeline.launch
+
+    def counted_propose(*args):
+        seen.append(engine.has_pending_graphs)
+        return propose(*args)
+
+    def counted_launch(*args):
+        seen.append(engine.has_pending_graphs)
+        return launch(*args)
+
+    monkeypatch.setattr(engine.proposer, "propose", counted_propose)
+    monkeypatch.setattr(engine.pipeline, "launch", counted_launch)
+    return seen
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_steps_decode_plainly_until_the_deferred_graphs_are_captured(
+    smollm2_dir, trained_head_dir, chats, reference, async_scheduling, monkeypatch
+) -> None:
+    """Steps capture one pending graph each (the interval set to 0) after reading the
+    step in flight; no draft is made before the last one, the head speculates after it
+    (catching up on the plain steps' aux states), and every token equals plain
+    decoding's."""
+    monkeypatch.setattr(llm_engine, "DEFERRED_CAPTURE_INTERVAL_S", 0.0)
+    llm, engine = _deferred_engine(
+        smollm2_dir, trained_head_dir, monkeypatch, async_scheduling=async_scheduling
+    )
+    assert engine.has_pending_graphs
+    assert not engine.proposer.grower.graphs and engine.pipeline.graphs is None
+    seen = _count_speculation(engine, monkeypatch)
+    outs = llm.generate([chats[i] for i in PICKED], [greedy(n) for n in LENGTHS], use_tqdm=False)
+    assert token_ids(outs) == reference
+    assert not engine.has_pending_graphs
+    assert seen and not any(seen)  # drafts only once every graph was there
+    assert engine.spec_stats.accepted_tokens > 0
+    # Every planned graph was captured: a growth graph per bucket, a whole-step graph per
+    # bucket.
+    (growth,) = engine.proposer.grower.graphs.values()
+    assert growth.batch_sizes == growth.planned == [1, 2, 4]
+    assert sorted(bs for _, bs in engine.pipeline.graphs.outputs) == [1, 2, 4]
+    assert engine.pipeline.graphs.num_replays > 0
+
+
+def test_steps_wait_the_interval_between_captures(
+    smollm2_dir, trained_head_dir, chats, reference, monkeypatch
+) -> None:
+    """With the interval longer than the run, no step captures a graph (the first may
+    capture one only an interval after the engine started): the whole run decodes
+    plainly, with the same tokens."""
+    monkeypatch.setattr(llm_engine, "DEFERRED_CAPTURE_INTERVAL_S", 3600.0)
+    llm, engine = _deferred_engine(smollm2_dir, trained_head_dir, monkeypatch)
+    seen = _count_speculation(engine, monkeypatch)
+    outs = llm.generate([chats[i] for i in PICKED], [greedy(n) for n in LENGTHS], use_tqdm=False)
+    assert token_ids(outs) == reference
+    assert engine.has_pending_graphs and not seen
+    assert not engine._capture_times
+
+
+def test_the_idle_serving_core_captures_the_deferred_graphs(
+    smollm2_dir, trained_head_dir, chats, reference, monkeypatch
+) -> None:
+    """An idle core iteration captures one pending graph instead of waiting for a command
+    (and returns at once); a command that is waiting is applied first. Once all are
+    captured, the core's requests speculate and keep plain decoding's tokens."""
+    from specdec.serve.engine_core import core_params
+
+    monkeypatch.setattr(llm_engine, "DEFERRED_CAPTURE_INTERVAL_S", 3600.0)  # idle only
+    _, engine = _deferred_engine(smollm2_dir, trained_head_dir, monkeypatch)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    sent: list[tuple] = []
+    core = EngineCore(engine, inbox, sent.append)
+    prompt = chats[PICKED[0]]
+    inbox.put(("add", "a", prompt, core_params(greedy(LENGTHS[0]))))
+    assert core._iteration()  # the add, then a (plain) step: no capture
+    assert ("added", "a", None) in sent
+    assert not engine._capture_times
+    while engine.has_unfinished_requests():
+        assert core._iteration()
+    captures = 0
+    while engine.has_pending_graphs:  # idle, empty inbox: one graph per iteration
+        assert core._iteration()
+        captures += 1
+    assert captures == 7  # six graphs, then the iteration that finds none left
+    assert inbox.empty()
+    inbox.put(("add", "b", prompt, core_params(greedy(LENGTHS[0]))))
+    while True:
+        assert core._iteration()
+        if not engine.has_unfinished_requests():
+            break
+    tokens = {
+        rid: [t for m in sent if m[0] == "step" for d in m[1] if d[0] == rid for t in d[1]]
+        for rid in ("a", "b")
+    }
+    assert tokens["a"] == tokens["b"] == reference[0]
+    assert engine.spec_stats.accepted_tokens > 0
