@@ -2,11 +2,13 @@
 
 For each server variant (``--variants``: ``none`` = plain decoding, ``default`` = the
 model's default speculation, i.e. its shipped head) it launches ``python -m specdec.serve``,
-records the seconds until /health answers, runs ``specdec bench-serve`` (a separate client
-process) at each concurrency, and samples the CPU time of every thread of the server's
-processes while the largest concurrency runs (where the host time goes: the event loop,
-the engine loop, the core's pipe threads). Then ``specdec bench`` runs offline at the
-same batch sizes on the same prompts (plain and default speculation, ``--waves``).
+records the seconds until /health answers and until it speculates (its deferred draft
+graphs captured), runs ``specdec bench-serve`` (a separate client process) at each
+concurrency, and samples the CPU time of every thread of the server's processes while the
+largest concurrency runs (where the host time goes: the event loop, the engine loop, the
+core's pipe threads; with ``--py-spy``, py-spy's stacks too). Then ``specdec bench`` runs
+offline at the same batch sizes on the same prompts (plain and default speculation,
+``--waves``).
 
     python benchmarks/serve_load.py --prompts wb.jsonl --concurrency 1,4,16,64,128 \
         --max-tokens 256 --json out.json [--server-args "--dtype bfloat16"]
@@ -34,6 +36,7 @@ from pathlib import Path
 import httpx
 
 VARIANT_ARGS = {"none": ["--draft", "none"], "default": []}
+PENDING_METRIC = "specdec_spec_decode_graphs_pending"
 
 
 def free_port() -> int:
@@ -86,6 +89,47 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise TimeoutError(f"server not healthy after {timeout} s")
 
 
+def wait_speculation(url: str, proc: subprocess.Popen, start: float, timeout: float) -> float:
+    """Seconds from launch until /metrics reports no deferred draft graphs pending (the
+    server captures them while idle after /health; steps decode plainly until then)."""
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        pending = [ln for ln in text.splitlines() if ln.startswith(PENDING_METRIC)]
+        if not pending or float(pending[0].split()[-1]) == 0.0:
+            return time.monotonic() - start
+        time.sleep(0.2)
+    raise TimeoutError(f"draft graphs still pending after {timeout} s")
+
+
+def py_spy_record(py_spy: str, pid: int, seconds: float, out: Path) -> subprocess.Popen:
+    """py-spy samples every process of the server (the API process and the engine core)
+    for ``seconds``, in collapsed-stack form (``summarize_stacks`` reads it)."""
+    cmd = [py_spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking",
+           "--rate", "200", "--duration", str(int(seconds)), "--format", "raw",
+           "--output", str(out)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def summarize_stacks(path: Path, top: int = 25) -> list[tuple[float, str]]:
+    """The frames holding the most samples in a collapsed-stack file, as (share of the
+    samples of that process, "process | function (file:line)"), leaf frames (self time)."""
+    per_process: dict[str, int] = {}
+    leaves: dict[tuple[str, str], int] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        process = frames[0] if frames[0].startswith("process") else "?"
+        per_process[process] = per_process.get(process, 0) + int(count)
+        key = (process, frames[-1])
+        leaves[key] = leaves.get(key, 0) + int(count)
+    ranked = sorted(leaves.items(), key=lambda kv: -kv[1])[:top]
+    return [(n / per_process[proc], f"{proc[:60]} | {leaf}") for (proc, leaf), n in ranked]
+
+
 def bench_serve(url: str, args, c: int, out: Path) -> dict:
     """``specdec bench-serve`` at concurrency ``c``, split over one client process per
     ``--client-concurrency`` streams: one Python client parsing 128 SSE streams is
@@ -132,12 +176,22 @@ def run_server(variant: str, args, work: Path) -> dict:
     try:
         result["health_s"] = wait_health(url, proc, args.start_timeout)
         print(f"[{variant}] healthy after {result['health_s']:.1f} s", flush=True)
+        result["speculation_s"] = wait_speculation(url, proc, start, args.start_timeout)
+        print(f"[{variant}] speculating {result['speculation_s']:.1f} s after launch", flush=True)
         bench_serve(url, args, 1, work / "warm.json")  # first requests pay one-time costs
         top = max(args.concurrency)
         for c in args.concurrency:
             before = thread_cpu(proc.pid) if c == top else None
+            spy = None
+            if before is not None and args.py_spy:
+                stacks = work / f"stacks_{variant}_c{c}.txt"
+                spy = py_spy_record(args.py_spy, proc.pid, args.py_spy_s, stacks)
             t0 = time.monotonic()
             report = bench_serve(url, args, c, work / f"serve_{variant}_c{c}.json")
+            if spy is not None:
+                spy.wait()
+                result["stacks"] = str(stacks)
+                result["top_frames"] = summarize_stacks(stacks)
             if before is not None:
                 wall = time.monotonic() - t0
                 after = thread_cpu(proc.pid)
@@ -203,6 +257,11 @@ def main() -> int:
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--logs", help="copy each server's time-stamped log into this folder")
+    p.add_argument(
+        "--py-spy", default="",
+        help="py-spy executable: sample the server's processes at the largest concurrency",
+    )  # fmt: skip
+    p.add_argument("--py-spy-s", type=float, default=20, help="seconds py-spy samples")
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="serve_load_"))
@@ -215,6 +274,8 @@ def main() -> int:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
         for s in servers:
             shutil.copy(s["log"], args.logs)
+            if s.get("stacks"):
+                shutil.copy(s["stacks"], args.logs)
     print("\n| c | variant | server tok/s | offline tok/s | server/offline | TPOT p50 ms | τ |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for c in args.concurrency:
@@ -228,8 +289,11 @@ def main() -> int:
                   f"{row.get('tpot_p50_ms', 0):.2f} | {f'{tau:.2f}' if tau else ''} |")  # fmt: skip
     for s in servers:
         top = max(args.concurrency)
-        print(f"{s['variant']}: /health after {s.get('health_s', float('nan')):.1f} s; "
+        print(f"{s['variant']}: /health after {s.get('health_s', float('nan')):.1f} s, "
+              f"speculating after {s.get('speculation_s', float('nan')):.1f} s; "
               f"CPU share per thread at c={top}: {s.get('cpu_share')}")  # fmt: skip
+        for share, frame in s.get("top_frames", []):
+            print(f"   {share:6.1%}  {frame}")
     return 0
 
 

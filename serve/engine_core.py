@@ -67,6 +67,8 @@ class EngineSnapshot:
     spec_exit_requests: int = 0  # requests that opted into SpecExit
     spec_exit_exits: int = 0  # thinking cut short
     spec_exit_tokens_saved: float = 0.0  # the head's remaining-tokens estimate at exits
+    # Deferred draft graphs are still being captured: steps decode plainly until then.
+    draft_graphs_pending: bool = False
 
     @property
     def kv_usage(self) -> float:
@@ -131,6 +133,7 @@ def take_snapshot(engine) -> EngineSnapshot:
         spec_exit_requests=exits.requests if exits else 0,
         spec_exit_exits=exits.exits if exits else 0,
         spec_exit_tokens_saved=exits.tokens_saved if exits else 0.0,
+        draft_graphs_pending=engine.has_pending_graphs,
     )
 
 
@@ -176,6 +179,7 @@ class EngineCore:
                     command = self.inbox.get_nowait()
                 except queue.Empty:
                     engine.capture_pending_graph()
+                    self._changed = True  # the last one: /metrics says so at once
                     return True
             else:
                 command = self.inbox.get()

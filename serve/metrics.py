@@ -19,6 +19,8 @@ read at scrape time from the engine core's latest ``EngineSnapshot``. Names (all
   one request with a draft; ``spec_decode_mean_acceptance_length`` is τ = 1 +
   accepted / steps (bonus token included); ``spec_decode_acceptance_rate{position="k"}``
   is a_k, the fraction of steps that accepted at least k draft tokens.
+- ``spec_decode_graphs_pending``: 1 while the draft's deferred CUDA graphs are being
+  captured after start-up (``--spec-defer-graphs``; steps decode plainly), else 0.
 - ``spec_exit_requests`` / ``spec_exit_triggered`` / ``spec_exit_think_tokens_saved``:
   SpecExit (docs/spec_exit.md): requests that opted in, exits triggered (thinking cut
   short), and the think tokens saved as the draft head estimated them (its remaining
@@ -100,6 +102,11 @@ class _EngineCollector(Collector):
             hits = s.spec_accepted_at_least[k - 1] if k <= len(s.spec_accepted_at_least) else 0
             rates.add_metric([str(k)], hits / s.spec_steps if s.spec_steps else 0.0)
         yield rates
+        yield _gauge(
+            "spec_decode_graphs_pending",
+            "1 while the draft's deferred CUDA graphs are being captured (plain steps).",
+            float(s.draft_graphs_pending),
+        )
         yield _counter(
             "spec_exit_requests", "Requests that opted into SpecExit.", s.spec_exit_requests
         )
