@@ -42,12 +42,12 @@ SHAPES = {
 # "module:Class.method" -> label. Nested phases are timed inside their parents.
 PHASES = {
     "specdec.engine.llm_engine:LLMEngine.step": "step",
-    "specdec.engine.llm_engine:LLMEngine._can_pipeline": "can_pipeline",
+    "specdec.engine.pipelined_step:PipelinedStep.can_run": "can_pipeline",
     "specdec.engine.scheduler:Scheduler.schedule": "schedule",
     "specdec.engine.spec_pipeline:SpecPipeline.launch": "launch",
     "specdec.engine.spec_pipeline:SpecStepGraphs.run": "graph_run",
     "specdec.engine.spec_pipeline:SpecStepGraphs._replay": "replay_call",
-    "specdec.engine.llm_engine:LLMEngine._finish_spec": "finish_spec",
+    "specdec.engine.pipelined_step:PipelinedStep._finish": "finish_spec",
     "specdec.device.staging:HostCopy.tolist": "read_back",
     "torch.cuda:Event.synchronize": "wait",
     "torch.cuda:Event.record": "event_record",

@@ -162,18 +162,22 @@ def profile(llm, prompt_ids: list[list[int]], max_tokens: int) -> dict:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompt_ids, params, use_tqdm=False)  # warm-up (graphs, compile)
+    from specdec.engine.pipelined_step import PipelinedStep
+    from specdec.engine.sync_step import SyncStep
+
+    sync_mode, pipelined = engine.mode(SyncStep), engine.mode(PipelinedStep)
     patched: list = []
     targets = [
         (engine, "step", STEP),
         (engine.pipeline, "launch", "launch"),
         (engine.proposer, "grow_pipelined", "draft"),
-        (engine, "_propose", "draft"),
+        (sync_mode, "_propose", "draft"),
         (engine.runner, "execute", "verify"),
-        (engine, "_verify", "accept"),
+        (sync_mode, "_verify", "accept"),
         (engine.runner, "move_accepted_kv", "move_kv"),
         (engine.runner, "move_kv", "move_kv"),
         (engine.pipeline, "_continue", "continue"),
-        (engine, "_finish_spec", "read"),
+        (pipelined, "_finish", "read"),
     ]
     for obj, attr, label in targets:
         if obj is not None:

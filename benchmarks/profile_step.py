@@ -122,19 +122,26 @@ def profile(llm: LLM, name: str, batch: int, max_tokens: int, kernels: int) -> N
 
         return wrapper
 
+    from specdec.engine import sync_step
+    from specdec.engine.async_step import AsyncStep
+    from specdec.engine.sync_step import SyncStep
+
+    sync_mode, async_mode = engine.mode(SyncStep), engine.mode(AsyncStep)
     originals = []
     for obj, attr in [
-        (engine, "_propose"),
+        (sync_mode, "_propose"),
         (engine.runner, "prepare"),
         (engine.runner, "execute"),
-        (engine, "_verify"),
-        (engine, "_sample_on_device"),  # sampling (the synchronous path's read-back: step)
-        (engine, "_finish"),  # async scheduling: reading a launched step's tokens
-        (engine, "_observe"),
+        (sync_mode, "_verify"),
+        (engine.step_sampler, "on_device"),  # sampling (the synchronous read-back: step)
+        (async_mode, "_finish"),  # async scheduling: reading a launched step's tokens
+        (sync_step, "observe"),
         (engine.runner, "move_kv"),
         (engine.scheduler, "schedule"),
         (engine, "step"),
     ]:
+        if obj is None:
+            continue
         originals.append((obj, attr))
         setattr(obj, attr, timed("step (total)" if attr == "step" else attr, getattr(obj, attr)))
     replays, draft_replays = graph_replays(engine), draft_graph_replays(engine)

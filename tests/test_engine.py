@@ -13,6 +13,7 @@ from tiny_models import make_tiny_model_dir
 
 from specdec import LLM, SamplingParams
 from specdec.config import EngineConfig, SpeculativeConfig
+from specdec.engine.async_step import AsyncStep
 from specdec.engine.cuda_graph import PrefillGraphs, StepGraphs, prefill_graph_buckets
 from specdec.engine.spec_pipeline import SpecStepGraphs
 from specdec.outputs import TokenDelta
@@ -285,7 +286,7 @@ def test_async_scheduling_streams_and_aborts_with_a_step_in_flight(smollm2_dir, 
             text[out.request_id] += out.outputs[0].text
         step += 1
         if step == 6:
-            assert engine._in_flight is not None  # the abort lands on a launched step
+            assert engine.mode(AsyncStep).in_flight  # the abort lands on a launched step
             engine.abort_request(ids[1])
             aborted_at = len(got[ids[1]])
     assert len(got[ids[1]]) == aborted_at < NEW_TOKENS
@@ -323,8 +324,9 @@ def test_plain_steps_run_async_above_the_speculation_cutoff(
     llm = make_llm(smollm2_dir, speculative=spec, async_scheduling=True)
     engine = llm.engine
     launched: list[int] = []  # batch sizes of the asynchronous (plain) steps
-    launch = engine._launch
-    engine._launch = lambda scheduled: launched.append(len(scheduled)) or launch(scheduled)
+    mode = engine.mode(AsyncStep)
+    launch = mode._launch
+    mode._launch = lambda scheduled: launched.append(len(scheduled)) or launch(scheduled)
     lengths = [NEW_TOKENS * (i % 3 + 1) // 3 for i in range(6)]  # requests end at 3 steps
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     got = token_ids(llm.generate(chats[:6], params, use_tqdm=False))

@@ -26,6 +26,7 @@ from test_spec_exit_engine import CLOSE_IDS, OPEN_IDS, SIGNALS, check_exit, pick
 
 from specdec import SamplingParams
 from specdec.config import SpeculativeConfig
+from specdec.engine.pipelined_step import PipelinedStep
 from specdec.models import load_config
 from specdec.models.eagle3_formats import load_eagle3, save_eagle3
 from specdec.models.eagle3_head import Eagle3Head
@@ -145,7 +146,7 @@ def test_pipelined_steps_keep_greedy_outputs(
     assert engine.pipeline.num_launches > 0.8 * stats.steps / len(PICKED)  # mostly pipelined
     assert stats.accepted_tokens / stats.steps > 0.25  # drafts accepted: moves, catch-ups
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
-    assert not engine.proposer._states and not engine._spec_in_flight
+    assert not engine.proposer._states and not engine.mode(PipelinedStep).in_flight
 
 
 def test_pipelined_stops_and_arrivals_keep_outputs(
@@ -175,10 +176,11 @@ def test_pipelined_stops_and_arrivals_keep_outputs(
         if step in (4, 9, 15) and len(ids) < len(pending):  # arrivals mid-decode
             prompt, p = pending[len(ids)]
             ids.append(engine.add_request(prompt, p))
-        prev, running = engine._spec_in_flight, engine.scheduler.running
+        pipelined = engine.mode(PipelinedStep)
+        prev, running = pipelined.launches, engine.scheduler.running
         if prev and running == [r for launch in prev for r in launch.requests]:  # shortcut
             shortcuts += 1
-            assert engine._may_pipeline(running, prev)  # still holds: skipping it is exact
+            assert pipelined.may_run(running, prev)  # still holds: skipping it is exact
         for out in engine.step():
             if out.finished:
                 got[out.request_id] = out.outputs[0].token_ids
@@ -489,7 +491,7 @@ def test_pipelined_spec_exit_cuts_as_the_synchronous_step(
         assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
         if pipelined:
             assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0
-            assert not engine.proposer._states and not engine._spec_in_flight
+            assert not engine.proposer._states and not engine.mode(PipelinedStep).in_flight
     assert outputs[True] == outputs[False]
     for i, k in enumerate(cuts):
         check_exit(plain, prompts[i], outputs[True][i], expected[i], k, end=CLOSE_IDS)

@@ -103,7 +103,7 @@ def test_engine_speculative_sampling_matches_target(target_dir, draft_dir, exact
 def test_broken_acceptor_is_detected(target_dir, draft_dir, exact_joint, monkeypatch):
     """Always accepting the draft token skews the second token: the same check fails,
     already on a third of the draws (so the check has power at the size it runs at)."""
-    from specdec.engine import llm_engine
+    from specdec.engine import sync_step
     from specdec.spec.acceptance import AcceptResult
 
     def accept_all(trees, target_logits, meta, generator=None):
@@ -115,6 +115,6 @@ def test_broken_acceptor_is_detected(target_dir, draft_dir, exact_joint, monkeyp
             start += tree.num_nodes
         return out
 
-    monkeypatch.setattr(llm_engine, "accept_batch", accept_all)
+    monkeypatch.setattr(sync_step, "accept_batch", accept_all)
     counts, _ = _sample_pairs(target_dir, draft_dir, N // 3)
     assert _chi_square_p(counts, exact_joint) < 1e-6

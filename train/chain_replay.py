@@ -7,8 +7,8 @@ before it (``specdec data-gen regenerate --temperature 0``). A chain of ``K`` dr
 at ``x[j]`` is TTT's unroll at packed index ``j - 1`` (``ttt.py``'s alignment), so its
 drafts equal greedy decoding's next tokens exactly for its *leading run* of hits.
 
-The engine's accounting, which ``replay_chain`` reproduces (``LLMEngine._propose``,
-``_verify``, ``_stop_status``):
+The engine's accounting, which ``replay_chain`` reproduces (``SyncStep._propose`` and
+``_verify``, ``OutputProcessor._stop_status``):
 
 - the prefill emits the answer's first token ``x[p]``; it is not a step;
 - each later step roots a chain at the last emitted token and drafts
@@ -23,7 +23,7 @@ The engine's accounting, which ``replay_chain`` reproduces (``LLMEngine._propose
 
 These are the synchronous step's rules. The pipelined step (``spec_pipeline``, on by
 default with CUDA graphs) launches a full chain whatever max_tokens leaves, and the engine
-counts it as the synchronous step would (``LLMEngine._counted_as_synchronous``), so the
+counts it as the synchronous step would (``pipelined_step.counted_as_synchronous``), so the
 replay holds for both.
 
 Invariants: every answer begins after its sequence's first token (the prefill needs a

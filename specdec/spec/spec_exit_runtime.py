@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specdec.spec.spec_exit import SpecExitState, SpecExitStats
+from specdec.spec.spec_exit import ExitCut, SpecExitState, SpecExitStats
 from specdec.spec.tree import DraftTree
 from specdec.spec_exit_params import SpecExitParams
 from specdec.think_markers import Marker, context_mismatch, resolve_marker
@@ -80,6 +80,20 @@ class SpecExitRuntime:
                 )  # fmt: skip
             self._markers[key] = marker
         return marker
+
+    def judge(
+        self,
+        state: SpecExitState,  # the opted-in request's
+        output_token_ids: Sequence[int],  # its output before this step's tokens
+        emitted: list[int],  # the step's tokens, bonus included
+        values: list[float] | None,  # the step's tree's exit signals
+    ) -> ExitCut | None:
+        """The SpecExit policy's verdict on one step (None: keep every token), counted
+        when it cuts: what to keep of ``emitted`` and which marker tokens to force."""
+        cut = state.step(output_token_ids, emitted, values)
+        if cut is not None:
+            self.stats.record(cut)
+        return cut
 
     def text_of(self, token: int) -> str:
         text = self._texts.get(token)
