@@ -367,25 +367,34 @@ def test_ngram_speculation_is_lossless(smollm2_dir, lossless, kwargs):
 def test_delta_outputs_carry_every_emitted_token(smollm2_dir, chats, reference):
     """Streaming (DELTA) with speculation: a verify step may emit several tokens, and every
     one reaches the client, with its text, exactly once; TOKENS (a server's engine core)
-    reports the same tokens as ``TokenDelta`` tuples, without text."""
+    reports the same tokens as ``TokenDelta`` tuples, without text, and never loads the
+    tokenizer."""
     spec = SpeculativeConfig(num_speculative_tokens=4)
     engine = make_llm(smollm2_dir, speculative=spec).engine
+    engine._tokenizer = None  # as in a serving core: nothing has needed it yet
     params = SamplingParams(
         temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
-    engine.add_request(chats[3], params, "text")
-    tokens_only = dataclasses.replace(params, output_kind=RequestOutputKind.TOKENS)
-    engine.add_request(chats[3], tokens_only, "ids")
     deltas: dict[str, list[list[int]]] = {"text": [], "ids": []}
     text, finish = "", None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if isinstance(out, TokenDelta):
-                deltas[out.request_id].append(out.token_ids)
-                finish = out.finish_reason or finish
-            else:
-                deltas[out.request_id].append(out.outputs[0].token_ids)
-                text += out.outputs[0].text
+
+    def run() -> None:
+        nonlocal text, finish
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if isinstance(out, TokenDelta):
+                    deltas[out.request_id].append(out.token_ids)
+                    finish = out.finish_reason or finish
+                else:
+                    deltas[out.request_id].append(out.outputs[0].token_ids)
+                    text += out.outputs[0].text
+
+    tokens_only = dataclasses.replace(params, output_kind=RequestOutputKind.TOKENS)
+    engine.add_request(chats[3], tokens_only, "ids")
+    run()
+    assert engine._tokenizer is None
+    engine.add_request(chats[3], params, "text")
+    run()
     for d in deltas.values():
         assert [t for step in d for t in step] == reference[3]
     assert max(len(d) for d in deltas["text"]) > 1  # some step really emitted several tokens

@@ -26,7 +26,7 @@ def processor(smollm2_tokenizer):
     kv = KVCacheManager(BlockPool(64, enable_prefix_caching=False), 16)
     scheduler = Scheduler(SchedulerConfig(), kv, MAX_MODEL_LEN)
     released: list[str] = []
-    out = OutputProcessor(smollm2_tokenizer, scheduler, MAX_MODEL_LEN, released.append)
+    out = OutputProcessor(lambda: smollm2_tokenizer, scheduler, MAX_MODEL_LEN, released.append)
     out.released = released
     return out
 

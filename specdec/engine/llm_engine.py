@@ -60,7 +60,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.resolved = resolve_model(self.config.model, cache_dir=self.config.cache_dir)
-        self.tokenizer = load_tokenizer(self.resolved)
+        self._tokenizer = None  # loaded on first use (``tokenizer``)
         spec = self.config.speculative
         aux_layer_ids = ()  # what a model proposer reads, collected by every forward
         if spec is not None:
@@ -76,7 +76,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.proposer = make_proposer(spec, runner=self.runner) if spec is not None else None
         self.outputs = OutputProcessor(
-            self.tokenizer,
+            lambda: self.tokenizer,
             self.scheduler,
             self.max_model_len,
             self.proposer.release if self.proposer is not None else lambda request_id: None,
@@ -173,6 +173,15 @@ class LLMEngine:
         logger.info("capturing the draft's CUDA graphs (compiling first): %s", bands)
         while self.capture_pending_graph():
             pass
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, loaded on first use: a serving core whose requests come
+        as token ids and leave as token ids (``RequestOutputKind.TOKENS``) never needs
+        it, and its start-up skips the load (the API process has its own)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.resolved)
+        return self._tokenizer
 
     @property
     def has_pending_graphs(self) -> bool:

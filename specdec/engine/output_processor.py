@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specdec.engine.detokenizer import IncrementalDetokenizer
 from specdec.engine.scheduler import Scheduler
@@ -60,12 +60,12 @@ class OutputProcessor:
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: Callable[[], Any],  # returns the tokenizer (loaded when first needed)
         scheduler: Scheduler,
         max_model_len: int,
         release: Callable[[str], None] = lambda request_id: None,
     ) -> None:
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.states: dict[str, RequestState] = {}
@@ -79,7 +79,7 @@ class OutputProcessor:
             request=request,
             prompt=text,
             detokenizer=(
-                IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+                IncrementalDetokenizer(self._tokenizer(), request.prompt_token_ids, params)
                 if params.stop
                 or params.output_kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA)
                 else None
@@ -167,7 +167,7 @@ class OutputProcessor:
         elif state.detokenizer is not None:
             text, token_ids = state.detokenizer.text, list(request.output_token_ids)
         else:
-            text = self.tokenizer.decode(
+            text = self._tokenizer().decode(
                 request.output_token_ids,
                 skip_special_tokens=request.sampling_params.skip_special_tokens,
                 clean_up_tokenization_spaces=False,
