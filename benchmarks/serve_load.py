@@ -2,8 +2,8 @@
 
 For each server variant (``--variants``: ``none`` = plain decoding, ``default`` = the
 model's default speculation, i.e. its shipped head) it launches ``python -m specdec.serve``,
-records the seconds until /health answers and until it speculates (its deferred draft
-graphs captured), runs ``specdec bench-serve`` (a separate client process) at each
+records the seconds until /health answers and until it speculates (its deferred
+speculation graphs captured), runs ``specdec bench-serve`` (a separate client process) at each
 concurrency, and samples the CPU time of every thread of the server's processes while the
 largest concurrency runs (where the host time goes: the event loop, the engine loop, the
 core's pipe threads; with ``--py-spy``, py-spy's stacks too). Then ``specdec bench`` runs
@@ -90,7 +90,7 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 
 def wait_speculation(url: str, proc: subprocess.Popen, start: float, timeout: float) -> float:
-    """Seconds from launch until /metrics reports no deferred draft graphs pending (the
+    """Seconds from launch until /metrics reports no deferred speculation graphs pending (the
     server captures them while idle after /health; steps decode plainly until then)."""
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
@@ -100,7 +100,7 @@ def wait_speculation(url: str, proc: subprocess.Popen, start: float, timeout: fl
         if not pending or float(pending[0].split()[-1]) == 0.0:
             return time.monotonic() - start
         time.sleep(0.2)
-    raise TimeoutError(f"draft graphs still pending after {timeout} s")
+    raise TimeoutError(f"speculation graphs still pending after {timeout} s")
 
 
 def py_spy_record(py_spy: str, pid: int, seconds: float, out: Path) -> subprocess.Popen:

@@ -128,7 +128,7 @@ class ServeConfig:
 
     @property
     def core_engine(self) -> EngineConfig:
-        """``engine`` as the server's core builds it: the draft's CUDA graphs deferred
+        """``engine`` as the server's core builds it: speculation's CUDA graphs deferred
         (``SpeculativeConfig.defer_graphs``) unless the config chose, so /health answers
         once the target is ready and speculation starts when its graphs are."""
         spec = self.engine.speculative

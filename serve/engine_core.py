@@ -67,7 +67,7 @@ class EngineSnapshot:
     spec_exit_requests: int = 0  # requests that opted into SpecExit
     spec_exit_exits: int = 0  # thinking cut short
     spec_exit_tokens_saved: float = 0.0  # the head's remaining-tokens estimate at exits
-    # Deferred draft graphs are still being captured: steps decode plainly until then.
+    # Deferred speculation graphs are still being captured: steps decode plainly until then.
     draft_graphs_pending: bool = False
 
     @property
@@ -167,7 +167,7 @@ class EngineCore:
 
     def _iteration(self) -> bool:
         """Apply queued commands (waiting for one while idle), then run one step if any
-        request is unfinished. Idle with deferred draft graphs left to capture, it
+        request is unfinished. Idle with deferred speculation graphs left to capture, it
         captures one instead of waiting (``LLMEngine.capture_pending_graph``). Returns
         False once shutdown was asked for."""
         engine = self.engine

@@ -19,7 +19,7 @@ read at scrape time from the engine core's latest ``EngineSnapshot``. Names (all
   one request with a draft; ``spec_decode_mean_acceptance_length`` is τ = 1 +
   accepted / steps (bonus token included); ``spec_decode_acceptance_rate{position="k"}``
   is a_k, the fraction of steps that accepted at least k draft tokens.
-- ``spec_decode_graphs_pending``: 1 while the draft's deferred CUDA graphs are being
+- ``spec_decode_graphs_pending``: 1 while speculation's deferred CUDA graphs are being
   captured after start-up (``--spec-defer-graphs``; steps decode plainly), else 0.
 - ``spec_exit_requests`` / ``spec_exit_triggered`` / ``spec_exit_think_tokens_saved``:
   SpecExit (docs/spec_exit.md): requests that opted in, exits triggered (thinking cut
@@ -104,7 +104,7 @@ class _EngineCollector(Collector):
         yield rates
         yield _gauge(
             "spec_decode_graphs_pending",
-            "1 while the draft's deferred CUDA graphs are being captured (plain steps).",
+            "1 while speculation's deferred CUDA graphs are being captured (plain steps).",
             float(s.draft_graphs_pending),
         )
         yield _counter(

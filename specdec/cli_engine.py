@@ -212,7 +212,7 @@ def add_engine_args(
         type=on_off,
         default=None,
         metavar="on|off",
-        help="capture the draft's CUDA graphs after start-up, between steps; plain steps "
+        help="capture speculation's CUDA graphs after start-up, between steps; plain steps "
         "until they are ready (default: on for serve, off otherwise)",
     )
     g.add_argument(

@@ -249,7 +249,8 @@ class SpeculativeConfig:
     # cost is start-up: the engine starts in 32 s (chain) to 42 s (t8-d5-n32 tree) on the
     # H200, compilation included.
     compile_growth: bool = True
-    # GPU path: capture (and compile) the draft side's CUDA graphs after the engine
+    # GPU path: capture (and compile) the CUDA graphs only speculative steps replay
+    # (the target's verify steps, the draft's growth, the pipelined step) after the engine
     # starts, one graph at a time between steps (or while idle), instead of before: every
     # step decodes plainly until the last one is ready (the same tokens either way, only
     # slower), so the engine is up in the target's start-up time. None: off for ``LLM``

@@ -1,5 +1,6 @@
-"""Deferred draft graphs (``SpeculativeConfig.defer_graphs``): the engine starts with the
-target's graphs only and captures the draft's afterwards, one per call between steps or
+"""Deferred speculation graphs (``SpeculativeConfig.defer_graphs``): the engine starts
+with the target's decode and prefill graphs and captures the rest (the target's verify
+graphs, the draft's growth, the pipelined step) afterwards, one per call between steps or
 while the serving core is idle. Until the last one is captured every step decodes
 plainly; then the head catches up and speculates. Real SmolLM2 (fp32, CPU) with a trained
 EAGLE-3 head, the GPU path's graphs as CPU stand-ins (test_engine.py)."""
@@ -79,14 +80,16 @@ def test_steps_decode_plainly_until_the_deferred_graphs_are_captured(
     )
     assert engine.has_pending_graphs
     assert not engine.proposer.grower.graphs and engine.pipeline.graphs is None
+    assert not engine.runner.graphs.batch_sizes.get(4)  # no verify graph of 4-node chains
     seen = _count_speculation(engine, monkeypatch)
     outs = llm.generate([chats[i] for i in PICKED], [greedy(n) for n in LENGTHS], use_tqdm=False)
     assert token_ids(outs) == reference
     assert not engine.has_pending_graphs
     assert seen and not any(seen)  # drafts only once every graph was there
     assert engine.spec_stats.accepted_tokens > 0
-    # Every planned graph was captured: a growth graph per bucket, a whole-step graph per
+    # Every planned graph was captured: a verify, a growth and a whole-step graph per
     # bucket.
+    assert engine.runner.graphs.batch_sizes[4] == [1, 2, 4]
     (growth,) = engine.proposer.grower.graphs.values()
     assert growth.batch_sizes == growth.planned == [1, 2, 4]
     assert sorted(bs for _, bs in engine.pipeline.graphs.outputs) == [1, 2, 4]
@@ -132,7 +135,7 @@ def test_the_idle_serving_core_captures_the_deferred_graphs(
     while engine.has_pending_graphs:  # idle, empty inbox: one graph per iteration
         assert core._iteration()
         captures += 1
-    assert captures == 7  # six graphs, then the iteration that finds none left
+    assert captures == 10  # nine graphs, then the iteration that finds none left
     assert inbox.empty()
     inbox.put(("add", "b", prompt, core_params(greedy(LENGTHS[0]))))
     while True:

@@ -135,8 +135,8 @@ def test_speculative_left_out_keeps_the_default_and_null_turns_it_off():
     assert ServeConfig.from_dict({"served_model_name": "x"}).model_names == ["x"]
 
 
-def test_the_server_defers_the_draft_graphs_unless_told_otherwise(monkeypatch):
-    """The core builds ``core_engine``: draft graphs deferred when the config leaves it
+def test_the_server_defers_speculation_graphs_unless_told_otherwise(monkeypatch):
+    """The core builds ``core_engine``: speculation graphs deferred when the config leaves it
     open, as given when it says so; the config itself stays as given."""
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     config = _config()

@@ -24,7 +24,8 @@ runs on the logits rows only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,15 +178,23 @@ class StepGraphs(_GraphSet):
 
     def capture(self, q: int, batch_sizes: list[int]) -> None:
         """Graphs for steps of ``q`` tokens per sequence at each batch size."""
+        for _ in self.captures(q, batch_sizes):
+            pass
+
+    def captures(self, q: int, batch_sizes: list[int]) -> Iterator[int]:
+        """``capture``, one graph per iteration (it yields the batch size captured); a
+        size serves steps (``bucket``) once its graph is captured."""
         sizes = sorted(batch_sizes)
         buffers = _Buffers(q, sizes[-1], self.width, self.device)
         self._buffers[q] = buffers
-        self.batch_sizes[q] = sizes
+        captured = self.batch_sizes[q] = []
         # Largest first, so smaller graphs reuse the memory pool the largest one set up.
         for bs in reversed(sizes):
             input_ids, positions, _ = buffers.tokens(bs)
             args = (input_ids, positions, buffers.meta(bs, self.max_seq_len))
             self.outputs[q, bs] = self._capture((q, bs), args)
+            bisect.insort(captured, bs)
+            yield bs
 
     def bucket(self, q: int, num_seqs: int) -> int | None:
         for bs in self.batch_sizes.get(q, ()):  # captured sizes, ascending

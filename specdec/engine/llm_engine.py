@@ -7,7 +7,7 @@ runs the next step: pipelined speculative steps (greedy rows of an EAGLE-3 head,
 pipelined_step.py), async plain steps (async_step.py: step N+1 launched before step N is
 read), else the synchronous step (sync_step.py), after any other mode's step in flight is
 read. With a proposer, plain steps run while the batch is above ``disable_by_batch_size``
-(or the draft's deferred graphs are still being captured).
+(or speculation's deferred graphs are still being captured).
 
 Steps above ``disable_by_batch_size`` do no proposer work: an EAGLE-3 head is not handed
 their aux states per request (``Proposer.defer``); the forward leaves them in the runner's
@@ -50,7 +50,7 @@ from specdec.tree_shapes import TreeShape
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=StepMode)
 
-# With deferred draft graphs (SpeculativeConfig.defer_graphs), a step under load captures
+# With deferred speculation graphs (SpeculativeConfig.defer_graphs), a step under load captures
 # one at most this often (counted from the last capture's end), so requests keep being
 # served while they are captured.
 DEFERRED_CAPTURE_INTERVAL_S = 2.0
@@ -102,7 +102,7 @@ class LLMEngine:
                 self.pipeline = SpecPipeline(self.runner, self.proposer)
         # How steps run (step_mode.py), in order of preference; set once graphs are.
         self.modes: list[StepMode] = []
-        # The draft's graphs still to capture (SpeculativeConfig.defer_graphs): one per
+        # Speculation's graphs still to capture (SpeculativeConfig.defer_graphs): one per
         # ``capture_pending_graph``; every step decodes plainly until none is left.
         self._pending_graphs: Iterator[str] | None = None
         self._capture_due = 0.0  # time.monotonic() from which step() may capture one
@@ -152,12 +152,17 @@ class LLMEngine:
         # arrival) fits a prefill graph with room for their logits rows; a tree band's
         # steps (say, batch 1's) never do, and must not cost the chain bands that room.
         chains = [s.max_draft_tokens + 1 for s in sizes if s.max_draft_tokens == s.depth]
-        runner.capture_graphs(tree_sizes, max(chains, default=1))
+        runner.capture_graphs(max(chains, default=1))
         bands = "; ".join(
             f"depth {shape.depth} ({shape.max_draft_tokens} drafts), batch {buckets}"
             for shape, buckets in sizes.items()
         )
-        graphs = self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len)
+        # Speculative steps' graphs: the target's verify steps, the draft's growth, the
+        # pipelined step.
+        graphs = itertools.chain(
+            runner.verify_graph_captures(tree_sizes),
+            self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len),
+        )
         if self.pipeline is not None:
             graphs = itertools.chain(graphs, self.pipeline.capture_graphs(sizes))
         self._pending_graphs = graphs
@@ -165,12 +170,12 @@ class LLMEngine:
             # Requests arriving with the engine's start are served before a capture.
             self._capture_due = time.monotonic() + DEFERRED_CAPTURE_INTERVAL_S
             logger.info(
-                "the draft's CUDA graphs (%s) are captured after start-up, between steps; "
+                "speculation's CUDA graphs (%s) are captured after start-up, between steps; "
                 "steps decode plainly until they are ready",
                 bands,
             )
             return
-        logger.info("capturing the draft's CUDA graphs (compiling first): %s", bands)
+        logger.info("capturing speculation's CUDA graphs (compiling first): %s", bands)
         while self.capture_pending_graph():
             pass
 
@@ -185,7 +190,7 @@ class LLMEngine:
 
     @property
     def has_pending_graphs(self) -> bool:
-        """Whether deferred draft graphs remain to capture (``SpeculativeConfig.
+        """Whether deferred speculation graphs remain to capture (``SpeculativeConfig.
         defer_graphs``); until none does, every step decodes plainly."""
         return self._pending_graphs is not None
 
@@ -209,7 +214,7 @@ class LLMEngine:
             return True
         self._pending_graphs = None
         logger.info(
-            "captured the draft's CUDA graphs in %.1f s (%s); speculation is on",
+            "captured speculation's CUDA graphs in %.1f s (%s); speculation is on",
             sum(sum(t) for t in self._capture_times.values()),
             ", ".join(
                 f"{family}: {len(t)} graphs, {sum(t):.1f} s"
@@ -330,7 +335,7 @@ class LLMEngine:
         ``output_kind``: a ``TokenDelta`` for TOKENS, else a ``RequestOutput``). With
         speculation, decoding requests verify a draft tree and may emit several tokens; the
         step is otherwise the same. Under async scheduling the outputs are those of the
-        step launched by the previous call. While deferred draft graphs remain, a step
+        step launched by the previous call. While deferred speculation graphs remain, a step
         captures one first every ``DEFERRED_CAPTURE_INTERVAL_S`` (a call that finds a
         step in flight only reads it)."""
         if self._pending_graphs is not None and time.monotonic() >= self._capture_due:
@@ -354,7 +359,7 @@ class LLMEngine:
 
     def decodes_plainly_at(self, batch_size: int) -> bool:
         """Whether a step of ``batch_size`` requests drafts nothing: it is above the
-        speculation cutoff (``disable_by_batch_size``), or deferred draft graphs are
+        speculation cutoff (``disable_by_batch_size``), or deferred speculation graphs are
         still to capture."""
         if self._pending_graphs is not None:
             return True

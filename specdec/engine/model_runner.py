@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -299,16 +299,12 @@ class ModelRunner:
         logger.info("warmed up %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def capture_graphs(
-        self, tree_sizes: dict[int, list[int]] | None = None, prefill_logits_per_seq: int = 1
-    ) -> None:
-        """CUDA graphs for decode steps, for verify steps of each tree size in
-        ``tree_sizes`` (nodes, root included -> the bucketed batch sizes of trees that
-        size), and for steps with prefill tokens (with room for
+    def capture_graphs(self, prefill_logits_per_seq: int = 1) -> None:
+        """CUDA graphs for decode steps and for steps with prefill tokens (with room for
         ``prefill_logits_per_seq`` logits rows per sequence: the largest chain's nodes on
         an engine that verifies chains, so that arrivals next to them replay too)
-        (``EngineConfig.prefill_graph_max_tokens``), all in one memory pool; no-op off the
-        GPU path. Call once."""
+        (``EngineConfig.prefill_graph_max_tokens``), in one memory pool that
+        ``verify_graph_captures`` shares; no-op off the GPU path. Call once."""
         if not self.runtime.use_cuda_graphs or self.graphs is not None:
             return
         max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
@@ -329,13 +325,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.graphs.capture(1, sizes)
         logger.info("captured the decode graphs in %.1f s", time.perf_counter() - t0)
-        for q, sizes in (tree_sizes or {}).items():
-            if q > 1 and sizes:
-                logger.info("capturing CUDA graphs for %d-node trees, batch sizes %s", q, sizes)
-                t0 = time.perf_counter()
-                self.graphs.capture(q, sizes)
-                took = time.perf_counter() - t0
-                logger.info("captured the %d-node tree graphs in %.1f s", q, took)
         tokens, seqs = prefill_graph_buckets(
             self.config.prefill_graph_max_tokens,
             min(self.config.prefill_graph_max_seqs, self.config.scheduler.max_num_seqs),
@@ -360,6 +349,16 @@ class ModelRunner:
                 seqs,
                 time.perf_counter() - t0,
             )
+
+    def verify_graph_captures(self, tree_sizes: dict[int, list[int]]) -> Iterator[str]:
+        """CUDA graphs for verify steps of each tree size in ``tree_sizes`` (nodes, root
+        included -> the bucketed batch sizes of trees that size), after
+        ``capture_graphs``: one per iteration, which yields what it captured (the engine
+        captures them with the draft's and the pipelined step's, before it starts or deferred)."""
+        for q, sizes in tree_sizes.items():
+            if q > 1 and sizes and self.graphs is not None:
+                for bs in self.graphs.captures(q, sizes):
+                    yield f"verify: {q}-node trees, batch {bs}"
 
     def prepare(
         self,
