@@ -131,8 +131,10 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        """Target graphs for decode and verify steps, then the proposer's draft steps and
-        the pipelined step for batches a verify step can hold (GPU path only)."""
+        """The target's decode and prefill graphs, then speculation's (the target's verify
+        steps, the proposer's draft steps, the pipelined step, for the batches each band
+        holds): captured now, or left pending for ``capture_pending_graph`` with
+        ``SpeculativeConfig.defer_graphs`` (GPU path only)."""
         runner = self.runner
         if not runner.runtime.use_cuda_graphs:
             return
