@@ -68,7 +68,7 @@ class EngineSnapshot:
     spec_exit_exits: int = 0  # thinking cut short
     spec_exit_tokens_saved: float = 0.0  # the head's remaining-tokens estimate at exits
     # Deferred speculation graphs are still being captured: steps decode plainly until then.
-    draft_graphs_pending: bool = False
+    spec_graphs_pending: bool = False
 
     @property
     def kv_usage(self) -> float:
@@ -133,7 +133,7 @@ def take_snapshot(engine) -> EngineSnapshot:
         spec_exit_requests=exits.requests if exits else 0,
         spec_exit_exits=exits.exits if exits else 0,
         spec_exit_tokens_saved=exits.tokens_saved if exits else 0.0,
-        draft_graphs_pending=engine.has_pending_graphs,
+        spec_graphs_pending=engine.has_pending_graphs,
     )
 
 
@@ -179,7 +179,7 @@ class EngineCore:
                     command = self.inbox.get_nowait()
                 except queue.Empty:
                     engine.capture_pending_graph()
-                    self._changed = True  # the last one: /metrics says so at once
+                    self._changed = True  # a snapshot next: after the last one, /metrics says so
                     return True
             else:
                 command = self.inbox.get()

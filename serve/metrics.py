@@ -105,7 +105,7 @@ class _EngineCollector(Collector):
         yield _gauge(
             "spec_decode_graphs_pending",
             "1 while speculation's deferred CUDA graphs are being captured (plain steps).",
-            float(s.draft_graphs_pending),
+            float(s.spec_graphs_pending),
         )
         yield _counter(
             "spec_exit_requests", "Requests that opted into SpecExit.", s.spec_exit_requests

@@ -198,7 +198,7 @@ class LLMEngine:
 
     @torch.inference_mode()
     def capture_pending_graph(self) -> bool:
-        """Capture the draft's next pending CUDA graph; returns whether more remain. Runs
+        """Capture speculation's next pending CUDA graph; returns whether more remain. Runs
         between steps with nothing in flight (``step`` reads the step in flight first);
         ``specdec serve``'s core also calls it while idle. Speculation starts with the
         step after the last one."""
@@ -206,13 +206,13 @@ class LLMEngine:
         if graphs is None:
             return False
         if self._mode_in_flight() is not None:
-            raise RuntimeError("a draft graph is captured only with no step in flight")
+            raise RuntimeError("a speculation graph is captured only with no step in flight")
         t0 = time.perf_counter()
         label = next(graphs, None)
         if label is not None:
             family = label.partition(":")[0]
             self._capture_times.setdefault(family, []).append(time.perf_counter() - t0)
-            logger.debug("captured the draft graph of %s", label)
+            logger.debug("captured the graph of %s", label)
             return True
         self._pending_graphs = None
         logger.info(

@@ -22,10 +22,10 @@ from specdec.config import SpeculativeConfig, band_shape
 from specdec.models.config import ModelConfig
 from specdec.request import Request
 from specdec.spec.tree import DraftTree, TreeBatch
+from specdec.tree_shapes import ChainShape, TreeShape
 
 if TYPE_CHECKING:
     from specdec.spec.tree_draft import GrowInputs
-from specdec.tree_shapes import ChainShape, TreeShape
 
 _PROPOSERS: dict[str, type[Proposer]] = {}
 
