@@ -128,13 +128,13 @@ class ServeConfig:
 
     @property
     def core_engine(self) -> EngineConfig:
-        """``engine`` as the server's core builds it: speculation's CUDA graphs deferred
-        (``SpeculativeConfig.defer_graphs``) unless the config chose, so /health answers
-        once the target is ready and speculation starts when its graphs are."""
-        spec = self.engine.speculative
-        if spec is None or spec.defer_graphs is not None:
+        """``engine`` as the server's core builds it: the graphs its first requests do not
+        need deferred (``EngineConfig.defer_graphs``) unless the config chose, so /health
+        answers once the target's decode graphs are ready, and speculation starts when its
+        graphs are."""
+        if self.engine.defer_graphs is not None:
             return self.engine
-        return replace(self.engine, speculative=replace(spec, defer_graphs=True))
+        return replace(self.engine, defer_graphs=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ServeConfig:

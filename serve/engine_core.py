@@ -133,7 +133,7 @@ def take_snapshot(engine) -> EngineSnapshot:
         spec_exit_requests=exits.requests if exits else 0,
         spec_exit_exits=exits.exits if exits else 0,
         spec_exit_tokens_saved=exits.tokens_saved if exits else 0.0,
-        spec_graphs_pending=engine.has_pending_graphs,
+        spec_graphs_pending=engine.speculation_graphs_pending,
     )
 
 
@@ -167,7 +167,7 @@ class EngineCore:
 
     def _iteration(self) -> bool:
         """Apply queued commands (waiting for one while idle), then run one step if any
-        request is unfinished. Idle with deferred speculation graphs left to capture, it
+        request is unfinished. Idle with deferred graphs left to capture, it
         captures one instead of waiting (``LLMEngine.capture_pending_graph``). Returns
         False once shutdown was asked for."""
         engine = self.engine

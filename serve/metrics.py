@@ -20,7 +20,7 @@ read at scrape time from the engine core's latest ``EngineSnapshot``. Names (all
   accepted / steps (bonus token included); ``spec_decode_acceptance_rate{position="k"}``
   is a_k, the fraction of steps that accepted at least k draft tokens.
 - ``spec_decode_graphs_pending``: 1 while speculation's deferred CUDA graphs are being
-  captured after start-up (``--spec-defer-graphs``; steps decode plainly), else 0.
+  captured after start-up (``--defer-graphs``; steps decode plainly), else 0.
 - ``spec_exit_requests`` / ``spec_exit_triggered`` / ``spec_exit_think_tokens_saved``:
   SpecExit (docs/spec_exit.md): requests that opted in, exits triggered (thinking cut
   short), and the think tokens saved as the draft head estimated them (its remaining

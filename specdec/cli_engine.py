@@ -119,6 +119,16 @@ def add_engine_args(
         "--max-num-batched-tokens; 0: eager)",
     )
     g.add_argument(
+        "--defer-graphs",
+        type=on_off,
+        default=None,
+        metavar="on|off",
+        help="on CUDA, capture the graphs the first requests do not need after start-up, "
+        "between steps: speculation's (steps decode plainly until they are ready) and those "
+        "of steps over 64 sequences (eager until then) (default: on for serve, off "
+        "otherwise)",
+    )
+    g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -208,14 +218,6 @@ def add_engine_args(
         "the head's layer and logits (default: on)",
     )
     g.add_argument(
-        "--spec-defer-graphs",
-        type=on_off,
-        default=None,
-        metavar="on|off",
-        help="capture speculation's CUDA graphs after start-up, between steps; plain steps "
-        "until they are ready (default: on for serve, off otherwise)",
-    )
-    g.add_argument(
         "--spec-choices",
         type=json.loads,
         default=None,
@@ -237,7 +239,6 @@ TREE_FLAGS = {
     "spec_pipelined": "pipelined",
     "spec_compile_head": "compile_head",
     "spec_compile_growth": "compile_growth",
-    "spec_defer_graphs": "defer_graphs",
 }
 
 
@@ -343,6 +344,7 @@ def engine_kwargs(args: argparse.Namespace, draft_fallback: str | None = None) -
         seed=args.seed,
         speculative=speculative_config(args, draft_fallback),
         async_scheduling=args.async_scheduling,
+        defer_graphs=args.defer_graphs,
     )
 
 

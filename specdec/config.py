@@ -249,13 +249,6 @@ class SpeculativeConfig:
     # cost is start-up: the engine starts in 32 s (chain) to 42 s (t8-d5-n32 tree) on the
     # H200, compilation included.
     compile_growth: bool = True
-    # GPU path: capture (and compile) the CUDA graphs only speculative steps replay
-    # (the target's verify steps, the draft's growth, the pipelined step) after the engine
-    # starts, one graph at a time between steps (or while idle), instead of before: every
-    # step decodes plainly until the last one is ready (the same tokens either way, only
-    # slower), so the engine is up in the target's start-up time. None: off for ``LLM``
-    # and ``specdec bench``, on for ``specdec serve``, whose /health then answers sooner.
-    defer_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -359,12 +352,22 @@ class EngineConfig:
     ``prefill_graph_max_tokens`` / ``prefill_graph_max_seqs``: on the CUDA-graph path, steps
     with prefill tokens (prompts, prompt chunks, their mix with decodes; no draft tree) of
     at most this many tokens and sequences replay a CUDA graph per (token, sequence)
-    bucket (``cuda_graph.PrefillGraphs``) instead of launching ~800 kernels from Python.
+    bucket (``prefill_graphs.PrefillGraphs``) instead of launching ~800 kernels from Python.
     On the H200 a 100-token SmolLM2 prompt's TTFT is 3.4 ms with them against 18 ms
-    eager; capturing the 48 graphs of the defaults takes ~5 s at start-up
-    (docs/benchmarks.md, "Prefill, TTFT and start-up").
-    The token bound is capped by ``max_num_batched_tokens`` and ``max_model_len``; 0: such
-    steps run eagerly.
+    eager (docs/benchmarks.md, "Prefill, TTFT and start-up"). A server meets such steps
+    at every arrival, and an eager one holds up every decode beside it, so the sequence
+    bound defaults to the decode graphs' largest batch (None: ``cuda_graph_max_batch_size``
+    capped by ``max_num_seqs``). The token bound is capped by ``max_num_batched_tokens``
+    and ``max_model_len``; 0 for either: such steps run eagerly.
+
+    ``defer_graphs``: GPU path: capture (and compile) after the engine starts, one graph
+    at a time between steps (or while idle), the CUDA graphs its first requests do not
+    need: speculation's (the target's verify steps, the draft's growth, the pipelined
+    step), until which every step decodes plainly, and the target's decode and prefill
+    graphs of steps over more than ``model_runner.STARTUP_GRAPH_SEQS`` (64) sequences,
+    until which such steps run eagerly. The tokens are the same either way, only slower
+    for a while; the engine is up sooner. None: off for ``LLM`` and
+    ``specdec bench``, on for ``specdec serve``, whose /health then answers sooner.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -382,7 +385,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     triton_gemm_max_tokens: int = 0
     prefill_graph_max_tokens: int = 8192
-    prefill_graph_max_seqs: int = 32
+    prefill_graph_max_seqs: int | None = None
+    defer_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         spec = self.speculative
@@ -400,7 +404,7 @@ class EngineConfig:
                 "leave async_scheduling unset (auto) or False"
             )
         for name in ("prefill_graph_max_tokens", "prefill_graph_max_seqs"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(
                     f"{name}={getattr(self, name)} must be >= 0 (prefill_graph_max_tokens=0 "
                     "runs steps with prefill tokens eagerly)"

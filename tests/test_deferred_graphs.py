@@ -1,8 +1,9 @@
-"""Deferred speculation graphs (``SpeculativeConfig.defer_graphs``): the engine starts
-with the target's decode and prefill graphs and captures the rest (the target's verify
-graphs, the draft's growth, the pipelined step) afterwards, one per call between steps or
-while the serving core is idle. Until the last one is captured every step decodes
-plainly; then the head catches up and speculates. Real SmolLM2 (fp32, CPU) with a trained
+"""Deferred graphs (``EngineConfig.defer_graphs``): the engine starts with the target's
+decode and narrower prefill graphs and captures the rest (the target's verify graphs, the
+draft's growth, the pipelined step, then the wider prefill graphs) afterwards, one per
+call between steps or while the serving core is idle. Until speculation's last one is
+captured every step decodes plainly; then the head catches up and speculates. Steps
+whose prefill graph is still pending run eagerly. Real SmolLM2 (fp32, CPU) with a trained
 EAGLE-3 head, the GPU path's graphs as CPU stand-ins (test_engine.py)."""
 
 from __future__ import annotations
@@ -36,10 +37,14 @@ def _deferred_engine(smollm2_dir, head_dir, monkeypatch, **kwargs):
         num_speculative_tokens=3,
         disable_by_batch_size=4,
         pipelined=True,
-        defer_graphs=True,
     )
     llm = make_llm(
-        smollm2_dir, speculative=spec, max_num_seqs=4, cuda_graph_max_batch_size=4, **kwargs
+        smollm2_dir,
+        speculative=spec,
+        max_num_seqs=4,
+        cuda_graph_max_batch_size=4,
+        defer_graphs=True,
+        **kwargs,
     )
     engine = llm.engine
     _use_graph_stand_ins(engine, monkeypatch)
@@ -49,16 +54,16 @@ def _deferred_engine(smollm2_dir, head_dir, monkeypatch, **kwargs):
 
 def _count_speculation(engine, monkeypatch) -> list[bool]:
     """Record, for every draft the engine asks for (synchronous proposals and pipelined
-    launches), whether deferred graphs were still pending then."""
+    launches), whether speculation's deferred graphs were still pending then."""
     seen: list[bool] = []
     propose, launch = engine.proposer.propose, engine.pipeline.launch
 
     def counted_propose(*args):
-        seen.append(engine.has_pending_graphs)
+        seen.append(engine.speculation_graphs_pending)
         return propose(*args)
 
     def counted_launch(*args):
-        seen.append(engine.has_pending_graphs)
+        seen.append(engine.speculation_graphs_pending)
         return launch(*args)
 
     monkeypatch.setattr(engine.proposer, "propose", counted_propose)
@@ -108,7 +113,7 @@ def test_steps_wait_the_interval_between_captures(
     outs = llm.generate([chats[i] for i in PICKED], [greedy(n) for n in LENGTHS], use_tqdm=False)
     assert token_ids(outs) == reference
     assert engine.has_pending_graphs and not seen
-    assert not engine._capture_times
+    assert not engine.deferred_graphs.times
 
 
 def test_the_idle_serving_core_captures_the_deferred_graphs(
@@ -128,7 +133,7 @@ def test_the_idle_serving_core_captures_the_deferred_graphs(
     inbox.put(("add", "a", prompt, core_params(greedy(LENGTHS[0]))))
     assert core._iteration()  # the add, then a (plain) step: no capture
     assert ("added", "a", None) in sent
-    assert not engine._capture_times
+    assert not engine.deferred_graphs.times
     while engine.has_unfinished_requests():
         assert core._iteration()
     captures = 0
@@ -152,3 +157,47 @@ def test_the_idle_serving_core_captures_the_deferred_graphs(
     }
     assert tokens["a"] == tokens["b"] == reference[0]
     assert engine.spec_stats.accepted_tokens > 0
+
+
+def test_wider_prefill_graphs_follow_start_up(smollm2_dir, chats, reference, monkeypatch) -> None:
+    """A plain engine with deferred graphs starts with the decode and prefill graphs of
+    steps over at most ``STARTUP_GRAPH_SEQS`` sequences (2 here): four prompts arriving
+    together and their decodes run eagerly, and replay graphs once the wider ones are
+    captured between steps. The tokens are plain decoding's either way, and speculation
+    never waited on them."""
+    from specdec.engine import model_runner
+
+    monkeypatch.setattr(llm_engine, "DEFERRED_CAPTURE_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(model_runner, "STARTUP_GRAPH_SEQS", 2)
+    llm = make_llm(
+        smollm2_dir,
+        max_num_seqs=4,
+        cuda_graph_max_batch_size=4,
+        prefill_graph_max_tokens=512,
+        defer_graphs=True,
+    )
+    engine = llm.engine
+    _use_graph_stand_ins(engine, monkeypatch)
+    engine._capture_graphs()
+    decode, prefill = engine.runner.graphs, engine.runner.prefill_graphs
+    assert prefill.seq_buckets == [2, 4, 5]  # up to the decode graphs' largest batch
+    assert {s for _, s in prefill.outputs} == {2}
+    assert decode.batch_sizes[1] == [1, 2]
+    assert engine.has_pending_graphs and not engine.speculation_graphs_pending
+    prompts, params = [chats[i] for i in PICKED], [greedy(n) for n in LENGTHS]
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == reference
+    # Four prompts in one step, then four decodes a step: no graph yet (two decode at the
+    # end, as requests finish).
+    assert prefill.num_replays == 0
+    assert decode.num_replays.get(1, 0) < max(LENGTHS) - min(LENGTHS)
+    while engine.capture_pending_graph():
+        pass
+    assert {s for _, s in prefill.outputs} == {2, 4, 5}
+    assert decode.batch_sizes[1] == [1, 2, 4]
+    assert {f: len(t) for f, t in engine.deferred_graphs.times.items()} == {
+        "decode": 1,
+        "prefill": len(prefill.keys) - len(prefill.token_buckets),  # all but S = 2
+    }
+    replays = decode.num_replays[1]
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == reference
+    assert prefill.num_replays > 0 and decode.num_replays[1] - replays >= min(LENGTHS) - 1

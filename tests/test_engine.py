@@ -14,7 +14,8 @@ from tiny_models import make_tiny_model_dir
 from specdec import LLM, SamplingParams
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.async_step import AsyncStep
-from specdec.engine.cuda_graph import PrefillGraphs, StepGraphs, prefill_graph_buckets
+from specdec.engine.cuda_graph import StepGraphs
+from specdec.engine.prefill_graphs import PrefillGraphs, prefill_graph_buckets
 from specdec.engine.spec_pipeline import SpecStepGraphs
 from specdec.outputs import TokenDelta
 from specdec.sampling_params import RequestOutputKind
@@ -733,6 +734,12 @@ def test_prefill_graph_buckets_leave_room_for_a_padding_sequence() -> None:
     assert prefill_graph_buckets(300, 4, 256) == ([64, 128, 256], [2, 4, 5])
     assert prefill_graph_buckets(0, 32, 8192) == ([], [])
     graphs = EagerPrefillGraphs(None, 4, 256, torch.device("cpu"), [64, 128], [2, 4, 5])
+    assert graphs.bucket(1, 1, 1) is None  # nothing captured yet
+    graphs.outputs = dict.fromkeys([(64, 4), (128, 4)])  # as if captured
+    assert graphs.bucket(1, 1, 1) == (64, 4)  # the smallest captured bucket that holds it
+    assert graphs.bucket(61, 1, 1) == (64, 4)  # 61 tokens + 3 padding sequences
+    assert graphs.bucket(62, 1, 1) == (128, 4)
+    graphs.outputs = dict.fromkeys(graphs.keys)
     assert graphs.bucket(1, 1, 1) == (64, 2)  # one decode row: a padding sequence of 63
     assert graphs.bucket(63, 1, 1) == (64, 2)
     assert graphs.bucket(64, 1, 1) == (128, 2)  # no token left for the padding sequence
@@ -744,6 +751,7 @@ def test_prefill_graph_buckets_leave_room_for_a_padding_sequence() -> None:
     assert graphs.bucket(10, 2, 9) is None  # 9 logits rows: chains need logits_per_seq
     # An engine verifying chains of 4 nodes: min(T, 4 S) logits rows per graph.
     chains = EagerPrefillGraphs(None, 4, 256, torch.device("cpu"), [64, 128], [2, 4, 5], 4)
+    chains.outputs = dict.fromkeys(chains.keys)
     assert chains.bucket(10, 2, 9) == (64, 4)  # a prompt next to 2 chains: 1 + 2 x 4 rows
     assert chains.bucket(10, 1, 8) == (64, 2)
     assert chains.bucket(20, 4, 17) == (64, 5)

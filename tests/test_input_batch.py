@@ -150,3 +150,26 @@ def test_block_tables_cache_equals_a_rebuilt_table() -> None:
         elif kind == "arrive" and len(batch) < 6:
             batch.insert(row, [rng.randrange(1, 500) for _ in range(rng.randrange(0, width))])
     assert len(kinds) == 6
+
+
+def test_kept_block_tables_build_the_same_steps() -> None:
+    """A runner's ``BlockTables`` kept over a run of steps (batches that grow, shrink,
+    shift and mix in prefill rows) gives every step the block tables and slots that
+    ``block_table_array`` gives it; a batch wider than the kept array falls back to it."""
+    rng = random.Random(1)
+    kept = BlockTables(rows=12, width=10)
+    pool = [_request(rng, i, pending=False) for i in range(16)]
+    for _ in range(40):
+        batch = rng.sample(pool, rng.randint(1, 14))
+        for r in batch:  # now and then a request gains a block
+            if rng.random() < 0.3:
+                r.block_ids = [*r.block_ids, rng.randrange(5000, 6000)]
+        scheduled = [ScheduledRequest(r, 1) for r in batch]
+        if rng.random() < 0.3:
+            prefill = Request("p", list(range(20)), SamplingParams(), max_tokens=9)
+            prefill.block_ids = [rng.randrange(6000, 7000) for _ in range(2)]
+            scheduled.append(ScheduledRequest(prefill, 20))
+        want = build_step_inputs(scheduled, BS, CPU)
+        got = build_step_inputs(scheduled, BS, CPU, block_tables=kept)
+        assert torch.equal(got.meta.block_tables, want.meta.block_tables)
+        assert torch.equal(got.meta.slot_mapping, want.meta.slot_mapping)

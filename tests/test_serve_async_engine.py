@@ -46,7 +46,8 @@ class ScriptedEngine:
         self.spec_stats = SpecStats()
         self.proposer = None
         self.spec_exit = None  # no SpecExit channels (LLMEngine's attribute)
-        self.has_pending_graphs = False  # no deferred speculation graphs (LLMEngine's property)
+        self.has_pending_graphs = False  # no deferred graphs (LLMEngine's properties)
+        self.speculation_graphs_pending = False
         self.resolved = "scripted"
         self.max_model_len = 64
         self.config = SimpleNamespace(speculative=None)

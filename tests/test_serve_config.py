@@ -135,19 +135,16 @@ def test_speculative_left_out_keeps_the_default_and_null_turns_it_off():
     assert ServeConfig.from_dict({"served_model_name": "x"}).model_names == ["x"]
 
 
-def test_the_server_defers_speculation_graphs_unless_told_otherwise(monkeypatch):
-    """The core builds ``core_engine``: speculation graphs deferred when the config leaves it
-    open, as given when it says so; the config itself stays as given."""
+def test_the_server_defers_graphs_unless_told_otherwise(monkeypatch):
+    """The core builds ``core_engine``: graphs deferred when the config leaves it open, as
+    given when it says so, with or without a draft; the config itself stays as given."""
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     config = _config()
-    assert config.engine.speculative.defer_graphs is None
-    assert config.core_engine.speculative.defer_graphs is True
-    assert config.core_engine == replace(
-        config.engine, speculative=replace(config.engine.speculative, defer_graphs=True)
-    )
-    assert _config("--spec-defer-graphs", "off").core_engine.speculative.defer_graphs is False
-    assert _config("--spec-defer-graphs", "on").engine.speculative.defer_graphs is True
-    assert _config("--draft", "none").core_engine.speculative is None
+    assert config.engine.defer_graphs is None
+    assert config.core_engine == replace(config.engine, defer_graphs=True)
+    assert _config("--defer-graphs", "off").core_engine.defer_graphs is False
+    assert _config("--defer-graphs", "on").engine.defer_graphs is True
+    assert _config("--draft", "none").core_engine.defer_graphs is True
 
 
 @pytest.mark.parametrize(

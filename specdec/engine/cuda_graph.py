@@ -1,6 +1,5 @@
-"""CUDA graphs for the target's steps: uniform steps, one graph per (tokens per sequence,
-bucketed batch size), and steps with prefill tokens, one per (token bucket, sequence
-bucket).
+"""CUDA graphs for the target's uniform steps, one graph per (tokens per sequence,
+bucketed batch size); steps with prefill tokens have theirs in prefill_graphs.py.
 
 On the H200 a step of a small model is launch-bound (hundreds of small kernels), so steps
 replay a captured graph wherever one holds them. Uniform steps (``StepGraphs``) build
@@ -15,11 +14,6 @@ streams a proposer reads), and the outputs come out of static buffers. Two shape
 
 A batch of ``n`` sequences uses the smallest bucket ``>= n``; padding sequences point at the
 null block (slot 0) with ``q`` tokens of context and their outputs are ignored.
-
-Steps with prefill tokens (``PrefillGraphs``: a prompt, prompt chunks, arrivals next to
-decodes or next to chain verification) never repeat a shape, so they are padded into
-buckets instead: extra tokens go to padding sequences on the null block, and the lm_head
-runs on the logits rows only.
 """
 
 from __future__ import annotations
@@ -28,11 +22,10 @@ import bisect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specdec.device.graph_capture import capture_graph
-from specdec.device.staging import aligned, to_device
+from specdec.device.staging import aligned
 from specdec.ops.attention_metadata import AttentionMetadata
 
 ForwardFn = Callable[
@@ -86,7 +79,7 @@ class _Buffers:
 
     def __init__(self, q: int, max_batch: int, width: int, device: torch.device) -> None:
         n = max_batch * q
-        self.q = q
+        self.q, self.max_batch = q, max_batch
         # Token rows (3n), then room for the step's logits rows (<= n), tree rows (<= n)
         # and pending-token rows and sources (<= max_batch each).
         self.int64 = torch.zeros(5 * n + 2 * max_batch, dtype=torch.int64, device=device)
@@ -131,7 +124,7 @@ class _Buffers:
         )
 
 
-class _GraphSet:
+class GraphSet:
     """Graphs keyed by a shape, captured into one shared memory pool, with their outputs:
     static tensors that every replay of that graph rewrites. Subclasses decide the keys
     and how a step's inputs reach the static buffers; tests replace ``_capture`` and
@@ -156,7 +149,7 @@ class _GraphSet:
         self.graphs[key].replay()
 
 
-class StepGraphs(_GraphSet):
+class StepGraphs(GraphSet):
     """Captures ``forward`` for uniform steps. ``max_seq_len`` is captured as the model's
     context limit so that one graph serves every context length; the attention kernels stop
     at each sequence's real length."""
@@ -181,15 +174,29 @@ class StepGraphs(_GraphSet):
         for _ in self.captures(q, batch_sizes):
             pass
 
-    def captures(self, q: int, batch_sizes: list[int]) -> Iterator[int]:
-        """``capture``, one graph per iteration (it yields the batch size captured); a
-        size serves steps (``bucket``) once its graph is captured."""
+    def captures(
+        self, q: int, batch_sizes: list[int], max_batch_size: int | None = None
+    ) -> Iterator[int]:
+        """``capture``, one graph per iteration (it yields the batch size captured), sizes
+        already captured skipped; a size serves steps (``bucket``) once its graph is
+        captured. ``max_batch_size``: the largest size any call for ``q`` captures (default:
+        this call's largest), fixed by the first call: every graph of ``q`` reads one set
+        of static inputs."""
         sizes = sorted(batch_sizes)
-        buffers = _Buffers(q, sizes[-1], self.width, self.device)
-        self._buffers[q] = buffers
-        captured = self.batch_sizes[q] = []
+        if q not in self._buffers:
+            largest = max(sizes[-1], max_batch_size or 0)
+            self._buffers[q] = _Buffers(q, largest, self.width, self.device)
+            self.batch_sizes[q] = []
+        buffers, captured = self._buffers[q], self.batch_sizes[q]
+        if sizes[-1] > buffers.max_batch:
+            raise ValueError(
+                f"batch size {sizes[-1]} exceeds the {buffers.max_batch} that the graphs of "
+                f"{q}-token steps were planned for (max_batch_size of the first call)"
+            )
         # Largest first, so smaller graphs reuse the memory pool the largest one set up.
         for bs in reversed(sizes):
+            if bs in captured:
+                continue
             input_ids, positions, _ = buffers.tokens(bs)
             args = (input_ids, positions, buffers.meta(bs, self.max_seq_len))
             self.outputs[q, bs] = self._capture((q, bs), args)
@@ -249,259 +256,3 @@ class StepGraphs(_GraphSet):
         self.num_replays[q] = self.num_replays.get(q, 0) + 1
         logits, aux = self.outputs[q, bs]
         return logits[:n], aux[:n] if aux is not None else None
-
-
-RowsForwardFn = Callable[
-    [torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor],
-    tuple[torch.Tensor, torch.Tensor | None],
-]
-"""``forward(input_ids, positions, meta, logits_indices) -> (logits [len(logits_indices),
-vocab], aux [n, A] or None)``: the forward with the lm_head on the given rows only."""
-
-
-def prefill_graph_buckets(
-    max_tokens: int, max_seqs: int, max_model_len: int
-) -> tuple[list[int], list[int]]:
-    """Token buckets (powers of two from 64 up to ``max_tokens``, the last one
-    ``max_tokens`` itself, never past ``max_model_len``) and sequence buckets (powers of
-    two from 2 up to ``max_seqs + 1``: a step always keeps a padding sequence). Empty when
-    ``max_tokens`` is 0 (the graphs off)."""
-    limit = min(max_tokens, max_model_len)
-    if limit < 2 or max_seqs < 1:
-        return [], []
-    tokens = [t for t in (2**i for i in range(6, 20)) if t < limit] + [limit]
-    seqs = [s for s in (2**i for i in range(1, 20)) if s <= max_seqs] + [max_seqs + 1]
-    return tokens, sorted(set(seqs))
-
-
-class _PrefillBuffers:
-    """Static inputs of every prefill graph, sized for the largest bucket; graph
-    ``(T, S)`` with ``L`` logits rows reads prefixes: ``tokens[:, :T]`` (ids, positions,
-    slots), ``logits_rows[:L]``, ``seq_lens[:S]``, ``query_start_loc[:S + 1]`` and
-    ``block_tables[:S]``."""
-
-    def __init__(
-        self, max_tokens: int, max_seqs: int, max_logits: int, width: int, device: torch.device
-    ):
-        self.max_seqs = max_seqs
-        self.tokens = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)
-        self.logits_rows = torch.zeros(max_logits, dtype=torch.int64, device=device)
-        # seq_lens, then query_start_loc: one host-to-device copy per step.
-        self.lens = torch.zeros(2 * max_seqs + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_seqs, width, dtype=torch.int32, device=device)
-
-    def meta(self, tokens: int, seqs: int, max_seq_len: int) -> AttentionMetadata:
-        m = self.max_seqs
-        return AttentionMetadata(
-            slot_mapping=self.tokens[2, :tokens],
-            query_start_loc=self.lens[m : m + seqs + 1],
-            seq_lens=self.lens[:seqs],
-            block_tables=self.block_tables[:seqs],
-            max_query_len=tokens,
-            max_seq_len=max_seq_len,
-        )
-
-
-class PrefillGraphs(_GraphSet):
-    """CUDA graphs for steps with prefill tokens: prompts, prompt chunks and their mix with
-    decodes or with chain verification, at most ``token_buckets[-1]`` tokens over at most
-    ``seq_buckets[-1] - 1`` sequences, and no tree mask. Their shapes rarely repeat, so
-    one graph per (token bucket ``T``, sequence bucket ``S``) is captured at the host
-    bounds ``max_query_len = T`` and ``max_seq_len`` = the context limit (the attention
-    kernels stop at each sequence's real lengths; tiles past them exit at once).
-
-    Why: eager, such a step launches ~800 small kernels from Python, and on the H200 a
-    SmolLM2 prefill waited ~30 ms for the host against ~2 ms of device time.
-
-    Padding: a step of ``n`` tokens over ``s`` sequences replays the smallest ``S > s``
-    and then the smallest ``T >= n + S - s``. Sequences ``s .. S - 1`` are padding: one
-    token each but the last, which takes the rest; each has no context, a null block
-    table and writes its tokens into the null block's slot 0, so real sequences never see
-    them. Logits come only for the step's logits rows (``logits_indices``: graph ``(T, S)``
-    has room for ``min(T, S * logits_per_seq)`` of them, so an engine verifying chains of
-    ``q`` nodes passes ``logits_per_seq = q``), aux streams for every token; both are
-    sliced to the real rows.
-
-    Every graph writes its outputs into one pair of shared buffers (sized by the largest
-    bucket; replays run one at a time), not into outputs of its own: per-graph logits
-    would take ~1 GB over the buckets of a chain engine.
-    """
-
-    def __init__(
-        self,
-        forward: RowsForwardFn,
-        block_table_width: int,
-        max_seq_len: int,
-        device: torch.device,
-        token_buckets: list[int],
-        seq_buckets: list[int],
-        logits_per_seq: int = 1,
-    ) -> None:
-        if not token_buckets or not seq_buckets or min(seq_buckets) < 2 or logits_per_seq < 1:
-            raise ValueError(
-                f"token buckets {token_buckets} and sequence buckets {seq_buckets} must be "
-                "non-empty, sequence buckets >= 2 (room for a padding sequence), "
-                f"logits_per_seq {logits_per_seq} >= 1"
-            )
-        super().__init__(self._forward_shared)
-        self._rows_forward = forward
-        self.token_buckets = sorted(token_buckets)
-        self.seq_buckets = sorted(seq_buckets)
-        self.logits_per_seq = logits_per_seq
-        self.max_seq_len = max_seq_len
-        self._buffers = _PrefillBuffers(
-            self.token_buckets[-1],
-            self.seq_buckets[-1],
-            self.num_logits((self.token_buckets[-1], self.seq_buckets[-1])),
-            block_table_width,
-            device,
-        )
-        # The shared outputs: logits [max rows, vocab], aux [max tokens, A] or None.
-        self._logits: torch.Tensor | None = None
-        self._aux: torch.Tensor | None = None
-        self.num_replays = 0
-
-    def num_logits(self, key: tuple[int, int]) -> int:
-        """Logits rows graph ``key`` = (T, S) computes."""
-        tokens, seqs = key
-        return min(tokens, seqs * self.logits_per_seq)
-
-    def _forward_shared(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward, its outputs copied into (and returned as views of) the shared
-        buffers."""
-        logits, aux = self._rows_forward(input_ids, positions, meta, logits_indices)
-        out = self._logits[: logits.shape[0]]
-        out.copy_(logits)
-        if aux is None:
-            return out, None
-        out_aux = self._aux[: aux.shape[0]]
-        out_aux.copy_(aux)
-        return out, out_aux
-
-    @property
-    def keys(self) -> list[tuple[int, int]]:
-        """Every (T, S) with room for S sequences of at least one token each."""
-        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if t >= s]
-
-    def capture(self, pool=None):
-        """Capture every bucket, largest first so the smaller ones reuse its memory (pass
-        the decode graphs' ``pool`` to share theirs). Returns the pool."""
-        # The shared outputs, outside the graphs' pool: sized by the largest bucket, typed
-        # by an eager run of the smallest.
-        logits, aux = self._rows_forward(*self._stage_padding(min(self.keys)))
-        largest = (self.token_buckets[-1], self.seq_buckets[-1])
-        self._logits = logits.new_empty(self.num_logits(largest), logits.shape[1])
-        self._aux = None if aux is None else aux.new_empty(largest[0], aux.shape[1])
-        self.pool = pool
-        for key in sorted(self.keys, reverse=True):
-            # Capture-time inputs: an empty step, i.e. every sequence padding.
-            self.outputs[key] = self._capture(key, self._stage_padding(key))
-        return self.pool
-
-    def bucket(self, num_tokens: int, num_seqs: int, num_logits: int) -> tuple[int, int] | None:
-        """The graph a step of this shape replays (None: none holds it)."""
-        seqs = next(
-            (s for s in self.seq_buckets if s > num_seqs and s * self.logits_per_seq >= num_logits),
-            None,
-        )
-        if seqs is None:
-            return None
-        need = num_tokens + seqs - num_seqs
-        tokens = next((t for t in self.token_buckets if t >= need), None)
-        return None if tokens is None else (tokens, seqs)
-
-    def _stage_padding(self, key: tuple[int, int]) -> tuple:
-        """Stage an all-padding step of graph ``key``; returns the forward's arguments:
-        views of the static buffers, which every replay reads."""
-        empty = torch.empty(0, dtype=torch.int64, device=self._buffers.tokens.device)
-        return self.stage(
-            key,
-            empty,
-            empty,
-            AttentionMetadata(
-                slot_mapping=self._buffers.tokens[2, :0],
-                query_start_loc=self._buffers.lens[:1],
-                seq_lens=self._buffers.lens[:0],
-                block_tables=self._buffers.block_tables[:0],
-                max_query_len=0,
-                max_seq_len=0,
-                query_lens_cpu=[],
-                seq_lens_cpu=[],
-            ),
-            empty,
-        )
-
-    def _host_lens(
-        self, q_lens: list[int], seq_lens: list[int], tokens: int, seqs: int
-    ) -> np.ndarray:  # [2 * max_seqs + 1] int32
-        """seq_lens then query_start_loc of a step padded to (``tokens``, ``seqs``), laid
-        out as ``_PrefillBuffers.lens``."""
-        s, m = len(q_lens), self._buffers.max_seqs
-        pad = [1] * (seqs - s - 1) + [tokens - sum(q_lens) - (seqs - s - 1)]
-        lens = np.zeros(2 * m + 1, dtype=np.int32)
-        lens[:s] = seq_lens
-        lens[s:seqs] = pad  # padding sequences have no context: seq_len = q_len
-        np.cumsum(q_lens + pad, out=lens[m + 1 : m + seqs + 1])
-        return lens
-
-    def stage(
-        self,
-        key: tuple[int, int],
-        input_ids: torch.Tensor,  # [n] int64
-        positions: torch.Tensor,  # [n] int64
-        meta: AttentionMetadata,  # with query_lens_cpu and seq_lens_cpu; no tree
-        logits_indices: torch.Tensor,  # [num_logits] int64
-    ) -> tuple:  # (ids [T], positions [T], meta, logits rows [L]): the graph's inputs
-        """Copy a step into graph ``key``'s static buffers, padded as the class docstring
-        says, and return the views the graph reads (what ``forward`` gets)."""
-        tokens, seqs = key
-        rows = self.num_logits(key)
-        buf = self._buffers
-        n, s, num_logits = input_ids.shape[0], meta.num_seqs, logits_indices.shape[0]
-        if meta.query_lens_cpu is None or meta.seq_lens_cpu is None or meta.has_tree:
-            raise ValueError("a prefill graph step needs query_lens_cpu, seq_lens_cpu, no tree")
-        if n + seqs - s > tokens or s >= seqs or num_logits > rows:
-            raise ValueError(
-                f"{n} tokens, {s} sequences and {num_logits} logits rows do not fit graph "
-                f"{key} (tokens, sequences) with its padding sequence: use bucket()"
-            )
-        buf.tokens[0, :n].copy_(input_ids)
-        buf.tokens[1, :n].copy_(positions)
-        buf.tokens[2, :n].copy_(meta.slot_mapping)
-        buf.tokens[:, n:tokens].zero_()  # padding: token 0 at position 0 into slot 0
-        # Rows past the step's are zeroed, not left as a larger graph's (out of range here).
-        buf.logits_rows[:num_logits].copy_(logits_indices)
-        buf.logits_rows[num_logits:rows].zero_()
-        buf.block_tables[:s, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        buf.block_tables[s:seqs].zero_()  # padding sequences: the null block
-        host = self._host_lens(list(meta.query_lens_cpu), list(meta.seq_lens_cpu), tokens, seqs)
-        to_device(host, buf.lens.device, buf.lens)
-        return (
-            buf.tokens[0, :tokens],
-            buf.tokens[1, :tokens],
-            buf.meta(tokens, seqs, self.max_seq_len),
-            buf.logits_rows[:rows],
-        )
-
-    def run(
-        self,
-        key: tuple[int, int],
-        input_ids: torch.Tensor,  # [n] int64
-        positions: torch.Tensor,  # [n] int64
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,  # [num_logits] int64
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # logits [num_logits, vocab], aux [n, A]
-        """Stage the step in graph ``key``, replay it, and return views of its outputs
-        (rewritten by the next replay of any prefill graph)."""
-        self.stage(key, input_ids, positions, meta, logits_indices)
-        self._replay(key)
-        self.num_replays += 1
-        logits, aux = self.outputs[key]
-        n = input_ids.shape[0]
-        return logits[: logits_indices.shape[0]], aux[:n] if aux is not None else None

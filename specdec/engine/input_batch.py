@@ -63,14 +63,14 @@ def block_table_array(table_rows: list[list[int]], width: int) -> np.ndarray:  #
 
 class BlockTables:
     """``block_table_array`` for a batch whose rows change little from step to step (the
-    pipelined step's: the same requests in the same order, a block appended now and
-    then). Each row keeps a copy of the ids it holds; a row whose ids are unchanged costs
+    same requests in the same order, a block appended now and then, a row shifted when a
+    request ends). Each row keeps a copy of the ids it holds; a row whose ids are unchanged costs
     one list comparison, one that grew writes only its new ids, any other change
     rewrites the row. So a row always equals what ``block_table_array`` would build,
     however its request's blocks changed (appends, trims, preemption, a new request)."""
 
     def __init__(self, rows: int, width: int) -> None:
-        self.width = width
+        self.rows, self.width = rows, width
         self.array = np.zeros((rows, width), dtype=np.int32)  # [rows, width]
         self._held: list[list[int]] = [[] for _ in range(rows)]  # row i's ids, copied
 
@@ -167,6 +167,7 @@ def build_step_inputs(
     pad_trees_to: int | None = None,
     pending: PendingTokens | None = None,
     staging: Callable[[int, int], GraphStaging | None] | None = None,
+    block_tables: BlockTables | None = None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one varlen batch.
 
@@ -190,6 +191,9 @@ def build_step_inputs(
     ``staging(q, num_seqs)``: for a uniform step (every sequence computes ``q`` tokens),
     the CUDA graph's buffers to build the inputs in (``cuda_graph.GraphStaging``), or
     None; the returned tensors are then views of them (``StepInputs.staged``).
+
+    ``block_tables``: the caller's ``BlockTables``, kept from step to step, which writes
+    only the rows whose blocks changed (the same array as ``block_table_array``'s).
     """
     trees = trees or {}
     starts = [s.request.num_computed_tokens for s in scheduled]
@@ -284,7 +288,14 @@ def build_step_inputs(
                 logits_indices.append(len(positions) - 1)
                 sampled_rows.append(row)
                 logits_counts.append(1)
-    block_tables = block_table_array(table_rows, width)
+    if (
+        block_tables is not None
+        and len(table_rows) <= block_tables.rows
+        and width <= block_tables.width
+    ):
+        block_tables = block_tables.update(table_rows)[:, :width]
+    else:
+        block_tables = block_table_array(table_rows, width)
     if decode_only:  # every row's one slot, from the table just built
         pos = np.asarray(starts, dtype=np.int64)
         blocks = block_tables[np.arange(len(starts)), pos // block_size].astype(np.int64)

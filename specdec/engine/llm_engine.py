@@ -7,7 +7,7 @@ runs the next step: pipelined speculative steps (greedy rows of an EAGLE-3 head,
 pipelined_step.py), async plain steps (async_step.py: step N+1 launched before step N is
 read), else the synchronous step (sync_step.py), after any other mode's step in flight is
 read. With a proposer, plain steps run while the batch is above ``disable_by_batch_size``
-(or speculation's deferred graphs are still being captured).
+(or speculation's deferred graphs, deferred_graphs.py, are still being captured).
 
 Steps above ``disable_by_batch_size`` do no proposer work: an EAGLE-3 head is not handed
 their aux states per request (``Proposer.defer``); the forward leaves them in the runner's
@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
 from typing import TypeVar
 
 import torch
@@ -29,6 +28,7 @@ from specdec.config import EngineConfig
 from specdec.engine.async_step import AsyncStep
 from specdec.engine.block_pool import BlockPool
 from specdec.engine.cuda_graph import tree_graph_batch_sizes
+from specdec.engine.deferred_graphs import DeferredGraphs
 from specdec.engine.kv_cache_manager import KVCacheManager, cdiv
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.output_processor import OutputProcessor
@@ -50,9 +50,9 @@ from specdec.tree_shapes import TreeShape
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=StepMode)
 
-# With deferred speculation graphs (SpeculativeConfig.defer_graphs), a step under load captures
-# one at most this often (counted from the last capture's end), so requests keep being
-# served while they are captured.
+# With deferred graphs (EngineConfig.defer_graphs), a step under load captures one at most
+# this often (counted from the last capture's end), so requests keep being served while
+# they are captured.
 DEFERRED_CAPTURE_INTERVAL_S = 2.0
 
 
@@ -102,11 +102,10 @@ class LLMEngine:
                 self.pipeline = SpecPipeline(self.runner, self.proposer)
         # How steps run (step_mode.py), in order of preference; set once graphs are.
         self.modes: list[StepMode] = []
-        # Speculation's graphs still to capture (SpeculativeConfig.defer_graphs): one per
-        # ``capture_pending_graph``; every step decodes plainly until none is left.
-        self._pending_graphs: Iterator[str] | None = None
+        # Graphs still to capture (EngineConfig.defer_graphs), one per
+        # ``capture_pending_graph``: while speculation's are, every step decodes plainly.
+        self.deferred_graphs = DeferredGraphs()
         self._capture_due = 0.0  # time.monotonic() from which step() may capture one
-        self._capture_times: dict[str, list[float]] = {}  # graph family -> seconds each
         self._capture_graphs()
         self.async_scheduling = self.config.async_scheduling
         if self.async_scheduling is None:  # auto: where the device runs ahead of the host
@@ -133,52 +132,50 @@ class LLMEngine:
     def _capture_graphs(self) -> None:
         """The target's decode and prefill graphs, then speculation's (the target's verify
         steps, the proposer's draft steps, the pipelined step, for the batches each band
-        holds): captured now, or left pending for ``capture_pending_graph`` with
-        ``SpeculativeConfig.defer_graphs`` (GPU path only)."""
-        runner = self.runner
+        holds) and the target's graphs of wider steps: all captured now, or the last two
+        left to ``capture_pending_graph`` with ``EngineConfig.defer_graphs`` (GPU path
+        only)."""
+        runner, defer = self.runner, bool(self.config.defer_graphs)
         if not runner.runtime.use_cuda_graphs:
             return
-        if self.proposer is None:
-            runner.capture_graphs()
-            return
-        sizes = self._band_graph_sizes()
-        if not sizes:
-            runner.capture_graphs()
-            return
-        # Verify graphs per tree size (root included): a band's buckets for its shape.
-        tree_sizes: dict[int, list[int]] = {}
-        for shape, buckets in sizes.items():
-            q = shape.max_draft_tokens + 1
-            tree_sizes[q] = sorted({*tree_sizes.get(q, []), *buckets})
+        sizes = self._band_graph_sizes() if self.proposer is not None else {}
         # Chains need no tree mask, so a step that mixes prompt tokens with them (an
         # arrival) fits a prefill graph with room for their logits rows; a tree band's
         # steps (say, batch 1's) never do, and must not cost the chain bands that room.
         chains = [s.max_draft_tokens + 1 for s in sizes if s.max_draft_tokens == s.depth]
-        runner.capture_graphs(max(chains, default=1))
-        bands = "; ".join(
-            f"depth {shape.depth} ({shape.max_draft_tokens} drafts), batch {buckets}"
-            for shape, buckets in sizes.items()
+        runner.capture_graphs(max(chains, default=1), defer=defer)
+        if sizes:
+            # Verify graphs per tree size (root included): a band's buckets for its shape.
+            tree_sizes: dict[int, list[int]] = {}
+            for shape, buckets in sizes.items():
+                q = shape.max_draft_tokens + 1
+                tree_sizes[q] = sorted({*tree_sizes.get(q, []), *buckets})
+            graphs = itertools.chain(
+                runner.verify_graph_captures(tree_sizes),
+                self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len),
+                self.pipeline.capture_graphs(sizes) if self.pipeline is not None else (),
+            )
+            self.deferred_graphs.add("speculation's CUDA graphs", graphs, gates_speculation=True)
+            bands = "; ".join(
+                f"depth {shape.depth} ({shape.max_draft_tokens} drafts), batch {buckets}"
+                for shape, buckets in sizes.items()
+            )
+            logger.info(
+                "speculation's CUDA graphs (%s) %s",
+                bands,
+                "are captured after start-up, between steps; steps decode plainly until "
+                "they are ready"
+                if defer
+                else "are captured now (compiling first)",
+            )
+        self.deferred_graphs.add(
+            "the graphs of wider steps", runner.deferred_graph_captures(), gates_speculation=False
         )
-        # Speculative steps' graphs: the target's verify steps, the draft's growth, the
-        # pipelined step.
-        graphs = itertools.chain(
-            runner.verify_graph_captures(tree_sizes),
-            self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len),
-        )
-        if self.pipeline is not None:
-            graphs = itertools.chain(graphs, self.pipeline.capture_graphs(sizes))
-        self._pending_graphs = graphs
-        if self.config.speculative.defer_graphs:
+        if defer:
             # Requests arriving with the engine's start are served before a capture.
             self._capture_due = time.monotonic() + DEFERRED_CAPTURE_INTERVAL_S
-            logger.info(
-                "speculation's CUDA graphs (%s) are captured after start-up, between steps; "
-                "steps decode plainly until they are ready",
-                bands,
-            )
             return
-        logger.info("capturing speculation's CUDA graphs (compiling first): %s", bands)
-        while self.capture_pending_graph():
+        while self.deferred_graphs.capture_next():
             pass
 
     @property
@@ -192,38 +189,26 @@ class LLMEngine:
 
     @property
     def has_pending_graphs(self) -> bool:
-        """Whether deferred speculation graphs remain to capture (``SpeculativeConfig.
-        defer_graphs``); until none does, every step decodes plainly."""
-        return self._pending_graphs is not None
+        """Whether deferred graphs (``EngineConfig.defer_graphs``) remain to capture."""
+        return self.deferred_graphs.pending
+
+    @property
+    def speculation_graphs_pending(self) -> bool:
+        """Whether speculation's deferred graphs remain; until none does, every step
+        decodes plainly."""
+        return self.deferred_graphs.gate_speculation
 
     @torch.inference_mode()
     def capture_pending_graph(self) -> bool:
-        """Capture speculation's next pending CUDA graph; returns whether more remain. Runs
-        between steps with nothing in flight (``step`` reads the step in flight first);
+        """Capture the next deferred CUDA graph; returns whether more remain. Runs between
+        steps with nothing in flight (``step`` reads the step in flight first);
         ``specdec serve``'s core also calls it while idle. Speculation starts with the
-        step after the last one."""
-        graphs = self._pending_graphs
-        if graphs is None:
+        step after its last one."""
+        if not self.deferred_graphs.pending:
             return False
         if self._mode_in_flight() is not None:
-            raise RuntimeError("a speculation graph is captured only with no step in flight")
-        t0 = time.perf_counter()
-        label = next(graphs, None)
-        if label is not None:
-            family = label.partition(":")[0]
-            self._capture_times.setdefault(family, []).append(time.perf_counter() - t0)
-            logger.debug("captured the graph of %s", label)
-            return True
-        self._pending_graphs = None
-        logger.info(
-            "captured speculation's CUDA graphs in %.1f s (%s); speculation is on",
-            sum(sum(t) for t in self._capture_times.values()),
-            ", ".join(
-                f"{family}: {len(t)} graphs, {sum(t):.1f} s"
-                for family, t in self._capture_times.items()
-            ),
-        )
-        return False
+            raise RuntimeError("a deferred graph is captured only with no step in flight")
+        return self.deferred_graphs.capture_next()
 
     def _band_graph_sizes(self) -> dict[TreeShape, list[int]]:
         """The bucketed batch sizes each band's shape needs graphs for: the buckets of the
@@ -337,10 +322,10 @@ class LLMEngine:
         ``output_kind``: a ``TokenDelta`` for TOKENS, else a ``RequestOutput``). With
         speculation, decoding requests verify a draft tree and may emit several tokens; the
         step is otherwise the same. Under async scheduling the outputs are those of the
-        step launched by the previous call. While deferred speculation graphs remain, a step
-        captures one first every ``DEFERRED_CAPTURE_INTERVAL_S`` (a call that finds a
-        step in flight only reads it)."""
-        if self._pending_graphs is not None and time.monotonic() >= self._capture_due:
+        step launched by the previous call. While deferred graphs remain, a step captures one
+        first every ``DEFERRED_CAPTURE_INTERVAL_S`` (a call that finds a step in flight
+        only reads it)."""
+        if self.deferred_graphs.pending and time.monotonic() >= self._capture_due:
             if (busy := self._mode_in_flight()) is not None:
                 return busy.drain()
             self.capture_pending_graph()
@@ -363,7 +348,7 @@ class LLMEngine:
         """Whether a step of ``batch_size`` requests drafts nothing: it is above the
         speculation cutoff (``disable_by_batch_size``), or deferred speculation graphs are
         still to capture."""
-        if self._pending_graphs is not None:
+        if self.deferred_graphs.gate_speculation:
             return True
         limit = self.config.speculative.disable_by_batch_size
         return limit is not None and batch_size > limit
@@ -384,7 +369,7 @@ class LLMEngine:
         """Whether the next step may verify drafts, and so must run synchronously: there is
         a proposer, and the requests running and waiting do not exceed its batch-size
         cutoff (above it the synchronous step drafts nothing)."""
-        if self.proposer is None or self._pending_graphs is not None:
+        if self.proposer is None or self.deferred_graphs.gate_speculation:
             return False
         limit = self.config.speculative.disable_by_batch_size
         return limit is None or self.scheduler.num_running + self.scheduler.num_waiting <= limit

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,13 +16,13 @@ from specdec.attention.custom_op import OpaqueAttention
 from specdec.config import EngineConfig
 from specdec.device.staging import to_device
 from specdec.engine.cuda_graph import (
-    PrefillGraphs,
     StepGraphs,
     graph_batch_sizes,
-    prefill_graph_buckets,
 )
-from specdec.engine.input_batch import PendingTokens, StepInputs, build_step_inputs
+from specdec.engine.input_batch import BlockTables, PendingTokens, StepInputs, build_step_inputs
 from specdec.engine.kv_cache_manager import cdiv
+from specdec.engine.prefill_graphs import PrefillGraphs, prefill_graph_buckets
+from specdec.engine.runtime import choose_runtime, decide_max_model_len, kv_bytes_per_block
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.models import load_config, load_model
 from specdec.models.config import ModelConfig
@@ -33,61 +32,10 @@ from specdec.ops.paged_attention import move_kvcache_ref
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-@dataclass(frozen=True)
-class RuntimeChoice:
-    device: torch.device
-    dtype: torch.dtype
-    attention_backend: str
-    use_cuda_graphs: bool
-
-
-def choose_runtime(config: EngineConfig) -> RuntimeChoice:
-    """Resolve the "auto" fields: the GPU path is bf16 + Triton + CUDA graphs, the CPU path
-    fp32 + the torch reference backend, eager."""
-    if config.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(config.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={config.device!r} but no CUDA device is visible")
-    on_gpu = device.type == "cuda"
-    if config.dtype == "auto":
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-    else:
-        dtype = _DTYPES[config.dtype]
-    backend = config.attention_backend
-    if backend == "auto":
-        backend = "triton" if on_gpu else "torch"
-    return RuntimeChoice(device, dtype, backend, on_gpu and not config.enforce_eager)
-
-
-def decide_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    limit = model_config.max_context_len
-    asked = config.scheduler.max_model_len
-    if asked is None:
-        return limit
-    if asked > limit:
-        raise ValueError(
-            f"max_model_len={asked} exceeds the model's context length {limit}; "
-            f"use max_model_len <= {limit}"
-        )
-    return asked
-
-
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    c = model_config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * elem
+# With deferred graphs (EngineConfig.defer_graphs), start-up captures the decode and prefill
+# graphs of steps over at most this many sequences (the load a server meets first); those
+# of wider steps follow between steps.
+STARTUP_GRAPH_SEQS = 64
 
 
 class ModelRunner:
@@ -135,6 +83,8 @@ class ModelRunner:
         )
         use_triton_gemm(self.model, self.triton_gemm_max_rows)
         self.block_table_width = cdiv(self.max_model_len, self.block_size)
+        # The step's block-table array, kept between steps (only changed rows rewritten).
+        self.block_tables = BlockTables(config.scheduler.max_num_seqs, self.block_table_width)
         self.aux_layer_ids: tuple[int, ...] = tuple(aux_layer_ids)
         self.aux_width = len(self.aux_layer_ids) * self.model_config.hidden_size
         self.num_blocks = self._decide_num_blocks()
@@ -159,6 +109,7 @@ class ModelRunner:
             self._move_kv_slots = move_kv_slots
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self._deferred_decode_sizes: list[int] = []  # decode graphs capture_graphs left
 
     # ---- memory ------------------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
@@ -299,15 +250,18 @@ class ModelRunner:
         logger.info("warmed up %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def capture_graphs(self, prefill_logits_per_seq: int = 1) -> None:
+    def capture_graphs(self, prefill_logits_per_seq: int = 1, defer: bool = False) -> None:
         """CUDA graphs for decode steps and for steps with prefill tokens (with room for
         ``prefill_logits_per_seq`` logits rows per sequence: the largest chain's nodes on
         an engine that verifies chains, so that arrivals next to them replay too)
         (``EngineConfig.prefill_graph_max_tokens``), in one memory pool that
-        ``verify_graph_captures`` shares; no-op off the GPU path. Call once."""
+        ``verify_graph_captures`` shares; no-op off the GPU path. Call once. ``defer``:
+        only those of steps over at most ``STARTUP_GRAPH_SEQS`` sequences; the rest are
+        ``deferred_graph_captures``'."""
         if not self.runtime.use_cuda_graphs or self.graphs is not None:
             return
         max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
+        bound = STARTUP_GRAPH_SEQS if defer else None
         if self.use_compile:
             # Per-region compilation (compile_regions); automatic dynamic shapes: the
             # first bucket compiles static, the second turns the token dim dynamic for
@@ -317,38 +271,60 @@ class ModelRunner:
             self.graph_forward, self.block_table_width, self.max_model_len, self.device
         )
         sizes = graph_batch_sizes(max_bs)
+        now = [bs for bs in sizes if bound is None or bs <= bound]
         logger.info(
             "capturing CUDA graphs for decode batch sizes %s%s",
-            sizes,
+            now,
             " (compiling the target's layers first)" if self.use_compile else "",
         )
         t0 = time.perf_counter()
-        self.graphs.capture(1, sizes)
+        for _ in self.graphs.captures(1, now, max_bs):
+            pass
         logger.info("captured the decode graphs in %.1f s", time.perf_counter() - t0)
+        self._deferred_decode_sizes = [bs for bs in sizes if bs not in now]
+        max_seqs = self.config.prefill_graph_max_seqs
         tokens, seqs = prefill_graph_buckets(
             self.config.prefill_graph_max_tokens,
-            min(self.config.prefill_graph_max_seqs, self.config.scheduler.max_num_seqs),
+            min(max_bs if max_seqs is None else max_seqs, self.config.scheduler.max_num_seqs),
             min(self.max_model_len, self.config.scheduler.max_num_batched_tokens),
         )
-        if tokens:
-            t0 = time.perf_counter()
-            self.prefill_graphs = PrefillGraphs(
-                self.rows_forward,
-                self.block_table_width,
-                self.max_model_len,
-                self.device,
-                tokens,
-                seqs,
-                prefill_logits_per_seq,
-            )
-            self.graphs.pool = self.prefill_graphs.capture(self.graphs.pool)
-            logger.info(
-                "captured %d prefill CUDA graphs (tokens %s x sequences %s) in %.1f s",
-                len(self.prefill_graphs.graphs),
-                tokens,
-                seqs,
-                time.perf_counter() - t0,
-            )
+        if not tokens:
+            return
+        t0 = time.perf_counter()
+        self.prefill_graphs = PrefillGraphs(
+            self.rows_forward,
+            self.block_table_width,
+            self.max_model_len,
+            self.device,
+            tokens,
+            seqs,
+            prefill_logits_per_seq,
+        )
+        captured = list(self.prefill_graphs.captures(self.graphs.pool, bound))
+        self.graphs.pool = self.prefill_graphs.pool
+        logger.info(
+            "captured %d prefill CUDA graphs (tokens %s x sequences %s) in %.1f s",
+            len(captured),
+            tokens,
+            [s for s in seqs if bound is None or s <= bound],
+            time.perf_counter() - t0,
+        )
+        if bound is not None and (self._deferred_decode_sizes or seqs[-1] > bound):
+            logger.info("the graphs of steps over %d sequences follow after start-up", bound)
+
+    def deferred_graph_captures(self) -> Iterator[str]:
+        """The graphs ``capture_graphs(defer=True)`` left (decode, then prefill), one per
+        iteration, which yields what it captured; until each is, steps of its shape run
+        eagerly."""
+        if self.graphs is None:
+            return
+        sizes, self._deferred_decode_sizes = self._deferred_decode_sizes, []
+        for bs in self.graphs.captures(1, sizes) if sizes else ():
+            yield f"decode: batch {bs}"
+        if self.prefill_graphs is not None:
+            for tokens, seqs in self.prefill_graphs.captures(self.graphs.pool):
+                self.graphs.pool = self.prefill_graphs.pool
+                yield f"prefill: {tokens} tokens, {seqs} sequences"
 
     def verify_graph_captures(self, tree_sizes: dict[int, list[int]]) -> Iterator[str]:
         """CUDA graphs for verify steps of each tree size in ``tree_sizes`` (nodes, root
@@ -390,6 +366,7 @@ class ModelRunner:
             pad_trees_to=pad,
             pending=pending,
             staging=self.graphs.staging if self.graphs is not None else None,
+            block_tables=self.block_tables,
         )
 
     @torch.inference_mode()
@@ -444,7 +421,7 @@ class ModelRunner:
         )
 
     def prefill_graph_key(self, inputs: StepInputs) -> tuple[int, int] | None:
-        """The prefill graph (``cuda_graph.PrefillGraphs``) ``execute`` replays for a step
+        """The prefill graph (``prefill_graphs.PrefillGraphs``) ``execute`` replays for a step
         that no uniform-step graph holds; None: none (no tree mask, and a bucket that
         holds its tokens, sequences and logits rows)."""
         if self.prefill_graphs is None or inputs.meta.has_tree:

@@ -51,7 +51,7 @@ class PipelinedStep(StepMode):
         engine = self.engine
         scheduler = engine.scheduler
         running = scheduler.running
-        if (not running and not scheduler.num_waiting) or engine.has_pending_graphs:
+        if (not running and not scheduler.num_waiting) or engine.speculation_graphs_pending:
             return False
         limit = engine.config.speculative.disable_by_batch_size
         if limit is not None and len(running) > limit:
