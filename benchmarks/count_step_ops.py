@@ -112,7 +112,7 @@ def wrap(counter: OpCounter, name: str, fn):
 @contextlib.contextmanager
 def patched(counter: OpCounter, engine):
     """Phase labels on what ``SpecPipeline._step`` calls; undone on exit."""
-    import specdec.engine.spec_pipeline as spec_pipeline
+    import specdec.spec.pipeline as spec_pipeline
     from specdec.attention.torch_backend import TorchAttentionBackend
     from specdec.attention.triton_backend import TritonAttentionBackend
     from specdec.models.eagle3_head import Eagle3Head
@@ -125,7 +125,7 @@ def patched(counter: OpCounter, engine):
         (CausalLM, "forward", "target"),
         (CausalLM, "compute_logits", "target"),
         (engine.pipeline, "_accept_and_stage", "accept"),
-        (engine.runner, "move_accepted_kv", "move_kv"),
+        (engine.runner, "move_kv", "move_kv"),
         (TorchAttentionBackend, "forward", "attention"),
         (TorchAttentionBackend, "forward_rope", "attention"),
         (TritonAttentionBackend, "forward", "attention"),

@@ -174,7 +174,6 @@ def profile(llm, prompt_ids: list[list[int]], max_tokens: int) -> dict:
         (sync_mode, "_propose", "draft"),
         (engine.runner, "execute", "verify"),
         (sync_mode, "_verify", "accept"),
-        (engine.runner, "move_accepted_kv", "move_kv"),
         (engine.runner, "move_kv", "move_kv"),
         (engine.pipeline, "_continue", "continue"),
         (pipelined, "_finish", "read"),

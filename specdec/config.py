@@ -229,7 +229,7 @@ class SpeculativeConfig:
     # draft to depth k, or another shape (``Band``; the class docstring); None:
     # num_speculative_tokens at every batch size.
     num_speculative_tokens_by_batch_size: list[Band] | None = None
-    # Pipelined speculative steps (engine/spec_pipeline.py: the next step launches before
+    # Pipelined speculative steps (spec/pipeline.py: the next step launches before
     # the host reads this one) for greedy requests of proposers that support it (eagle3).
     # None: on where the device runs ahead of the host (the GPU path with CUDA graphs).
     pipelined: bool | None = None

@@ -16,9 +16,9 @@ from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.async_step import AsyncStep
 from specdec.engine.cuda_graph import StepGraphs
 from specdec.engine.prefill_graphs import PrefillGraphs, prefill_graph_buckets
-from specdec.engine.spec_pipeline import SpecStepGraphs
 from specdec.outputs import TokenDelta
 from specdec.sampling_params import RequestOutputKind
+from specdec.spec.pipeline import SpecStepGraphs
 from specdec.spec.tree_draft import GrowGraphs
 
 NEW_TOKENS = 64

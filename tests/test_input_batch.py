@@ -8,13 +8,9 @@ import random
 
 import torch
 
-from specdec.engine.input_batch import (
-    BlockTables,
-    PendingTokens,
-    block_table_array,
-    build_step_inputs,
-)
+from specdec.engine.input_batch import build_step_inputs
 from specdec.engine.scheduler import ScheduledRequest
+from specdec.ops.step_inputs import BlockTables, PendingTokens, block_table_array
 from specdec.request import Request
 from specdec.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The pipelined speculative step (engine/spec_pipeline.py) keeps plain greedy decoding's
+"""The pipelined speculative step (spec/pipeline.py) keeps plain greedy decoding's
 tokens: device-side acceptance equals the host reference on random trees, and on the real
 SmolLM2 (fp32, CPU) with a trained EAGLE-3 head (drafts really accepted, so K/V moves,
 catch-ups and dropped work all happen) every output equals plain decoding: chains and
@@ -30,7 +30,7 @@ from specdec.engine.pipelined_step import PipelinedStep
 from specdec.models import load_config
 from specdec.models.eagle3_formats import load_eagle3, save_eagle3
 from specdec.models.eagle3_head import Eagle3Head
-from specdec.ops.accept import UniformAcceptance
+from specdec.ops.accept import UniformAcceptance, accepted_path_moves
 from specdec.ops.attention_metadata import cache_slots
 from specdec.spec.acceptance import greedy_accept_batch, greedy_accept_uniform
 from specdec.spec.tree import DraftTree
@@ -108,7 +108,8 @@ def _use_graph_stand_ins(engine, monkeypatch) -> None:
     """The GPU path's CUDA graphs with CPU stand-ins (captured by ``engine._capture_graphs``
     after this): verify, prefill, growth and whole-step graphs run eagerly from their
     static buffers."""
-    from specdec.engine import model_runner, spec_pipeline
+    from specdec.engine import model_runner
+    from specdec.spec import pipeline as spec_pipeline
     from specdec.spec import tree_draft
 
     monkeypatch.setattr(model_runner, "StepGraphs", EagerStepGraphs)
@@ -433,7 +434,7 @@ def test_accepted_kv_moves_in_one_launch_as_per_layer_copies(smollm2_dir, tmp_pa
     slots = cache_slots(tables.to(torch.int32), index, 16).view(4, q)
     before = runners[0].kv_caches[1][0].clone()
     for runner in runners:
-        runner.move_accepted_kv(acceptance, slots)
+        runner.move_kv(*accepted_path_moves(acceptance, slots))
     for pair_a, pair_b in zip(runners[0].kv_caches, runners[1].kv_caches, strict=True):
         for a, b in zip(pair_a, pair_b, strict=True):
             assert torch.equal(a, b)

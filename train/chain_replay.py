@@ -21,7 +21,7 @@ The engine's accounting, which ``replay_chain`` reproduces (``SyncStep._propose`
   there (vLLM counts the same way). ``checkable`` lets the replay count them where the
   record shows what the target continues with.
 
-These are the synchronous step's rules. The pipelined step (``spec_pipeline``, on by
+These are the synchronous step's rules. The pipelined step (``spec.pipeline``, on by
 default with CUDA graphs) launches a full chain whatever max_tokens leaves, and the engine
 counts it as the synchronous step would (``pipelined_step.counted_as_synchronous``), so the
 replay holds for both.

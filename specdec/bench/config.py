@@ -148,7 +148,7 @@ def sweep(
     """The configs a sweep names, with ``base``'s method and model: chains of each K in
     ``chain``, then the dynamic-tree grid top_k × depth × total_tokens (a dimension not
     given takes ``base``'s value). No sweep at all gives ``[base]``. ``pipelined``: each
-    config once per value (off: the synchronous step; on: spec_pipeline.py). Grid points the
+    config once per value (off: the synchronous step; on: spec/pipeline.py). Grid points the
     shape rejects (top_k > total_tokens, ...) are returned as reasons, not raised."""
     configs: list[SpeculativeConfig] = []
     skipped: list[str] = []

@@ -89,7 +89,7 @@ class BenchRow:
     divergence_gaps: list[float] = field(default_factory=list)
     vocab_coverage: float | None = None  # None: the proposer has no draft vocabulary
     draft_vocab_size: int | None = None  # the head's draft vocabulary (ids in its t2d)
-    pipelined_launches: int = 0  # pipelined speculative steps (engine/spec_pipeline.py)
+    pipelined_launches: int = 0  # pipelined speculative steps (spec/pipeline.py)
     per_prompt: list[PromptRow] = field(default_factory=list)
     note: str = ""
 

@@ -14,9 +14,9 @@ import time
 import torch
 
 from specdec.device.staging import to_host
-from specdec.engine.input_batch import PendingTokens
 from specdec.engine.step_mode import StepMode, StepOutputs
 from specdec.engine.step_sampling import logprobs_to_host
+from specdec.ops.step_inputs import PendingTokens
 from specdec.request import Request
 from specdec.sampling.sampler import LogprobsTensors
 
@@ -82,8 +82,7 @@ class AsyncStep(StepMode):
         pending = self.launched.pending() if self.launched is not None else None
         inputs = engine.runner.prepare(scheduled, pending=pending)
         logits, _ = engine.runner.execute(inputs)
-        for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+        engine.scheduler.update(scheduled)
         engine.num_steps += 1
         if not inputs.sampled_rows:
             return None

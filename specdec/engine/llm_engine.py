@@ -34,7 +34,6 @@ from specdec.engine.model_runner import ModelRunner
 from specdec.engine.output_processor import OutputProcessor
 from specdec.engine.pipelined_step import PipelinedStep
 from specdec.engine.scheduler import Scheduler
-from specdec.engine.spec_pipeline import SpecPipeline
 from specdec.engine.step_mode import StepMode, StepOutputs
 from specdec.engine.step_sampling import StepSampler
 from specdec.engine.sync_step import SyncStep
@@ -43,6 +42,7 @@ from specdec.request import Request, RequestStatus
 from specdec.sampling.sampler import Sampler
 from specdec.sampling_params import SamplingParams
 from specdec.spec.metrics import SpecStats
+from specdec.spec.pipeline import SpecPipeline
 from specdec.spec.proposer import PipelinedProposer, make_proposer, proposer_class
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
 from specdec.tree_shapes import TreeShape
@@ -91,7 +91,7 @@ class LLMEngine:
             else None
         )
         self.runner.warm_up_kernels(trees=self.proposer is not None)
-        # Pipelined speculative steps (spec_pipeline.py), on by default where steps replay
+        # Pipelined speculative steps (spec/pipeline.py), on by default where steps replay
         # CUDA graphs.
         self.pipeline: SpecPipeline | None = None
         if isinstance(self.proposer, PipelinedProposer):

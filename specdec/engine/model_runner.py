@@ -8,18 +8,16 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from specdec.attention import get_attention_backend
 from specdec.attention.custom_op import OpaqueAttention
 from specdec.config import EngineConfig
-from specdec.device.staging import to_device
 from specdec.engine.cuda_graph import (
     StepGraphs,
     graph_batch_sizes,
 )
-from specdec.engine.input_batch import BlockTables, PendingTokens, StepInputs, build_step_inputs
+from specdec.engine.input_batch import build_step_inputs
 from specdec.engine.kv_cache_manager import cdiv
 from specdec.engine.prefill_graphs import PrefillGraphs, prefill_graph_buckets
 from specdec.engine.runtime import choose_runtime, decide_max_model_len, kv_bytes_per_block
@@ -29,6 +27,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.linear import use_triton_gemm
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.paged_attention import move_kvcache_ref
+from specdec.ops.step_inputs import BlockTables, PendingTokens, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -370,44 +369,22 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
-        """Copy K/V from cache slots ``src_slots`` to ``dst_slots`` in every layer: after
-        tree verification the accepted path's entries move to consecutive positions.
-
-        All sources are read before any destination is written, so overlapping moves
-        (a path node shifting left onto a rejected sibling's slot) are safe.
-        """
-        if not src_slots:
-            return
-        src, dst = to_device(np.array([src_slots, dst_slots], dtype=np.int64), self.device)
-        self._copy_slots(src, dst)
-
-    def _copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """K/V of slots ``src`` into slots ``dst`` ([n] int64 each), every layer; all
-        sources are read before any destination is written."""
-        move_kvcache_ref([c for pair in self.kv_caches for c in pair], src, dst)
-
-    @torch.inference_mode()
-    def move_accepted_kv(
+    def move_kv(
         self,
-        acceptance,  # ops.accept.UniformAcceptance of a batch of trees
-        slots: torch.Tensor,  # [batch, q] int64: the slots of each tree's nodes (root first)
+        src: torch.Tensor,  # [rows, n] int64 cache slots, on the device
+        dst: torch.Tensor,  # [rows, n] int64 cache slots, src's shape
     ) -> None:
-        """``move_kv`` for trees with device-side acceptance, node ``i`` of tree ``b``
-        verified at ``slots[b, i]``: the accepted node at depth ``d`` moves to the slot of
-        node ``d`` (cache index root + d). Device ops only; depths past a row's accepted
-        count copy a slot onto itself (no host-side filtering), which no real move reads or
-        writes (their targets are node ``d``'s slots for smaller ``d``)."""
-        path, num_accepted = acceptance.path, acceptance.num_accepted  # [batch, depth + 1]
-        depth = torch.arange(1, path.shape[1], device=path.device)  # [depth]
-        src_node = torch.where(depth <= num_accepted[:, None], path[:, 1:], depth)
-        src = slots.gather(1, src_node)  # [batch, depth]
-        dst = slots[:, 1 : path.shape[1]]
-        if self._kv_table is None:
-            self._copy_slots(src, dst)
+        """Compact K/V after verification: copy slot ``src[r, i]`` to ``dst[r, i]`` in every
+        layer (the accepted path's entries move next to their root; every mode's one
+        compaction call). A row's sources are all read before any of its destinations is
+        written, so a node may shift onto a slot another move of its row reads; rows share
+        no slots outside the null block. One launch for every layer where the Triton
+        kernel runs (``kernels/move_kv.py``), else the reference."""
+        if src.numel() == 0:
             return
-        # One launch for every layer; a row's moves only shift nodes towards the root, and
-        # rows never share slots outside the null block (move_kv_slots' contract).
+        if self._kv_table is None:
+            move_kvcache_ref([c for pair in self.kv_caches for c in pair], src, dst)
+            return
         self._move_kv_slots(self._kv_table, self.kv_caches[0][0], src, dst)
 
     @torch.inference_mode()

@@ -30,7 +30,7 @@ from specdec.spec.metrics import SpecStats
 from specdec.spec.spec_exit import SpecExitState
 
 if TYPE_CHECKING:
-    from specdec.engine.spec_pipeline import SpecLaunch
+    from specdec.spec.pipeline import SpecLaunch
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The pipelined speculative step (``StepMode``): launch speculative step N+1 from step
 N's device outcome, then read step N.
 
-``SpecPipeline`` (spec_pipeline.py) drafts, verifies and accepts a whole step on the
+``SpecPipeline`` (spec/pipeline.py) drafts, verifies and accepts a whole step on the
 device; this mode decides when a step can run that way, admits arrivals beside it (their
 prompts prefilled, their first token picked on the device), and applies what the host
 reads one step later: the emitted tokens, each request's computed tokens past the step's
@@ -16,11 +16,11 @@ import time
 
 from specdec.engine.kv_cache_manager import cdiv
 from specdec.engine.scheduler import ScheduledRequest
-from specdec.engine.spec_pipeline import SpecLaunch
 from specdec.engine.step_mode import StepMode, StepOutputs
 from specdec.engine.step_sampling import decodes_plainly
 from specdec.engine.sync_step import observe
 from specdec.request import Request, RequestStatus
+from specdec.spec.pipeline import SpecLaunch
 
 
 class PipelinedStep(StepMode):
@@ -146,11 +146,10 @@ class PipelinedStep(StepMode):
             raise RuntimeError("a pipelined arrival must prefill its whole prompt")
         observe(engine.proposer, arrivals, inputs, starts, {}, aux)
         requests = [s.request for s in arrivals]
-        for s in arrivals:
-            s.request.num_computed_tokens += s.num_new_tokens
+        engine.scheduler.update(arrivals)
         last_aux = engine.proposer.start_pipelined(requests)
         for request in requests:  # one step behind: the prompt's last token is the root
-            request.num_computed_tokens -= 1
+            engine.scheduler.roll_back(request, 1)
         first = logits.argmax(dim=-1)  # greedy (joins), min_tokens reached
         return self.pipeline.arrive(requests, first, last_aux)
 
@@ -162,7 +161,7 @@ class PipelinedStep(StepMode):
         """Append a pipelined step's tokens (its host sync); each request's computed tokens
         move past the step's root and accepted nodes, and the proposer resumes from them.
         SpecExit judges the step here; a cut also marks the request's row of the step in
-        flight stale (module docstring of spec_pipeline.py)."""
+        flight stale (module docstring of spec/pipeline.py)."""
         engine = self.engine
         processor = engine.outputs
         emitted = done.read()
@@ -198,7 +197,7 @@ class PipelinedStep(StepMode):
                     (launch for launch in self.launches if request in launch.requests), None
                 )
             root = request.num_computed_tokens  # one step behind: this step's root
-            request.num_computed_tokens = root + 1 + num_accepted
+            engine.scheduler.advance(request, 1 + num_accepted)
             engine.proposer.resume(
                 request, root, done.state.aux, done.state_row(row), num_accepted + 1
             )

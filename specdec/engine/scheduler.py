@@ -12,7 +12,7 @@ produced, so nothing is lost or repeated.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specdec.config import SchedulerConfig
@@ -177,3 +177,34 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             self._group_open = False
         return out
+
+    # ---- the update: what a step computed ------------------------------------------------
+    # The scheduler owns each request's computed tokens: a step mode reports what its step
+    # kept through these three calls and never writes the counter itself.
+    def update(
+        self, scheduled: Sequence[ScheduledRequest], rejected: Mapping[int, int] | None = None
+    ) -> None:
+        """A step ran: every row's request computed its scheduled tokens, less
+        ``rejected[row]`` for a verify row (its tree's nodes acceptance did not keep; their
+        K/V is stale and the next step overwrites it)."""
+        rejected = rejected or {}
+        for row, s in enumerate(scheduled):
+            s.request.num_computed_tokens += s.num_new_tokens - rejected.get(row, 0)
+
+    @staticmethod
+    def advance(request: Request, num_tokens: int) -> None:
+        """``request`` computed ``num_tokens`` more (a pipelined step read one step late:
+        its root and accepted nodes)."""
+        request.num_computed_tokens += num_tokens
+
+    @staticmethod
+    def roll_back(request: Request, num_tokens: int) -> None:
+        """Un-compute ``request``'s last ``num_tokens`` computed tokens: their K/V is stale
+        (SpecExit cut the tokens after them) or is recomputed by the next step (a pipelined
+        request held one step behind, at its root)."""
+        if not 0 <= num_tokens <= request.num_computed_tokens:
+            raise ValueError(
+                f"request {request.request_id}: cannot roll back {num_tokens} of its "
+                f"{request.num_computed_tokens} computed tokens"
+            )
+        request.num_computed_tokens -= num_tokens

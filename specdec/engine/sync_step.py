@@ -6,8 +6,8 @@ rows inside the speculation bands) → prepare and run the target over every row
 tokens (a verify step: each tree's nodes, root included) → sample plain rows, accept tree
 rows (greedy or sampled acceptance) and move the accepted path's K/V next to its root →
 SpecExit's cut → the proposer observes what the target computed → append, trim and
-report. A tree row's computed tokens advance by what acceptance kept; other rows by all
-of theirs.
+report. The scheduler then counts the computed tokens (``Scheduler.update``): a tree
+row's advance by what acceptance kept, other rows' by all of theirs.
 """
 
 from __future__ import annotations
@@ -52,11 +52,9 @@ class SyncStep(StepMode):
         starts = [s.request.num_computed_tokens for s in scheduled]
         inputs = engine.runner.prepare(scheduled, trees)
         logits, aux = engine.runner.execute(inputs)
-        for row, s in enumerate(scheduled):
-            if row not in trees:  # tree rows advance by what acceptance keeps
-                s.request.num_computed_tokens += s.num_new_tokens
         engine.num_steps += 1
-        if not inputs.sampled_rows:
+        if not inputs.sampled_rows:  # prompt chunks only (a tree row is always sampled)
+            engine.scheduler.update(scheduled)
             return []
         # Each sampled row's request state, in sampled-row order.
         states = [
@@ -84,8 +82,11 @@ class SyncStep(StepMode):
         accepted: dict[int, list[int]] = {}
         if spec:
             accepted = self._verify(inputs, states, trees, spec, logits, offsets, emitted)
-            if engine.spec_exit is not None:
-                self._apply_spec_exit(inputs, states, trees, spec, emitted, accepted)
+        # Tree rows keep their root and accepted nodes; other rows all they computed.
+        rejected = {row: trees[row].num_nodes - 1 - len(nodes) for row, nodes in accepted.items()}
+        engine.scheduler.update(scheduled, rejected)
+        if spec and engine.spec_exit is not None:
+            self._apply_spec_exit(inputs, states, trees, spec, emitted, accepted)
         if observing:
             observe(engine.proposer, scheduled, inputs, starts, accepted, aux)
         now = time.monotonic()
@@ -153,7 +154,8 @@ class SyncStep(StepMode):
         self, inputs, states: list[RequestState], trees, spec, logits, offsets, emitted
     ) -> dict[int, list[int]]:
         """Acceptance for the tree rows, then move the accepted path's K/V into place.
-        Returns each tree row's accepted node indices."""
+        Returns each tree row's accepted node indices (its computed tokens are still the
+        root's cache index: ``step`` updates them after)."""
         engine = self.engine
         spec_states = [states[i] for i in spec]
         tree_list = [trees[inputs.sampled_rows[i]] for i in spec]
@@ -181,12 +183,13 @@ class SyncStep(StepMode):
                     a, b = start + node, start + depth
                     src.append(blocks[a // bs] * bs + a % bs)
                     dst.append(blocks[b // bs] * bs + b % bs)
-            request.num_computed_tokens = start + 1 + result.num_accepted
             emitted[i] = result.token_ids
             if tree.num_draft_tokens:  # root-only trees are plain decodes, not steps
                 engine.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
                 state.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
-        engine.runner.move_kv(src, dst)
+        if src:  # one row of moves: no two requests share a slot
+            moves = to_device(np.array([src, dst], dtype=np.int64), logits.device)
+            engine.runner.move_kv(moves[:1], moves[1:])
         return {
             inputs.sampled_rows[i]: r.accepted_nodes for i, r in zip(spec, results, strict=True)
         }
@@ -217,12 +220,12 @@ class SyncStep(StepMode):
             cut = runtime.judge(state.spec_exit, request.output_token_ids, emitted[i], step_values)
             if cut is None:
                 continue
-            root = request.num_computed_tokens - 1 - len(accepted[row])  # its cache index
             emitted[i] = [*emitted[i][: cut.keep], *cut.tokens]
             # A cut at the bonus token keeps every accepted node: the bonus and the forced
             # tokens are then all uncomputed, and the next step computes them together.
-            accepted[row] = accepted[row][: cut.keep]
-            request.num_computed_tokens = root + 1 + len(accepted[row])
+            kept = accepted[row][: cut.keep]
+            self.engine.scheduler.roll_back(request, len(accepted[row]) - len(kept))
+            accepted[row] = kept
 
 
 def observe(proposer, scheduled, inputs, starts, accepted, aux: torch.Tensor) -> None:

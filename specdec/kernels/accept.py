@@ -1,7 +1,7 @@
 """Greedy acceptance of a batch of equally shaped draft trees and the pipelined step's
 catch-up state, in one launch (Triton), next to the PyTorch reference.
 
-After the verify forward the pipelined speculative step (engine/spec_pipeline.py) finds,
+After the verify forward the pipelined speculative step (spec/pipeline.py) finds,
 per tree, the nodes whose token is their parent's argmax all the way from the root, the
 accepted path by depth, the emitted tokens (accepted, then the bonus), and then writes the
 next step's catch-up state: those tokens, the target's aux states gathered along the path,

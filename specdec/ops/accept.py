@@ -31,6 +31,21 @@ class UniformAcceptance:
         return self.token_ids.gather(1, self.num_accepted[:, None]).squeeze(1)
 
 
+def accepted_path_moves(
+    acceptance: UniformAcceptance,  # of a batch of trees
+    slots: torch.Tensor,  # [batch, q] int64: the slots of each tree's nodes (root first)
+) -> tuple[torch.Tensor, torch.Tensor]:  # src, dst: [batch, depth] int64
+    """The K/V moves (``ModelRunner.move_kv``) that put each row's accepted path next to
+    its root: the accepted node at depth ``d`` moves to the slot of node ``d`` (cache index
+    root + d). Device ops only; depths past a row's accepted count copy a slot onto itself
+    (no host-side filtering), which no real move reads or writes (their targets are node
+    ``d``'s slots for smaller ``d``)."""
+    path, num_accepted = acceptance.path, acceptance.num_accepted  # [batch, depth + 1]
+    depth = torch.arange(1, path.shape[1], device=path.device)  # [depth]
+    src_node = torch.where(depth <= num_accepted[:, None], path[:, 1:], depth)
+    return slots.gather(1, src_node), slots[:, 1 : path.shape[1]]
+
+
 def greedy_accept_argmax(
     token_ids: torch.Tensor,  # [batch, q] int64
     parents: torch.Tensor,  # [batch, q] int64

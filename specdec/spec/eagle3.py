@@ -280,7 +280,7 @@ class Eagle3Proposer(PipelinedProposer):
             st.head_computed, st.pending, st.resumed, st.deferred = end, [], None, None
         return spans, aux
 
-    # ---- the pipelined step (engine/spec_pipeline.py) ----------------------------------
+    # ---- the pipelined step (spec/pipeline.py) ----------------------------------
     def pipeline_ready(self, request: Request) -> bool:
         """Whether ``request`` can start a pipelined step from the host: it has been
         observed and catches up on 1 .. ``catch_up_width`` positions (a verify step or a

@@ -170,7 +170,7 @@ def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:
 
 
 class PipelinedProposer(Proposer):
-    """A proposer that runs pipelined speculative steps (engine/spec_pipeline.py): the
+    """A proposer that runs pipelined speculative steps (spec/pipeline.py): the
     next step's draft is grown on the device from the step in flight's outcome, before
     the host reads it. Its catch-up state travels between launches as device tensors of
     ``catch_up_width`` positions per request (the engine reserves that many slots beyond

@@ -57,10 +57,10 @@ import torch
 from specdec.attention.tree_mask import ancestor_closure, uniform_tree_mask
 from specdec.device.graph_capture import capture_graph
 from specdec.device.staging import HostCopy, aligned, to_device, to_host
-from specdec.engine.input_batch import BlockTables, StepInputs
 from specdec.models.compiling import compile_region
-from specdec.ops.accept import greedy_accept_and_stage
+from specdec.ops.accept import accepted_path_moves, greedy_accept_and_stage
 from specdec.ops.attention_metadata import AttentionMetadata, cache_slots
+from specdec.ops.step_inputs import BlockTables, StepInputs
 from specdec.request import Request
 from specdec.spec.proposer import PipelinedProposer
 from specdec.spec.tree import TreeBatch
@@ -382,7 +382,7 @@ class SpecPipeline:
             self.state.fields(),
         )
         if not tree.is_chain:  # a chain's accepted nodes already sit next to the root
-            runner.move_accepted_kv(acceptance, slots)
+            runner.move_kv(*accepted_path_moves(acceptance, slots))
         return pack_signals(packed, tree.exit_signals)
 
     def _draft(
