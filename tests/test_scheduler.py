@@ -59,7 +59,9 @@ def run(
             r = s.request
             assert NULL_BLOCK_ID not in r.block_ids
             assert len(r.block_ids) * block_size >= r.num_computed_tokens + s.num_new_tokens
-            r.num_computed_tokens += s.num_new_tokens
+        sched.update(out.scheduled)
+        for s in out.scheduled:
+            r = s.request
             if r.num_computed_tokens == r.num_tokens:
                 r.output_token_ids.append(fake_next_token(r.all_token_ids))
                 if r.num_output_tokens >= r.max_tokens:
@@ -251,3 +253,28 @@ def test_admit_batch_starts_waiting_requests_in_groups():
     assert admissions and len(admissions) <= 3  # 12 waiting requests in groups, not 12 steps
     with pytest.raises(ValueError, match=r"admit_batch=9 must be in \[1, max_num_seqs=8\]"):
         SchedulerConfig(8, 64, admit_batch=9)
+
+
+def test_update_keeps_what_verification_accepted_and_roll_back_checks_its_count() -> None:
+    """``update`` advances plain rows by their scheduled tokens and verify rows by the root
+    and accepted nodes only; ``advance`` and ``roll_back`` move one request; rolling back
+    more than it computed names the request and the counts."""
+    kv = KVCacheManager(BlockPool(64, False), 4)
+    sched = Scheduler(SchedulerConfig(8, 64), kv, max_model_len=1000)
+    a, b = make_request(0, [1, 2, 3], 9), make_request(1, [4, 5], 9)
+    for r in (a, b):
+        sched.add_request(r)
+    out = sched.schedule()
+    sched.update(out.scheduled)  # both prompts
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (3, 2)
+    a.output_token_ids.append(7)
+    b.output_token_ids.append(8)
+    out = sched.schedule(num_lookahead_tokens=4)
+    out.scheduled[0].num_new_tokens = 5  # a verifies a tree of 5 nodes: 1 accepted
+    sched.update(out.scheduled, rejected={0: 3})
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (5, 3)
+    sched.advance(a, 2)
+    sched.roll_back(a, 3)
+    assert a.num_computed_tokens == 4
+    with pytest.raises(ValueError, match="request 1: cannot roll back 4 of its 3 computed"):
+        sched.roll_back(b, 4)
