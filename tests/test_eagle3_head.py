@@ -201,6 +201,100 @@ def test_formats_write_what_other_tools_read(tmp_path: Path) -> None:
     assert spec_keys == {k.replace("midlayer.", "layers.0.") for k in research_keys}
 
 
+VARIANTS = {
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+    "norm_before_fc": {"norm_before_fc": True},
+    "all": {"fc_norm": True, "norm_output": True, "norm_before_fc": True},
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_round_trip_in_every_format(fmt: str, variant: str, tmp_path: Path) -> None:
+    """EAGLE-3.1 and speculators' norm_before_fc: config.json carries the switches where
+    vLLM reads them, the norms are stored under vLLM's names, and the head loads back
+    drafting the same logits over steps that feed each step's output back."""
+    target = target_config()
+    flags = VARIANTS[variant]
+    head, embed = random_head(target, **flags)
+    save_eagle3(head, tmp_path / fmt, fmt)
+    loaded = load_eagle3(tmp_path / fmt, target_config=target, embed=embed)
+    for flag in ("fc_norm", "norm_output", "norm_before_fc"):
+        assert getattr(loaded.config, flag) == flags.get(flag, False)
+    assert loaded.config.variant == ("eagle3.1" if variant == "eagle3.1" else
+                                     "eagle3+" + "+".join(flags))  # fmt: skip
+    for a, b in zip(run_steps(head, target), run_steps(loaded, target), strict=True):
+        assert torch.equal(a, b)
+    config = json.loads((tmp_path / fmt / "config.json").read_text())
+    for flag, value in flags.items():
+        assert config[flag] is value
+    keys = _stored_keys(tmp_path / fmt)
+    assert ({f"fc_norm.{i}.weight" for i in range(3)} <= keys) == bool(flags.get("fc_norm"))
+    assert ("input_norm.weight" in keys) == bool(flags.get("norm_before_fc"))
+
+
+def test_validation_names_the_readers_an_eagle3_1_head_does_not_suit(tmp_path: Path) -> None:
+    """EAGLE builds EAGLE-3 proper: an error naming the variant and the fix. SGLang may
+    lack EAGLE-3.1 support (it skips unknown keys): a warning. vLLM and specdec: fine."""
+    from specdec.interop.validate import validate_head
+
+    target = target_config()
+    head, _ = random_head(target, fc_norm=True, norm_output=True)
+    save_eagle3(head, tmp_path / "h", "eagle")
+    eagle = validate_head(tmp_path / "h", "eagle", target=target)
+    assert any("eagle3.1 head" in f.problem and "vllm" in f.fix for f in eagle.errors)
+    sglang = validate_head(tmp_path / "h", "sglang", target=target)
+    assert sglang.ok and any("fc_norm" in f.problem for f in sglang.warnings)
+    save_eagle3(head, tmp_path / "ours")
+    for consumer in ("vllm", "specdec"):
+        report = validate_head(tmp_path / "ours", consumer, target=target)
+        assert report.ok and not any("eagle3.1" in f.problem for f in report.warnings)
+
+
+def test_eagle3_1_norms_each_aux_state_and_feeds_back_the_post_norm_output() -> None:
+    """EAGLE-3.1 against EAGLE-3 with the same weights: ``fuse`` is fc over each aux state
+    normed by its own fc_norm, and a step's ``out`` is the EAGLE-3 output after ``norm``
+    (so the next step reads what the logits read); the logits themselves are EAGLE-3's
+    for the same input hidden."""
+    target = target_config()
+    head31, embed = random_head(target, fc_norm=True, norm_output=True)
+    head3 = Eagle3Head(replace(head31.config, fc_norm=False, norm_output=False),
+                       get_attention_backend("torch"), embed=embed)  # fmt: skip
+    head3.load_state_dict(
+        {k: v for k, v in head31.state_dict().items() if not k.startswith("fc_norm.")}
+    )
+    c = head31.config
+    aux = torch.randn(3, 3 * c.hidden_size, generator=torch.Generator().manual_seed(1))
+    w = [n.weight for n in head31.fc_norm]
+    chunks = aux.split(c.hidden_size, dim=-1)
+    want = torch.cat([rms(x, wi, c.rms_norm_eps) for x, wi in zip(chunks, w, strict=True)], -1)
+    with torch.no_grad():
+        torch.testing.assert_close(head31.fuse(aux), head31.fc(want), atol=1e-6, rtol=1e-6)
+        hidden = head3.fuse(aux)
+        assert not torch.allclose(head31.fuse(aux), hidden)
+    k_cache = torch.zeros(4, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([8, 9, 10]),
+        query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([3], dtype=torch.int32),
+        block_tables=torch.tensor([[2]], dtype=torch.int32),
+        max_query_len=3,
+        max_seq_len=3,
+        query_lens_cpu=[3],
+        seq_lens_cpu=[3],
+    )
+    ids, pos = torch.tensor([11, 42, 7]), torch.tensor([4, 5, 6])
+    outs = []
+    for head in (head3, head31):
+        k_cache.zero_()
+        with torch.no_grad():
+            outs.append(head(ids, hidden, pos, [(k_cache, torch.zeros_like(k_cache))], meta))
+    (out3, logits3), (out31, logits31) = outs
+    torch.testing.assert_close(logits31, logits3, atol=1e-6, rtol=1e-6)
+    want_out = rms(out3, head3.norm.weight, c.rms_norm_eps)
+    torch.testing.assert_close(out31, want_out, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", ["specdec", "speculators"])
 def test_a_deeper_head_round_trips_with_vllms_layer_names(fmt: str, tmp_path: Path) -> None:
     """A 3-layer head (vLLM's multi-layer EAGLE-3 drafter): config.json says
@@ -441,8 +535,12 @@ def test_load_names_bad_shapes_targets_and_pickles(tmp_path: Path) -> None:
 
     save_eagle3(head, tmp_path / "s", "speculators")
     spec_file = tmp_path / "s/config.json"
-    spec_file.write_text(json.dumps({**json.loads(spec_file.read_text()), "fc_norm": True}))
-    with pytest.raises(WeightLoadError, match="fc_norm=true"):
+    spec = json.loads(spec_file.read_text())
+    spec_file.write_text(json.dumps({**spec, "fc_norm": "yes"}))
+    with pytest.raises(WeightLoadError, match="fc_norm='yes'; it is true or false"):
+        load_eagle3(tmp_path / "s", target_config=target)
+    spec_file.write_text(json.dumps({**spec, "fc_norm": True}))  # an EAGLE-3 head's weights
+    with pytest.raises(WeightLoadError, match=r"fc_norm\.0\.weight"):
         load_eagle3(tmp_path / "s", target_config=target)
 
     (tmp_path / "h/model.safetensors").rename(tmp_path / "h/pytorch_model.bin")

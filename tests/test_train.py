@@ -413,3 +413,45 @@ def test_time_limit_counts_from_the_command_start():
     assert TimeLimit(60.0, accelerator, started=now - 61.0).reached()
     assert not TimeLimit(60.0, accelerator, started=now).reached()
     assert not TimeLimit(None, accelerator, started=now - 1e6).reached()
+
+
+def test_an_eagle3_1_head_trains_and_an_eagle3_head_continues_as_one(trained, data, tmp_path):
+    """model.variant=eagle3.1: a fresh head trains with a norm on each fused aux state and
+    its post-norm states fed back (the loss falls; config.json records both switches), and
+    a trained EAGLE-3 head continues as EAGLE-3.1 with every weight it had and fresh norms
+    (weight 1). Continuing an EAGLE-3.1 head as EAGLE-3 would drop its norms: refused."""
+    from specdec.models.eagle3_formats import load_eagle3
+    from specdec.train.model import TargetIO
+
+    cfg = config(data, tmp_path / "fresh", model={"variant": "eagle3.1"},
+                 data={"max_tokens": 256}, optim={"max_steps": 40, "grad_accum": 1},
+                 run={"log_every": 10, "save_every": 40})  # fmt: skip
+    assert train(cfg)["step"] == 40
+    entries = [e for e in log(tmp_path / "fresh") if "train/loss" in e]
+    assert entries[-1]["train/loss"] < 0.5 * entries[0]["train/loss"]
+    saved = json.loads((tmp_path / "fresh/head/config.json").read_text())
+    assert saved["fc_norm"] is True and saved["norm_output"] is True
+    target = TargetIO.load(cfg.model.target).config
+    assert load_eagle3(tmp_path / "fresh/head", target_config=target).config.variant == "eagle3.1"
+
+    head_dir = trained[0] / "head"
+    original = _head_tensors(head_dir)
+    as_31 = {"init_head": str(head_dir), "variant": "eagle3.1"}
+    cont = config(data, tmp_path / "cont", model=as_31,
+                  optim={"max_steps": 1, "grad_accum": 1, "lr": 1e-12})  # fmt: skip
+    assert train(cont)["step"] == 1
+    tensors = _head_tensors(tmp_path / "cont/head")
+    for key, value in original.items():
+        torch.testing.assert_close(tensors[key].float(), value.float(), atol=1e-6, rtol=0)
+    for i in range(3):
+        torch.testing.assert_close(tensors[f"fc_norm.{i}.weight"].float(),
+                                   torch.ones(target.hidden_size), atol=1e-6, rtol=0)  # fmt: skip
+    back = config(data, tmp_path / "back",
+                  model={"init_head": str(tmp_path / "fresh/head"), "variant": "eagle3"},
+                  optim={"max_steps": 1, "grad_accum": 1})  # fmt: skip
+    with pytest.raises(ValueError, match=r"is an eagle3.1 head and the run asks for eagle3"):
+        train(back)
+    with pytest.raises(
+        ValueError, match=r"model.variant='eagle4'; choose one of eagle3 \| eagle3.1"
+    ):
+        config(data, tmp_path / "bad", model={"variant": "eagle4"})

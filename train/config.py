@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, get_type_hints
 
 import yaml
 
+from specdec.models.head_variants import HEAD_VARIANTS
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -46,12 +48,18 @@ class ModelSection:
     # the trained head is deepened exactly (new layers start silent: train/model.deepen).
     # vLLM serves deeper heads; SGLang and EAGLE load one layer only.
     num_layers: int | None = None
+    # The head's variant (specdec.models.head_variants): eagle3, or eagle3.1
+    # (a norm on each fused aux state, post-norm states fed back). None: init_head's, else
+    # eagle3. An EAGLE-3 init_head continues as EAGLE-3.1 with fresh norms (weight 1).
+    variant: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.intermediate_size is None or self.intermediate_size >= 1,
                  f"model.intermediate_size={self.intermediate_size} must be >= 1")  # fmt: skip
         _require(self.num_layers is None or self.num_layers >= 1,
                  f"model.num_layers={self.num_layers} must be >= 1")  # fmt: skip
+        if self.variant is not None:
+            _choice("model", "variant", self.variant, tuple(HEAD_VARIANTS))
 
 
 @dataclass

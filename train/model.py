@@ -25,6 +25,7 @@ from torch import nn
 
 from specdec.models import ModelConfig, load_config, resolve_model
 from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
+from specdec.models.head_variants import HEAD_VARIANTS
 from specdec.models.weights import read_tensors
 from specdec.train.spec_exit_loss import SpecExitLoss
 from specdec.train.ttt import PackedBatch, TTTOutput, draft_rows, ttt_forward
@@ -96,10 +97,12 @@ def build_head(
     exit_signals: tuple[str, ...] = (),
     intermediate_size: int | None = None,
     num_layers: int = 1,
+    variant: str = "eagle3",
 ) -> Eagle3Head:
     """A fresh head for ``target`` with the draft vocabulary (d2t, t2d), EAGLE-3's
     lm_head init, SpecExit channels for ``exit_signals`` (none by default), MLPs
-    ``intermediate_size`` wide (default: the target's) and ``num_layers`` layers."""
+    ``intermediate_size`` wide (default: the target's), ``num_layers`` layers, and the
+    ``variant``'s switches (``HEAD_VARIANTS``)."""
     config = Eagle3Config.for_target(
         target.config,
         d2t.shape[0],
@@ -108,6 +111,7 @@ def build_head(
         exit_signals=exit_signals,
         intermediate_size=intermediate_size,
         num_layers=num_layers,
+        **HEAD_VARIANTS[variant],
     )
     head = Eagle3Head(config, attention)
     head.set_vocab_map(d2t, t2d)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from specdec.models.head_variants import HEAD_VARIANTS
 from specdec.train import checkpoint
 from specdec.train.config import TrainConfig
 from specdec.train.data import OfflineShards, OnlineRecords, Schedule, Source
@@ -164,9 +165,15 @@ def train(config: TrainConfig) -> dict[str, Any]:
     backend = attention_backend(config.ttt.attention, device)
     width = config.model.intermediate_size or (init.config.intermediate_size if init else None)
     depth = config.model.num_layers or (init.config.num_layers if init else 1)
+    variant = config.model.variant or (init.config.variant if init else "eagle3")
+    if variant not in HEAD_VARIANTS:  # an init_head of a variant no run trains
+        raise ValueError(
+            f"model.init_head is an {variant} head; set model.variant to one of "
+            f"{' | '.join(HEAD_VARIANTS)} to continue it as that"
+        )
     head = build_head(target, config.model.target, d2t, t2d, aux_ids, backend,
                       exit_signals=exit_cfg.signals, intermediate_size=width,
-                      num_layers=depth)  # fmt: skip
+                      num_layers=depth, variant=variant)  # fmt: skip
     if config.data.max_seq_len > head.rotary.num_positions:
         # Positions past the head's RoPE table are clamped (train/ttt.py unroll): harmless
         # for padding, silently wrong for tokens that carry loss.
@@ -344,12 +351,29 @@ def _load_init_head(head, init) -> None:
         widen_mlp(state, head)
         logger.info("model.init_head's MLP widened from %d to %d units (new ones start silent)",
                     old, wide)  # fmt: skip
-    # A trained head without channels: its weights, and fresh channels on top.
+    # A trained head without channels: its weights, and fresh channels on top. One
+    # without the variant's norms (an EAGLE-3 head continued as EAGLE-3.1): fresh norms.
     fresh_channels = bool(want) and not have
+    fresh_norms = tuple(
+        prefix
+        for prefix, flag in (("fc_norm.", "fc_norm"), ("input_norm.", "norm_before_fc"))
+        if getattr(head.config, flag) and not getattr(init.config, flag)
+    )
+    if fresh_norms:
+        logger.info("model.init_head (%s) continues as %s: its %s start at weight 1, so its "
+                    "first drafts differ until training adapts them", init.config.variant,
+                    head.config.variant, ", ".join(p.rstrip(".") for p in fresh_norms))  # fmt: skip
     missing, unexpected = head.load_state_dict(state, strict=False)
     lacking = [k for k in missing
                if not (fresh_channels and k.startswith("spec_exit."))
+               and not (fresh_norms and k.startswith(fresh_norms))
                and not (not same_vocab and k in vocab_keys)]  # fmt: skip
+    if unexpected and any(k.startswith(("fc_norm.", "input_norm.")) for k in unexpected):
+        raise ValueError(
+            f"model.init_head is an {init.config.variant} head and the run asks for "
+            f"{head.config.variant} (model.variant): its norms {unexpected} would be dropped; "
+            "leave model.variant unset to keep its variant"
+        )
     if lacking or unexpected:
         raise ValueError(
             f"model.init_head lacks {lacking} and has extra {unexpected}; it is not a head "

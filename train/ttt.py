@@ -4,8 +4,9 @@ Alignment (EAGLE's, the same as ``specdec.spec.eagle3`` at inference). Sequences
 packed: global index ``n`` is token ``t`` of its sequence. Step ``i`` (0 .. steps-1) at
 ``n`` plays a depth-``i+1`` draft from the root ``x[t+1]``:
 
-- input token ``x[t+1+i]``; input hidden ``fc(aux[t])`` at step 0, else step ``i-1``'s
-  pre-norm output at ``n``; RoPE position ``t + i``;
+- input token ``x[t+1+i]``; input hidden ``fuse(aux[t])`` at step 0, else step ``i-1``'s
+  output at ``n`` (pre-norm; post-norm for EAGLE-3.1's ``norm_output``); RoPE position
+  ``t + i``;
 - label: the target's next-token distribution at ``t+1+i`` restricted to the draft
   vocabulary (softmax of the target's logits over the kept ids), i.e. it predicts
   ``x[t+2+i]``;

@@ -9,6 +9,8 @@ vLLM against the installed 0.32.0 ``v1/worker/gpu_model_runner.py``,
   ``eagle_aux_hidden_state_layer_ids`` first, else ``eagle_config``'s, either *as is* as the
   residual entering those layers. Needs ``norm_before_residual`` explicit in speculators
   configs (it defaults to true). Reads standard safetensors shards (not our row splits).
+  Runs EAGLE-3.1 and speculators' variant from the top-level ``fc_norm``/``norm_output``/
+  ``norm_before_fc`` flags (``llama_eagle3.py``, ``algos.py``).
 - **SGLang** reads the research format only (``LlamaForCausalLMEagle3``); its loader maps
   ``midlayer.*``/``fc``/``norm``/``lm_head``/``d2t`` by name and silently *skips* any other
   key (a ``layers.0.*`` head would run with random weights). Aux ids only from
@@ -17,7 +19,8 @@ vLLM against the installed 0.32.0 ``v1/worker/gpu_model_runner.py``,
   ``draft_vocab_size`` it loads the target's lm_head.
 - **EAGLE** (SafeAILab's ``EaModel``) reads one ``model.safetensors`` (or
   ``pytorch_model.bin``) in the research layout and hard-codes the aux layers
-  (2, N//2, N-3), so a head trained on other layers cannot run there.
+  (2, N//2, N-3), so a head trained on other layers cannot run there. It builds EAGLE-3
+  proper: no variant norms, pre-norm feedback.
 - **specdec** reads all three formats; the check is a real load against the target.
 """
 
@@ -215,6 +218,25 @@ def _one_layer(title: str) -> Check:
     return check
 
 
+def _eagle3_proper(error: bool, why: str) -> Check:
+    """A variant head (EAGLE-3.1's ``fc_norm``/``norm_output``, ``norm_before_fc``) drafts
+    another function where the reader builds EAGLE-3 proper."""
+
+    def check(head: HeadDir) -> list[Finding]:
+        if head.head is None or head.head.variant == "eagle3":
+            return []
+        return [
+            Finding(
+                "error" if error else "warning",
+                "config.json",
+                f"describes an {head.head.variant} head; {why}",
+                "serve it with vLLM (specdec export --to vllm) or specdec",
+            )
+        ]
+
+    return check
+
+
 def _no_exit_channels(consumer: str, error: bool, why: str) -> Check:
     """SpecExit channels (``spec_exit.*``, specdec's own) are dropped by the export."""
 
@@ -312,6 +334,11 @@ CONSUMERS: dict[str, Consumer] = {
             checks=(
                 _reads_format("sglang", "SGLang", ("eagle", "specdec")),
                 _one_layer("SGLang"),
+                _eagle3_proper(
+                    False,
+                    "an SGLang without EAGLE-3.1 support skips fc_norm.* and ignores "
+                    "norm_output, so check that its llama_eagle3.py reads them",
+                ),
                 _plain_shards,
                 _sglang_ids,
                 _untied,
@@ -332,6 +359,7 @@ CONSUMERS: dict[str, Consumer] = {
             checks=(
                 _reads_format("eagle", "EAGLE", ("eagle", "specdec")),
                 _one_layer("EAGLE"),
+                _eagle3_proper(True, "EAGLE's head builds EAGLE-3 proper only"),
                 _single_file,
                 _eagle_default_ids,
                 _has_draft_vocab,

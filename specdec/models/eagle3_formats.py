@@ -29,12 +29,22 @@ Facts this module relies on (read from the public sources named):
   ``transformer_layer_config`` (an HF Llama config; its ``vocab_size`` is the target's),
   ``draft_vocab_size``, ``norm_before_residual``, ``target_hidden_size``,
   ``eagle_aux_hidden_state_layer_ids`` (vLLM numbering; speculators' default is also
-  [2, N//2, N-3]), ``norm_before_fc``/``fc_norm``/``norm_output`` (variants we reject), and
+  [2, N//2, N-3]), ``norm_before_fc``/``fc_norm``/``norm_output`` (the variants, below), and
   ``speculators_config: {algorithm, proposal_methods: [{proposal_type: "greedy",
   speculative_tokens, ...}], default_proposal_method, verifier: {name_or_path,
   architectures}}``. Keys: ``layers.0.*`` instead of ``midlayer.*``, otherwise as above.
   vLLM assumes ``norm_before_residual: true`` when the field is absent, the speculators
   library false; we always write it and read an absent one as the library's false.
+
+- EAGLE-3.1 and speculators' variant (vllm ``model_executor/models/llama_eagle3.py``,
+  ``transformers_utils/configs/speculators/algos.py``; SpecForge
+  ``configs/qwen3-30B-A3B-eagle3.1.json``): top-level booleans ``fc_norm`` (one RMSNorm
+  per aux state before ``fc``, weights ``fc_norm.{0,1,2}.weight`` [H]), ``norm_output``
+  (the next draft step reads the post-norm output; no weights) and ``norm_before_fc`` (one
+  RMSNorm over the 3H concatenation, ``input_norm.weight`` [3H]; vLLM also reads it from
+  ``eagle_config``); absent means false in every reader. The architecture and method
+  stay EAGLE-3's. We write each flag in every format (false included in speculators',
+  whose readers take all three) and read them from either place.
 
 Formats here:
 
@@ -101,6 +111,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _SPLIT_SEP = "@"
 EXIT_PREFIX = "spec_exit."  # stored keys of the SpecExit channels (ours only)
+# Eagle3Config's variant switches, as config.json names them (module docstring).
+VARIANT_FLAGS = ("fc_norm", "norm_output", "norm_before_fc")
 # Stored keys we accept and drop: the frozen target embedding some exporters include.
 _IGNORED_KEYS = frozenset({"embed_tokens.weight"})
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -304,6 +316,9 @@ def _research_config(c: Eagle3Config, dtype: str, *, ours: bool) -> dict[str, An
     }
     if c.norm_before_residual:
         config["norm_before_residual"] = True
+    for flag in VARIANT_FLAGS:
+        if getattr(c, flag):
+            config[flag] = True
     if ours:
         config["eagle_aux_hidden_state_layer_ids"] = list(c.aux_layer_ids)
         config["target_model"] = c.target_name
@@ -338,9 +353,7 @@ def _speculators_config(c: Eagle3Config, dtype: str) -> dict[str, Any]:
         "norm_before_residual": c.norm_before_residual,  # vLLM's default differs: write it
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **{flag: getattr(c, flag) for flag in VARIANT_FLAGS},
         "torch_dtype": dtype,
     }
 
@@ -484,12 +497,6 @@ def _research_to_config(hf: dict[str, Any], target: ModelConfig, path: Path) -> 
 
 
 def _speculators_to_config(hf: dict[str, Any], target: ModelConfig, path: Path) -> Eagle3Config:
-    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-        if hf.get(flag):
-            raise WeightLoadError(
-                f"{path}: speculators {flag}=true is an EAGLE-3 variant specdec does not "
-                "implement; use a head trained without it"
-            )
     spec = hf.get("speculators_config") or {}
     methods = spec.get("proposal_methods") or []
     steps = methods[0].get("speculative_tokens") if methods else None
@@ -565,6 +572,7 @@ def _layer_to_config(
             target_name=target_name,
             tree=tree,
             norm_before_residual=bool(top.get("norm_before_residual", False)),
+            **_variant_flags(top),
             exit_signals=exit_signals,
             spec_exit_defaults=spec_exit_defaults,
             num_layers=num_layers,
@@ -573,6 +581,19 @@ def _layer_to_config(
         raise fail(f"missing field {err}") from err
     except ValueError as err:
         raise fail(str(err)) from err
+
+
+def _variant_flags(top: dict[str, Any]) -> dict[str, bool]:
+    """The variant switches of a config.json's EAGLE-3 fields (``eagle_config`` too, where
+    vLLM also reads ``norm_before_fc``); raises on a value that is not a boolean."""
+    nested = top.get("eagle_config") or {}
+    flags = {}
+    for flag in VARIANT_FLAGS:
+        value = top.get(flag, nested.get(flag, False))
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag}={value!r}; it is true or false")
+        flags[flag] = value
+    return flags
 
 
 @dataclass(frozen=True)

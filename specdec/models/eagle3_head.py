@@ -12,6 +12,14 @@ residual is the un-normed ``h``; the MLP has the target's width; ``norm`` + ``lm
 (``layers.1``, ``layers.2``, ...: H-wide attention, no embedding input) on the same
 residual stream between ``midlayer`` and ``norm``; each layer has its own K/V.
 
+EAGLE-3.1 (``Eagle3Config.fc_norm`` and ``norm_output``, vLLM's and SpecForge's names; the
+"Attention Drift" paper) changes two things: ``fuse`` normalises each of the three aux
+states with its own RMSNorm (``fc_norm.0..2``) before ``fc``, and a later step consumes the
+previous step's *post-norm* output (``norm(out)``, what the logits read) instead of the
+pre-norm one. ``norm_before_fc`` (speculators' variant) puts one RMSNorm over the whole
+3H concatenation (``input_norm``) before ``fc`` (and before ``fc_norm`` when both are on,
+as vLLM orders them).
+
 The token embedding is the target's: the head borrows it (``bind_embedding``), never owns,
 trains or saves it. The head's own K/V live in paged blocks like the target's, written and
 read through ``AttentionBackend.forward`` with an explicit ``AttentionMetadata``, so the
@@ -77,6 +85,8 @@ class Eagle3Config:
     residual stream *entering* those target layers, vLLM's convention), ``rope_scaling`` a
     complete variant from ``rope.ROPE_TYPES`` or None. ``norm_before_residual`` (a
     speculators option, off in EAGLE-3 proper) makes the residual ``hidden_norm(h)``.
+    ``fc_norm``, ``norm_output`` (EAGLE-3.1) and ``norm_before_fc`` (speculators) are the
+    variants of the module docstring; all off is EAGLE-3.
     ``exit_signals`` names the SpecExit channels (``exit_signals.SIGNAL_ORDER`` order,
     normalised on construction; empty: none). ``spec_exit_defaults`` is the SpecExit
     setting measured best for the head (some ``SpecExitParams`` fields, canonical as
@@ -101,6 +111,9 @@ class Eagle3Config:
     target_name: str = ""
     tree: TreeDefaults | None = None
     norm_before_residual: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    norm_before_fc: bool = False
     exit_signals: tuple[str, ...] = ()
     spec_exit_defaults: dict[str, Any] | None = None
     num_layers: int = 1
@@ -163,10 +176,13 @@ class Eagle3Config:
         exit_signals: tuple[str, ...] = (),
         intermediate_size: int | None = None,
         num_layers: int = 1,
+        fc_norm: bool = False,
+        norm_output: bool = False,
     ) -> Eagle3Config:
         """A head of ``num_layers`` layers shaped like ``model_config``'s (same widths,
         heads, norm eps and RoPE; the MLP ``intermediate_size`` wide if given), reading the
-        default aux layers unless ``aux_layer_ids`` is given."""
+        default aux layers unless ``aux_layer_ids`` is given; EAGLE-3.1 with ``fc_norm``
+        and ``norm_output``."""
         ids = aux_layer_ids or default_aux_layer_ids(model_config.num_layers)
         bad = [i for i in ids if not 0 <= i < model_config.num_layers]
         if bad:
@@ -191,7 +207,18 @@ class Eagle3Config:
             tree=tree,
             exit_signals=exit_signals,
             num_layers=num_layers,
+            fc_norm=fc_norm,
+            norm_output=norm_output,
         )
+
+    @property
+    def variant(self) -> str:
+        """``"eagle3.1"`` with both of EAGLE-3.1's changes, ``"eagle3"`` with neither and
+        no ``norm_before_fc``, else the flags that are on (``"eagle3+fc_norm"``)."""
+        flags = [n for n in ("fc_norm", "norm_output", "norm_before_fc") if getattr(self, n)]
+        if flags == ["fc_norm", "norm_output"]:
+            return "eagle3.1"
+        return "+".join(["eagle3", *flags])
 
 
 def validate_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -262,7 +289,7 @@ class Eagle3DecoderLayer(nn.Module):
     def forward(
         self,
         embeds: torch.Tensor,  # [num_tokens, hidden]: target embeddings of the input tokens
-        hidden: torch.Tensor,  # [num_tokens, hidden]: fc(aux) or the previous pre-norm output
+        hidden: torch.Tensor,  # [num_tokens, hidden]: fuse(aux) or the previous step's out
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
@@ -335,7 +362,17 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"max_positions must be positive; got {max_positions}")
         self.config = config
         self.attention = attention
-        self.fc = Linear(NUM_AUX_LAYERS * config.hidden_size, config.hidden_size, bias=False)
+        width = NUM_AUX_LAYERS * config.hidden_size
+        # Variants' norms on the fused aux states (module docstring), vLLM's names.
+        self.input_norm = RMSNorm(width, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(
+                RMSNorm(config.hidden_size, config.rms_norm_eps) for _ in range(NUM_AUX_LAYERS)
+            )
+            if config.fc_norm
+            else None
+        )
+        self.fc = Linear(width, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config, attention)
         # Keyed "1", "2", ...: stored as layers.<i>, vLLM's names (midlayer is its layers.0).
         self.layers = nn.ModuleDict(
@@ -345,7 +382,6 @@ class Eagle3Head(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.spec_exit: nn.Linear | None = None  # SpecExit channels (module docstring)
         if config.exit_signals:
-            width = NUM_AUX_LAYERS * config.hidden_size
             self.spec_exit = nn.Linear(width, len(config.exit_signals), bias=True)
         self.rotary = RotaryEmbedding.for_config(config, max_positions or config.max_context_len)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
@@ -388,6 +424,14 @@ class Eagle3Head(nn.Module):
         self,
         aux_hidden: torch.Tensor,  # [n, 3 * hidden]: entering aux layers low | mid | high
     ) -> torch.Tensor:  # [n, hidden]
+        """The first step's ``hidden``: ``fc`` over the aux states (normalised first by
+        the variants that say so)."""
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.fc_norm is not None:
+            chunks = aux_hidden.chunk(NUM_AUX_LAYERS, dim=-1)  # 3 x [n, hidden]
+            normed = [norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)]
+            aux_hidden = torch.cat(normed, dim=-1)
         return self.fc(aux_hidden)
 
     def exit_logits(
@@ -411,7 +455,7 @@ class Eagle3Head(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [n] int64: target token ids
-        hidden: torch.Tensor,  # [n, hidden]: fuse(aux) at the first step, else prev out_prenorm
+        hidden: torch.Tensor,  # [n, hidden]: fuse(aux) at the first step, else prev out
         positions: torch.Tensor,  # [n] int64
         kv_cache: HeadKV,  # the head's own (k_cache, v_cache), one per layer
         meta: AttentionMetadata,
@@ -419,9 +463,10 @@ class Eagle3Head(nn.Module):
         *,
         compiled: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``out_prenorm`` [n, hidden] (the next step's ``hidden``) and draft
-        logits [m, draft_vocab] float32 (m = n without ``logits_indices``). ``compiled``:
-        run the regions ``compile_regions`` built (same results)."""
+        """Returns ``out`` [n, hidden] (the next step's ``hidden``: the last layer's
+        pre-norm output, or its ``norm`` with ``norm_output``) and draft logits [m,
+        draft_vocab] float32 (m = n without ``logits_indices``). ``compiled``: run the
+        regions ``compile_regions`` built (same results)."""
         layers, logits_fn = self.decoder_layers, self.compute_logits
         if compiled:
             if self.__dict__["_compiled"] is None:
@@ -444,7 +489,8 @@ class Eagle3Head(nn.Module):
         for layer, layer_kv in zip(layers[1:], kv_cache[1:], strict=True):
             out = layer(out, cos, sin, layer_kv, meta)
         rows = out if logits_indices is None else out.index_select(0, logits_indices)
-        return out, logits_fn(rows)
+        logits = logits_fn(rows)
+        return (self.norm(out) if self.config.norm_output else out), logits
 
     def compute_logits(
         self,

@@ -1,15 +1,16 @@
 """EAGLE-3 proposer: the draft head reads the target's own aux residual streams.
 
 Position convention (EAGLE's): head position ``t`` consumes the pair (token ``x[t+1]``,
-``fc(aux[t])``) and predicts ``x[t+2]``; later draft steps consume (draft token, the
-previous step's pre-norm output). So with a request whose last committed token (the root)
-sits at index ``r`` and whose target-computed tokens are ``0 .. r-1``:
+``fuse(aux[t])``) and predicts ``x[t+2]``; later draft steps consume (draft token, the
+previous step's output: pre-norm, or post-norm for EAGLE-3.1's ``norm_output``). So with
+a request whose last committed token (the root) sits at index ``r`` and whose
+target-computed tokens are ``0 .. r-1``:
 
 - catch-up: positions ``head_computed .. r-1`` from the aux states of every computed
   token, which the engine handed to ``observe`` or, for steps that do not speculate,
   ``defer``red to the runner's aux cache; the last one predicts ``x[r+1]``, draft depth 1;
 - tree level ``d >= 1`` feeds its depth-``d`` draft nodes at position ``r + d - 1``, each
-  with its parent's pre-norm output, attending to its ancestors (``TreeDraftLayout``); a
+  with its parent's output, attending to its ancestors (``TreeDraftLayout``); a
   chain is the tree with one node per level.
 
 The head's K/V lives in paged blocks mirroring the target's (same block ids and slots, its
@@ -440,8 +441,8 @@ class Eagle3Proposer(PipelinedProposer):
         compiled: bool = False,
     ) -> TreeBatch:
         """Draft steps: level ``d`` feeds its nodes at position ``root + d - 1``, each with
-        its parent's pre-norm output, laid out from the root's cache index (the target's
-        lookahead slots; the next catch-up rewrites them)."""
+        its parent's output (``Eagle3Head.forward``'s ``out``), laid out from the root's
+        cache index (the target's lookahead slots; the next catch-up rewrites them)."""
         layout = TreeDraftLayout(inputs, self.block_size, max_seq_len, shape.num_expanded)
         prev_out = root_out[:, None]  # [batch, 1, hidden]: rows of the previous call
 
@@ -477,7 +478,7 @@ class Eagle3Proposer(PipelinedProposer):
     def _forward(
         self, chunks: list[Chunk], hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One varlen head forward. Returns the pre-norm output and the draft logits at
+        """One varlen head forward. Returns the head's ``out`` and the draft logits at
         each chunk's last row."""
         x = build_chunk_inputs(chunks, self.block_size, self.device)
         out, logits = self.head(
