@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, get_type_hints
 import yaml
 
 from specdec.models.head_variants import HEAD_VARIANTS
+from specdec.train.draft_loss import DRAFT_LOSSES
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -97,9 +98,16 @@ class TTTSection:
     # Share of each label on the target's argmax (train/ttt.py): 0 = EAGLE-3's soft labels,
     # 1 = hard labels, the event greedy verification accepts.
     argmax_weight: float = 0.0
+    # The per-position draft loss (train/draft_loss.py): ce (EAGLE-3's soft cross-entropy),
+    # lk_alpha (-log of the acceptance rate) or lk_hybrid (KL blended into 1 - acceptance
+    # as the draft gets close, weight exp(-lk_eta * acceptance)).
+    loss: str = "ce"
+    lk_eta: float = 3.0
 
     def __post_init__(self) -> None:
         _at_least("ttt", self, 1, "steps")
+        _choice("ttt", "loss", self.loss, tuple(DRAFT_LOSSES))
+        _require(self.lk_eta >= 0, f"ttt.lk_eta={self.lk_eta} must be >= 0")
         _require(0 < self.decay <= 1, f"ttt.decay={self.decay} must be in (0, 1]")
         _require(0 <= self.argmax_weight <= 1,
                  f"ttt.argmax_weight={self.argmax_weight} must be in [0, 1] (0: the target's "

@@ -210,6 +210,8 @@ class TTTModel(nn.Module):
         steps: int,
         decay: float,
         argmax_weight: float = 0.0,
+        loss: str = "ce",
+        lk_eta: float = 3.0,
         exit_loss: SpecExitLoss | None = None,
         freeze_draft: bool = False,
         pad_to: int | None = None,
@@ -220,6 +222,7 @@ class TTTModel(nn.Module):
             raise ValueError("exit_loss/freeze_draft need a head with SpecExit channels")
         self.head = head
         self.steps, self.decay, self.argmax_weight = steps, decay, argmax_weight
+        self.loss, self.lk_eta = loss, lk_eta
         self.exit_loss = exit_loss
         self.freeze_draft = freeze_draft
         if freeze_draft:
@@ -250,6 +253,8 @@ class TTTModel(nn.Module):
                 decay=self.decay,
                 label_weight=self.__dict__.get("label_weight"),
                 argmax_weight=self.argmax_weight,
+                loss=self.loss,
+                lk_eta=self.lk_eta,
             )
         if self.exit_loss is not None and batch.exit_targets is not None:
             out.exit = self.exit_loss(self.head, batch)

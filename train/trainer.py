@@ -188,7 +188,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
     if exit_cfg.signals:
         exit_loss = SpecExitLoss(exit_cfg.weights, exit_cfg.remaining_loss)
     model = TTTModel(head, target, steps=config.ttt.steps, decay=config.ttt.decay,
-                     argmax_weight=config.ttt.argmax_weight, exit_loss=exit_loss,
+                     argmax_weight=config.ttt.argmax_weight, loss=config.ttt.loss,
+                     lk_eta=config.ttt.lk_eta, exit_loss=exit_loss,
                      freeze_draft=exit_cfg.freeze_draft,
                      pad_to=config.data.max_tokens if backend.static_tokens else None)  # fmt: skip
     model.place_target(device, torch.bfloat16 if precision == "bf16" else torch.float32)

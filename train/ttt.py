@@ -17,10 +17,12 @@ packed: global index ``n`` is token ``t`` of its sequence. Step ``i`` (0 .. step
   argmax at ``t+1+i`` is a kept id (``t2d``): a head cannot be asked for a token it
   cannot emit.
 
-Loss: sum over steps of ``decay**i`` x (soft cross-entropy against the label, averaged
-over the step's valid positions). ``argmax_weight`` ``w`` moves a share of each label onto
-the target's argmax, ``(1 - w) * p + w * onehot(argmax p)``: 0 is EAGLE-3's distillation,
-1 the cross-entropy of greedy acceptance's own event (the head's argmax is the target's).
+Loss: sum over steps of ``decay**i`` x (the per-position draft loss against the label,
+averaged over the step's valid positions): the soft cross-entropy, or an LK loss on the
+acceptance rate (``draft_loss.py``, ``ttt.loss``). ``argmax_weight`` ``w`` moves a share
+of each label onto the target's argmax, ``(1 - w) * p + w * onehot(argmax p)``: 0 is
+EAGLE-3's distillation, 1 the cross-entropy of greedy acceptance's own event (the head's
+argmax is the target's).
 
 ``acc_i``: fraction of step ``i``'s valid positions where the head's argmax equals the
 target's. With greedy target data, a chain drafted from
@@ -40,8 +42,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from specdec.train.draft_loss import DRAFT_LOSSES
 from specdec.train.ttt_attention import TTTCache, TTTMeta
 
 if TYPE_CHECKING:
@@ -204,12 +206,15 @@ def ttt_forward(
     label_weight: torch.Tensor | None = None,  # [draft_vocab, hidden]: its kept-id rows
     trace: bool = False,
     argmax_weight: float = 0.0,
+    loss: str = "ce",
+    lk_eta: float = 3.0,
 ) -> TTTOutput:
     """The TTT objective: weighted loss and per-step accuracy (module docstring).
     ``label_weight`` (``draft_rows(head, target_lm_head)``) saves gathering the kept rows
     on every call; callers that train for many steps pass it once computed. ``trace``
     keeps each step's hits (``DraftTrace``) for evaluation; training leaves it off."""
     n = batch.num_tokens
+    position_loss = DRAFT_LOSSES[loss]
     with torch.no_grad():
         target_top, kept, usable = usable_labels(head, batch, target_lm_head)
         if label_weight is None:
@@ -229,7 +234,7 @@ def ttt_forward(
         if out.step == 0:
             valid0 = valid
         target_p = labels[out.source]  # [n, V_d]
-        per_pos = -(target_p * F.log_softmax(out.logits, dim=-1)).sum(-1)  # [n]
+        per_pos = position_loss(target_p, out.logits, lk_eta)  # [n]
         count = valid.sum()
         loss_i = (per_pos * valid).sum() / count.clamp(min=1)
         total = total + decay**out.step * loss_i
