@@ -273,16 +273,7 @@ def test_eagle3_1_norms_each_aux_state_and_feeds_back_the_post_norm_output() -> 
         hidden = head3.fuse(aux)
         assert not torch.allclose(head31.fuse(aux), hidden)
     k_cache = torch.zeros(4, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([8, 9, 10]),
-        query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
-        seq_lens=torch.tensor([3], dtype=torch.int32),
-        block_tables=torch.tensor([[2]], dtype=torch.int32),
-        max_query_len=3,
-        max_seq_len=3,
-        query_lens_cpu=[3],
-        seq_lens_cpu=[3],
-    )
+    meta = three_token_meta()
     ids, pos = torch.tensor([11, 42, 7]), torch.tensor([4, 5, 6])
     outs = []
     for head in (head3, head31):
@@ -564,6 +555,21 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     return x * ang.cos() + torch.cat((-x2, x1), dim=-1) * ang.sin()
 
 
+def three_token_meta() -> AttentionMetadata:
+    """One sequence of 3 tokens at cache indices 0..2 in block 2 (slots 8..10), no
+    earlier context."""
+    return AttentionMetadata(
+        slot_mapping=torch.tensor([8, 9, 10]),
+        query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([3], dtype=torch.int32),
+        block_tables=torch.tensor([[2]], dtype=torch.int32),
+        max_query_len=3,
+        max_seq_len=3,
+        query_lens_cpu=[3],
+        seq_lens_cpu=[3],
+    )
+
+
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 def test_forward_matches_plain_formula(norm_before_residual: bool, tmp_path: Path) -> None:
     """The last token of a 3-token draft context, recomputed from the saved research-format
@@ -579,16 +585,7 @@ def test_forward_matches_plain_formula(norm_before_residual: bool, tmp_path: Pat
     # RoPE positions 4..6 at cache indices 0..2 (as for tree nodes: positions come in
     # through ``positions``, never through the metadata), in block 2.
     k_cache = torch.zeros(4, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([8, 9, 10]),
-        query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
-        seq_lens=torch.tensor([3], dtype=torch.int32),
-        block_tables=torch.tensor([[2]], dtype=torch.int32),
-        max_query_len=3,
-        max_seq_len=3,
-        query_lens_cpu=[3],
-        seq_lens_cpu=[3],
-    )
+    meta = three_token_meta()
     with torch.no_grad():
         out, logits = head(ids, head.fuse(aux), pos, [(k_cache, torch.zeros_like(k_cache))], meta)
 

@@ -86,6 +86,34 @@ def serve_exported(python: Path, smollm2_dir: Path, head_dir: Path, root: Path) 
     return start_vllm(python, smollm2_dir, ["--speculative-config", json.dumps(spec_config)])
 
 
+def vllm_drafts_as_specdec(
+    python: Path, smollm2_dir: Path, head_dir: Path, prompts: list[str], root: Path,
+    outs: list, ours: SpecStats, tau_tolerance: float,
+) -> dict:  # fmt: skip
+    """Serve ``head_dir``'s export in vLLM and check it against specdec's run of it
+    (``outs``, ``ours``): the same greedy tokens, τ within ``tau_tolerance`` (a share of
+    ours), each position's acceptance rate within 0.05 (ours lists positions up to the
+    deepest acceptance seen, vLLM all K). Returns vLLM's report."""
+    from specdec.serve.spec_metrics import read_counters
+
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    server = serve_exported(python, smollm2_dir, head_dir, root)
+    try:
+        server.wait_ready(timeout=600)
+        assert completions(server.url, str(smollm2_dir), prompts) == token_ids
+        source, counters = read_counters(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    finally:
+        server.stop()
+    theirs = counters.report(source)
+    detail = f"vLLM {theirs}; specdec {ours.summary()}"
+    assert abs(theirs["tau"] - ours.tau) <= tau_tolerance * ours.tau, detail
+    rates = theirs["acceptance_rates"]
+    mine = ours.acceptance_rates + [0.0] * (len(rates) - len(ours.acceptance_rates))
+    for a, b in zip(rates, mine, strict=True):
+        assert abs(a - b) <= 0.05, detail
+    return theirs
+
+
 @pytest.fixture(scope="module")
 def python() -> Iterator[Path]:
     """The vLLM venv's python, this module's alone while it runs."""

@@ -11,13 +11,10 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
-from test_vllm import completions, serve_exported, specdec_greedy, task_prompts
+from test_vllm import specdec_greedy, task_prompts, vllm_drafts_as_specdec
 from vllm_server import SKIP_ENV, exclusive_vllm
-
-from specdec.serve.spec_metrics import read_counters
 
 pytestmark = pytest.mark.slow
 
@@ -61,19 +58,4 @@ def test_an_eagle3_1_head_drafts_in_vllm_as_in_specdec(
         outs, ours = specdec_greedy(head, prompts)
         _, plain = specdec_greedy(trained_head_dir, prompts)
         assert abs(plain.tau - ours.tau) > 0.1 * ours.tau, (plain.summary(), ours.summary())
-        token_ids = [list(o.outputs[0].token_ids) for o in outs]
-        server = serve_exported(python, smollm2_dir, head, tmp_path)
-        try:
-            server.wait_ready(timeout=600)
-            assert completions(server.url, str(smollm2_dir), prompts) == token_ids
-            source, counters = read_counters(httpx.get(f"{server.url}/metrics", timeout=10).text)
-        finally:
-            server.stop()
-        theirs = counters.report(source)
-        detail = f"vLLM {theirs}; specdec {ours.summary()}"
-        assert abs(theirs["tau"] - ours.tau) <= 0.1 * ours.tau, detail
-        rates = theirs["acceptance_rates"]
-        # Ours lists positions up to the deepest acceptance seen; vLLM lists all K.
-        mine = ours.acceptance_rates + [0.0] * (len(rates) - len(ours.acceptance_rates))
-        for a, b in zip(rates, mine, strict=True):
-            assert abs(a - b) <= 0.05, detail
+        vllm_drafts_as_specdec(python, smollm2_dir, head, prompts, tmp_path, outs, ours, 0.1)
