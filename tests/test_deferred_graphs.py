@@ -31,7 +31,9 @@ def reference(smollm2_dir, chats) -> list[list[int]]:
 
 
 def _deferred_engine(smollm2_dir, head_dir, monkeypatch, **kwargs):
-    spec = SpeculativeConfig(
+    """An engine of at most 4 sequences with deferred graphs (CPU stand-ins), speculating
+    with ``head_dir`` (None: plain)."""
+    spec = head_dir and SpeculativeConfig(
         method="eagle3",
         model=str(head_dir),
         num_speculative_tokens=3,
@@ -169,16 +171,7 @@ def test_wider_prefill_graphs_follow_start_up(smollm2_dir, chats, reference, mon
 
     monkeypatch.setattr(llm_engine, "DEFERRED_CAPTURE_INTERVAL_S", 3600.0)
     monkeypatch.setattr(model_runner, "STARTUP_GRAPH_SEQS", 2)
-    llm = make_llm(
-        smollm2_dir,
-        max_num_seqs=4,
-        cuda_graph_max_batch_size=4,
-        prefill_graph_max_tokens=512,
-        defer_graphs=True,
-    )
-    engine = llm.engine
-    _use_graph_stand_ins(engine, monkeypatch)
-    engine._capture_graphs()
+    llm, engine = _deferred_engine(smollm2_dir, None, monkeypatch, prefill_graph_max_tokens=512)
     decode, prefill = engine.runner.graphs, engine.runner.prefill_graphs
     assert prefill.seq_buckets == [2, 4, 5]  # up to the decode graphs' largest batch
     assert {s for _, s in prefill.outputs} == {2}

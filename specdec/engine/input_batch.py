@@ -220,12 +220,12 @@ def build_step_inputs(
         and len(table_rows) <= block_tables.rows
         and width <= block_tables.width
     ):
-        block_tables = block_tables.update(table_rows)[:, :width]
+        table_array = block_tables.update(table_rows)[:, :width]  # [rows, width]
     else:
-        block_tables = block_table_array(table_rows, width)
+        table_array = block_table_array(table_rows, width)  # [rows, width]
     if decode_only:  # every row's one slot, from the table just built
         pos = np.asarray(starts, dtype=np.int64)
-        blocks = block_tables[np.arange(len(starts)), pos // block_size].astype(np.int64)
+        blocks = table_array[np.arange(len(starts)), pos // block_size].astype(np.int64)
         slot_mapping = blocks * block_size + pos % block_size
 
     query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int32)
@@ -281,7 +281,7 @@ def build_step_inputs(
     if stage is not None:  # padding sequences: q tokens of context on the null block
         lens = np.concatenate([lens, np.full(stage.bucket - s, q, dtype=np.int32)])
     lens_on, qsl, tables = to_device_packed(
-        [lens, query_start_loc, block_tables.ravel()],
+        [lens, query_start_loc, table_array.ravel()],
         device,
         stage.int32 if stage is not None else None,
     )

@@ -108,7 +108,6 @@ class ModelRunner:
             self._move_kv_slots = move_kv_slots
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        self._deferred_decode_sizes: list[int] = []  # decode graphs capture_graphs left
 
     # ---- memory ------------------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
@@ -259,7 +258,7 @@ class ModelRunner:
         ``deferred_graph_captures``'."""
         if not self.runtime.use_cuda_graphs or self.graphs is not None:
             return
-        max_bs = min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
+        max_bs = self._max_graph_batch
         bound = STARTUP_GRAPH_SEQS if defer else None
         if self.use_compile:
             # Per-region compilation (compile_regions); automatic dynamic shapes: the
@@ -280,7 +279,6 @@ class ModelRunner:
         for _ in self.graphs.captures(1, now, max_bs):
             pass
         logger.info("captured the decode graphs in %.1f s", time.perf_counter() - t0)
-        self._deferred_decode_sizes = [bs for bs in sizes if bs not in now]
         max_seqs = self.config.prefill_graph_max_seqs
         tokens, seqs = prefill_graph_buckets(
             self.config.prefill_graph_max_tokens,
@@ -308,8 +306,13 @@ class ModelRunner:
             [s for s in seqs if bound is None or s <= bound],
             time.perf_counter() - t0,
         )
-        if bound is not None and (self._deferred_decode_sizes or seqs[-1] > bound):
+        if bound is not None and (max_bs > bound or seqs[-1] > bound):
             logger.info("the graphs of steps over %d sequences follow after start-up", bound)
+
+    @property
+    def _max_graph_batch(self) -> int:
+        """The largest batch a decode graph holds."""
+        return min(self.config.cuda_graph_max_batch_size, self.config.scheduler.max_num_seqs)
 
     def deferred_graph_captures(self) -> Iterator[str]:
         """The graphs ``capture_graphs(defer=True)`` left (decode, then prefill), one per
@@ -317,8 +320,8 @@ class ModelRunner:
         eagerly."""
         if self.graphs is None:
             return
-        sizes, self._deferred_decode_sizes = self._deferred_decode_sizes, []
-        for bs in self.graphs.captures(1, sizes) if sizes else ():
+        # Sizes already captured are skipped, so this takes exactly the ones left.
+        for bs in self.graphs.captures(1, graph_batch_sizes(self._max_graph_batch)):
             yield f"decode: batch {bs}"
         if self.prefill_graphs is not None:
             for tokens, seqs in self.prefill_graphs.captures(self.graphs.pool):
