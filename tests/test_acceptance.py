@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from specdec.ops.accept import AcceptedRow
 from specdec.sampling.sampler import SamplingMetadata, probs_from_logits
 from specdec.sampling.seeded_stream import SeededStream
 from specdec.sampling_params import SamplingParams
 from specdec.spec.acceptance import (
-    AcceptResult,
     accept_batch,
     greedy_accept,
     sample_accept,
@@ -33,7 +33,7 @@ PLAIN = SamplingParams(temperature=1.0)
 TOP_P = SamplingParams(temperature=0.8, top_p=0.7)
 
 # (trees, target probs of all their nodes back to back, generator) -> one result per tree
-Acceptor = Callable[[list[DraftTree], torch.Tensor, torch.Generator], list[AcceptResult]]
+Acceptor = Callable[[list[DraftTree], torch.Tensor, torch.Generator], list[AcceptedRow]]
 
 
 @pytest.fixture(autouse=True)
@@ -221,7 +221,7 @@ def textbook_accept(flaw: str, seed: int = 0) -> Acceptor:
     """
     rng = np.random.default_rng(seed)
 
-    def accept(trees: list[DraftTree], rows: torch.Tensor, _gen) -> list[AcceptResult]:
+    def accept(trees: list[DraftTree], rows: torch.Tensor, _gen) -> list[AcceptedRow]:
         all_rows = rows.numpy().astype(np.float64)
         results, start = [], 0
         for tree in trees:
@@ -229,7 +229,7 @@ def textbook_accept(flaw: str, seed: int = 0) -> Acceptor:
             start += tree.num_nodes
         return results
 
-    def accept_one(tree: DraftTree, targets: np.ndarray) -> AcceptResult:
+    def accept_one(tree: DraftTree, targets: np.ndarray) -> AcceptedRow:
         tokens = tree.token_ids.numpy()
         parents = tree.parents.tolist()
         children: list[list[int]] = [[] for _ in parents]
@@ -269,7 +269,7 @@ def textbook_accept(flaw: str, seed: int = 0) -> Acceptor:
             bonus = int(targets[v].argmax())
         else:
             bonus = int(rng.choice(len(p), p=p / p.sum()))
-        return AcceptResult(accepted, [int(tokens[c]) for c in accepted] + [bonus])
+        return AcceptedRow(accepted, [int(tokens[c]) for c in accepted] + [bonus])
 
     return accept
 
@@ -286,7 +286,7 @@ def test_sample_accept_is_lossless(tree_kind: str, params: SamplingParams, seede
 
     def acceptor(trees, rows, gen):
         streams = [SeededStream(1000 + i) for i in range(len(trees))] if seeded else None
-        return sample_accept_batch(trees, rows, streams or [None] * len(trees), gen)
+        return sample_accept_batch(trees, rows, streams or [None] * len(trees), gen).tolist()
 
     p_first, p_second, two = losslessness_p_values(acceptor, tree_kind, params)
     assert two > DRAWS // 10, f"only {two} steps emitted two tokens: the context is too weak"
@@ -488,7 +488,7 @@ def test_accept_batch_matches_per_tree_functions() -> None:
     logits = verify_out[rows]  # [26, VOCAB]: node order, tree after tree
     batch_rng = torch.Generator().manual_seed(99)
     meta = SamplingMetadata.build(params, [None, SeededStream(11), None, SeededStream(12)], CPU)
-    results = accept_batch(trees, logits, meta, batch_rng)
+    results = accept_batch(trees, logits, meta, batch_rng).tolist()
 
     assert results[0] == greedy_accept(trees[0], logits[: offsets[1]])
     # The random rows: per-node filtered targets, each row's own stream or the batch's RNG.
@@ -499,7 +499,8 @@ def test_accept_batch_matches_per_tree_functions() -> None:
         ]
     )
     streams = [SeededStream(11), None, SeededStream(12)]
-    expected = sample_accept_batch(trees[1:], probs, streams, torch.Generator().manual_seed(99))
+    generator = torch.Generator().manual_seed(99)
+    expected = sample_accept_batch(trees[1:], probs, streams, generator).tolist()
     assert results[1:] == expected
     for tree, result in zip(trees, results, strict=True):
         assert len(result.token_ids) == result.num_accepted + 1
@@ -513,12 +514,14 @@ def test_accept_batch_seeded_rows_ignore_the_rest_of_the_batch() -> None:
     tree = build_tree(TOPK_TREE, 0, draft_fn(ctx))
     logits = target_rows(ctx, tree).log()
     seeded = SamplingParams(temperature=1.0, seed=5)
-    alone = accept_batch([tree], logits, SamplingMetadata.build([seeded], [SeededStream(5)], CPU))
+    alone_meta = SamplingMetadata.build([seeded], [SeededStream(5)], CPU)
+    alone = accept_batch([tree], logits, alone_meta).tolist()
     other = build_tree(CHAIN, 0, draft_fn(ctx))
     mixed_meta = SamplingMetadata.build(
         [SamplingParams(temperature=1.0), seeded], [None, SeededStream(5)], CPU
     )
-    mixed = accept_batch([other, tree], torch.cat([torch.randn(3, VOCAB), logits]), mixed_meta)
+    mixed_logits = torch.cat([torch.randn(3, VOCAB), logits])
+    mixed = accept_batch([other, tree], mixed_logits, mixed_meta).tolist()
     assert mixed[1] == alone[0]
 
 
@@ -530,7 +533,7 @@ def test_accept_batch_all_greedy_is_greedy_per_tree() -> None:
         build_tree(CHAIN, 0, draft_fn(ctx)),
     ]
     logits = torch.randn(sum(t.num_nodes for t in trees), VOCAB) * 3
-    results = accept_batch(trees, logits, _meta([SamplingParams(temperature=0.0)] * 3))
+    results = accept_batch(trees, logits, _meta([SamplingParams(temperature=0.0)] * 3)).tolist()
     start = 0
     for tree, result in zip(trees, results, strict=True):
         assert result == greedy_accept(tree, logits[start : start + tree.num_nodes])

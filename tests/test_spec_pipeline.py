@@ -30,9 +30,9 @@ from specdec.engine.pipelined_step import PipelinedStep
 from specdec.models import load_config
 from specdec.models.eagle3_formats import load_eagle3, save_eagle3
 from specdec.models.eagle3_head import Eagle3Head
-from specdec.ops.accept import UniformAcceptance, accepted_path_moves
+from specdec.ops.accept import Acceptance, AcceptedRow, accepted_path_moves
 from specdec.ops.attention_metadata import cache_slots
-from specdec.spec.acceptance import greedy_accept_batch, greedy_accept_uniform
+from specdec.spec.acceptance import greedy_accept_batch
 from specdec.spec.tree import DraftTree
 from specdec.spec_exit_params import SpecExitParams
 from specdec.tree_shapes import ChainShape, StaticTreeShape
@@ -72,36 +72,62 @@ def _random_trees(batch: int, q: int, vocab: int, gen: torch.Generator) -> list[
     return trees
 
 
+def _host_greedy_walk(tree: DraftTree, logits: torch.Tensor) -> AcceptedRow:
+    """Greedy acceptance written plainly: from the root, move to the child whose token is
+    the argmax at the current node; the bonus is the argmax where the walk stops."""
+    best, tokens, parents = (
+        logits.argmax(-1).tolist(),
+        tree.token_ids.tolist(),
+        tree.parents.tolist(),
+    )
+    v, path = 0, []
+    while (
+        c := next(
+            (c for c in range(1, len(tokens)) if parents[c] == v and tokens[c] == best[v]), None
+        )
+    ) is not None:
+        path.append(c)
+        v = c
+    return AcceptedRow(path, [tokens[c] for c in path] + [best[v]])
+
+
 @pytest.mark.parametrize("q", [1, 2, 5, 12])
-def test_uniform_greedy_acceptance_equals_the_host_walk(q: int) -> None:
-    """Random trees whose target mostly agrees with some child: the device path, emitted
-    tokens and accepted counts equal ``greedy_accept_batch``'s."""
+def test_greedy_acceptance_equals_the_host_walk(q: int) -> None:
+    """Random trees of q and of fewer nodes in one batch, whose target mostly agrees with
+    some child: the device acceptance (trees padded to one width) reads back as the plain
+    walk, and its padding is as ``Acceptance`` promises."""
     gen = torch.Generator().manual_seed(q)
     vocab, batch = 16, 64
-    trees = _random_trees(batch, q, vocab, gen)
-    logits = torch.randn(batch * q, vocab, generator=gen)
-    for b, tree in enumerate(trees):  # argmax at a node = one of its children's tokens, often
-        for i in range(q):
-            kids = [c for c in range(1, q) if int(tree.parents[c]) == i]
+    trees = [
+        t
+        for pair in zip(
+            _random_trees(batch // 2, q, vocab, gen),
+            _random_trees(batch // 2, max(q // 2, 1), vocab, gen),
+            strict=True,
+        )
+        for t in pair
+    ]
+    logits = torch.randn(sum(t.num_nodes for t in trees), vocab, generator=gen)
+    start = 0
+    for tree in trees:  # argmax at a node = one of its children's tokens, often
+        n = tree.num_nodes
+        for i in range(n):
+            kids = [c for c in range(1, n) if int(tree.parents[c]) == i]
             if kids and torch.rand((), generator=gen) < 0.8:
                 pick = kids[int(torch.randint(len(kids), (1,), generator=gen))]
-                logits[b * q + i, tree.token_ids[pick]] += 100.0
-    expected = greedy_accept_batch(trees, logits)
-    depth = max(int(t.depths.max()) for t in trees)
-    got = greedy_accept_uniform(
-        torch.stack([t.token_ids for t in trees]),
-        torch.stack([t.parents for t in trees]),
-        torch.stack([t.depths for t in trees]),
-        logits,
-        depth,
-    )
-    assert sum(r.num_accepted for r in expected) > batch // 2 or q == 1  # paths exist
-    for b, r in enumerate(expected):
-        a = int(got.num_accepted[b])
-        assert a == r.num_accepted
-        assert got.path[b, 1 : a + 1].tolist() == r.accepted_nodes
-        assert got.token_ids[b, : a + 1].tolist() == r.token_ids
-        assert int(got.bonus_token_ids[b]) == r.bonus_token_id
+                logits[start + i, tree.token_ids[pick]] += 100.0
+        start += n
+    got = greedy_accept_batch(trees, logits)
+    assert got.width == q
+    rows = got.tolist()
+    assert sum(r.num_accepted for r in rows) > batch // 4 or q == 1  # paths exist
+    start = 0
+    for b, (tree, row) in enumerate(zip(trees, rows, strict=True)):
+        assert row == _host_greedy_walk(tree, logits[start : start + tree.num_nodes])
+        a = row.num_accepted
+        assert int(got.bonus_token_ids[b]) == row.bonus_token_id
+        assert got.path[b, a + 1 :].eq(0).all()  # padding: node 0
+        start += tree.num_nodes
 
 
 def _use_graph_stand_ins(engine, monkeypatch) -> None:
@@ -422,7 +448,7 @@ def test_accepted_kv_moves_in_one_launch_as_per_layer_copies(smollm2_dir, tmp_pa
         for a, b in zip(pair_a, pair_b, strict=True):
             a.copy_(torch.randn(a.shape, generator=gen))
             b.copy_(a)
-    acceptance = UniformAcceptance(
+    acceptance = Acceptance(
         num_accepted=torch.tensor([3, 0, 2, 1]),
         path=torch.tensor([[0, 2, 5, 9], [0, 0, 0, 0], [0, 1, 4, 0], [0, 3, 0, 0]]),
         token_ids=torch.zeros(4, 4, dtype=torch.int64),

@@ -104,16 +104,21 @@ def test_broken_acceptor_is_detected(target_dir, draft_dir, exact_joint, monkeyp
     """Always accepting the draft token skews the second token: the same check fails,
     already on a third of the draws (so the check has power at the size it runs at)."""
     from specdec.engine import sync_step
-    from specdec.spec.acceptance import AcceptResult
+    from specdec.ops.accept import Acceptance
 
     def accept_all(trees, target_logits, meta, generator=None):
-        out, start = [], 0
-        for tree in trees:
-            nodes = list(range(1, tree.num_nodes))
-            bonus = int(target_logits[start + tree.num_nodes - 1].argmax())
-            out.append(AcceptResult(nodes, [*tree.token_ids[1:].tolist(), bonus]))
-            start += tree.num_nodes
-        return out
+        width = max(t.num_nodes for t in trees)
+        path = torch.zeros(len(trees), width, dtype=torch.int64)
+        tokens = torch.zeros(len(trees), width, dtype=torch.int64)
+        start = 0
+        for b, tree in enumerate(trees):
+            n = tree.num_nodes
+            path[b, :n] = torch.arange(n)
+            bonus = target_logits[start + n - 1].argmax()
+            tokens[b, :n] = torch.cat([tree.token_ids[1:], bonus[None]])
+            start += n
+        num_accepted = torch.tensor([t.num_nodes - 1 for t in trees])
+        return Acceptance(num_accepted=num_accepted, path=path, token_ids=tokens)
 
     monkeypatch.setattr(sync_step, "accept_batch", accept_all)
     counts, _ = _sample_pairs(target_dir, draft_dir, N // 3)

@@ -21,6 +21,7 @@ from specdec.device.staging import to_device
 from specdec.engine.output_processor import RequestState
 from specdec.engine.step_mode import StepMode, StepOutputs
 from specdec.engine.step_sampling import decodes_plainly, samples_per_token
+from specdec.ops.accept import accepted_path_moves
 from specdec.outputs import TokenLogprobs
 from specdec.sampling.sampler import SamplingMetadata
 from specdec.spec.acceptance import accept_batch, greedy_accept_batch
@@ -153,9 +154,10 @@ class SyncStep(StepMode):
     def _verify(
         self, inputs, states: list[RequestState], trees, spec, logits, offsets, emitted
     ) -> dict[int, list[int]]:
-        """Acceptance for the tree rows, then move the accepted path's K/V into place.
-        Returns each tree row's accepted node indices (its computed tokens are still the
-        root's cache index: ``step`` updates them after)."""
+        """Acceptance for the tree rows (one ``Acceptance`` for the batch, read in one sync),
+        then move the accepted paths' K/V next to their roots (``accepted_path_moves``, as
+        the pipelined step does). Returns each tree row's accepted node indices (its
+        computed tokens are still the root's cache index: ``step`` updates them after)."""
         engine = self.engine
         spec_states = [states[i] for i in spec]
         tree_list = [trees[inputs.sampled_rows[i]] for i in spec]
@@ -167,32 +169,38 @@ class SyncStep(StepMode):
             tree_logits = logits.index_select(0, index)  # [sum nodes, vocab]
         params = [st.request.sampling_params for st in spec_states]
         if all(p.is_greedy for p in params):
-            results = greedy_accept_batch(tree_list, tree_logits)  # one host sync
+            acceptance = greedy_accept_batch(tree_list, tree_logits)
         else:
             streams = [st.stream for st in spec_states]
             meta = SamplingMetadata.build(params, streams, logits.device)
-            results = accept_batch(tree_list, tree_logits, meta, engine.sampler.generator)
-        src, dst = [], []
-        bs = engine.block_size
+            acceptance = accept_batch(tree_list, tree_logits, meta, engine.sampler.generator)
+        results = acceptance.tolist()  # one host sync
         for i, state, tree, result in zip(spec, spec_states, tree_list, results, strict=True):
-            request = state.request
-            start = request.num_computed_tokens  # the root's cache index
-            blocks = request.block_ids
-            for depth, node in enumerate(result.accepted_nodes, start=1):
-                if node != depth:  # off the chain: move it next to its parent
-                    a, b = start + node, start + depth
-                    src.append(blocks[a // bs] * bs + a % bs)
-                    dst.append(blocks[b // bs] * bs + b % bs)
             emitted[i] = result.token_ids
             if tree.num_draft_tokens:  # root-only trees are plain decodes, not steps
                 engine.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
                 state.spec_stats.record(tree.num_draft_tokens, result.num_accepted)
-        if src:  # one row of moves: no two requests share a slot
-            moves = to_device(np.array([src, dst], dtype=np.int64), logits.device)
-            engine.runner.move_kv(moves[:1], moves[1:])
+        # Only a path that leaves the chain (node i at depth i) has K/V to move.
+        if any(node != depth for r in results for depth, node in enumerate(r.accepted_nodes, 1)):
+            slots = self._node_slots(inputs, spec, acceptance.width)
+            engine.runner.move_kv(*accepted_path_moves(acceptance.to(slots.device), slots))
         return {
             inputs.sampled_rows[i]: r.accepted_nodes for i, r in zip(spec, results, strict=True)
         }
+
+    @staticmethod
+    def _node_slots(inputs, spec: list[int], width: int) -> torch.Tensor:  # [len(spec), width]
+        """The cache slots of each tree row's nodes (node i is the row's token i), from the
+        step's slot mapping; a tree of fewer than ``width`` nodes is padded with its
+        root's slot (``accepted_path_moves``)."""
+        q_lens = np.asarray(inputs.meta.query_lens_cpu, dtype=np.int64)
+        token_starts = np.cumsum(q_lens) - q_lens
+        rows = np.array([inputs.sampled_rows[i] for i in spec], dtype=np.int64)
+        start, q = token_starts[rows, None], q_lens[rows, None]
+        column = np.arange(width)
+        index = np.where(column < q, start + column, start)  # [len(spec), width]
+        slot_mapping = inputs.meta.slot_mapping
+        return slot_mapping[to_device(index, slot_mapping.device)]
 
     def _apply_spec_exit(self, inputs, states, trees, spec, emitted, accepted) -> None:
         """SpecExit after acceptance (docs/spec_exit.md): an opted-in request whose step

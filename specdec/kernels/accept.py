@@ -15,7 +15,7 @@ Acceptance without in-register gathers: a node is accepted iff it and each of it
 ``max_depth`` ancestors pass (the root passes); the ancestors are walked through the
 parents table in global memory, ``max_depth`` loads deep (trees are no deeper).
 
-Outputs equal the reference's exactly, padding included (``UniformAcceptance``'s
+Outputs equal the reference's exactly, padding included (``Acceptance``'s
 contract: path entries past the accepted count are node 0; emitted entries past the bonus
 are the root's token, the last column the bonus).
 """
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from specdec.kernels.launch import next_power_of_2, require_launchable
-from specdec.ops.accept import UniformAcceptance
+from specdec.ops.accept import Acceptance
 from specdec.ops.accept import greedy_accept_and_stage as accept_and_stage_ref
 
 __all__ = ["accept_and_stage", "accept_and_stage_ref"]
@@ -115,7 +115,7 @@ def accept_and_stage(
     aux: torch.Tensor,
     root_index: torch.Tensor,
     state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-) -> tuple[UniformAcceptance, torch.Tensor]:
+) -> tuple[Acceptance, torch.Tensor]:
     """``accept_and_stage_ref`` in one launch."""
     batch, q = token_ids.shape
     tokens, st_aux, last, start = state
@@ -164,4 +164,4 @@ def accept_and_stage(
             BLOCK_D=next_power_of_2(d1),
             BLOCK_A=min(1024, next_power_of_2(aux.shape[1])),
         )
-    return UniformAcceptance(num_accepted=num_accepted, path=path, token_ids=emitted), packed
+    return Acceptance(num_accepted=num_accepted, path=path, token_ids=emitted), packed

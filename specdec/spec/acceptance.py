@@ -35,9 +35,12 @@ the target at c. Hence every emitted token, given the tokens before it, is distr
 the filtered target at that context, exactly as in plain token-by-token sampling (and the
 next step continues from there the same way).
 
-Pure functions, no module state. The batch functions lay the trees back to back (global
-node ids) and sync twice per batch, not per request: once to read the trees' structure
-and once to read the coins' outcomes; the walks down the trees then run on the host.
+Pure functions, no module state. Every batch function returns one ``Acceptance``
+(specdec.ops.accept) for the whole batch. Greedy acceptance runs on the device and never
+syncs (the caller reads it with ``Acceptance.tolist``); sampled acceptance lays the trees
+back to back (global node ids) and syncs twice per batch, not per request: once to read
+the trees' structure and once to read the coins' outcomes; the walks down the trees then
+run on the host, and its ``Acceptance`` holds host tensors.
 """
 
 from __future__ import annotations
@@ -50,34 +53,13 @@ import numpy as np
 import torch
 
 from specdec.device.staging import to_device
-from specdec.ops.accept import UniformAcceptance, greedy_accept_argmax
+from specdec.ops.accept import Acceptance, AcceptedRow, greedy_accept_argmax
 from specdec.sampling.sampler import SamplingMetadata, probs_from_logits
 from specdec.sampling.seeded_stream import SeededStream, keys_tensor, row_exponentials, uniforms
 from specdec.spec.tree import DraftTree, cat_on
 
 # Divisor floor: Exp(1) draws of exactly 0 (as in the sampler) and emptied distributions.
 _TINY = torch.finfo(torch.float32).tiny
-
-
-@dataclass
-class AcceptResult:
-    """One request's outcome for one step (host values).
-
-    ``accepted_nodes`` are tree indices along the accepted path, root excluded;
-    ``token_ids`` are what the step emits: the accepted draft tokens, then the bonus token,
-    so ``len(token_ids) == len(accepted_nodes) + 1``.
-    """
-
-    accepted_nodes: list[int]
-    token_ids: list[int]
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.accepted_nodes)
-
-    @property
-    def bonus_token_id(self) -> int:
-        return self.token_ids[-1]
 
 
 @dataclass
@@ -140,28 +122,29 @@ def _layout(trees: list[DraftTree], rows: torch.Tensor, name: str) -> _Layout:
 def greedy_accept(
     tree: DraftTree,
     target_logits: torch.Tensor,  # [num_nodes, vocab]
-) -> AcceptResult:
-    """``greedy_accept_batch`` for one tree."""
-    return greedy_accept_batch([tree], target_logits)[0]
+) -> AcceptedRow:
+    """``greedy_accept_batch`` for one tree, read on the host."""
+    return greedy_accept_batch([tree], target_logits).tolist()[0]
 
 
 def greedy_accept_batch(
     trees: list[DraftTree],
     target_logits: torch.Tensor,  # [total_nodes, vocab], trees back to back
-) -> list[AcceptResult]:
+    width: int | None = None,
+) -> Acceptance:
     """From each root, repeatedly accept the child whose token is the target's argmax at
     the current node (siblings carry distinct tokens, so there is at most one); stop where
     none is, and emit the argmax there as the bonus token. This is the longest accepted
     path.
 
-    Computed on device: a node passes when its token is its parent's argmax, and is on the
-    accepted path when it and all its ancestors pass (pointer jumping over the parents,
-    ``ceil(log2(nodes))`` rounds). Since at most one child per node passes, the nodes on
-    the path are exactly the passing-with-ancestors ones, in index order. One sync.
+    Device ops only (no sync): each tree is padded to ``width`` nodes (default: the
+    largest tree's), its padding nodes carrying token -1 under the root so they never
+    pass, and ``greedy_accept_argmax`` runs on the padded batch. Rows are as wide as
+    ``width``: no tree of that many nodes is deeper than ``width - 1``.
     """
     if not trees:
         raise ValueError("no trees; pass at least one DraftTree")
-    counts = [t.num_nodes for t in trees]
+    counts = np.array([t.num_nodes for t in trees], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     total = int(offsets[-1])
     if target_logits.dim() != 2 or target_logits.shape[0] != total:
@@ -169,60 +152,41 @@ def greedy_accept_batch(
             f"target_logits has shape {tuple(target_logits.shape)}; expected [{total}, vocab] "
             "(one row per tree node, trees back to back, each root first in node order)"
         )
+    width = int(counts.max()) if width is None else width
+    if width < counts.max():
+        raise ValueError(f"width={width} is below the largest tree's {counts.max()} nodes")
     device = target_logits.device
-    shift = to_device(np.repeat(offsets[:-1], counts), device)
+    column = np.arange(width)
+    real = column[None, :] < counts[:, None]  # [B, width]
+    # Each padded node reads its tree's root row, so every index is in range.
+    index = np.where(real, offsets[:-1, None] + column, offsets[:-1, None])  # [B, width]
+    packed = to_device(np.stack([index, real]), device)  # one copy
+    index_t, real_t = packed[0], packed[1].bool()
     # Trees may live on the host (ngram, root-only) or on the proposer's device.
-    parents = cat_on(device, [t.parents for t in trees]) + shift
-    tokens = cat_on(device, [t.token_ids for t in trees])
-    best = target_logits.argmax(dim=-1)  # [total]
-    is_root = parents == torch.arange(total, device=device)
-    on_path = (tokens == best[parents]) | is_root  # roots pass: their own parent
-    jump = parents
-    for _ in range(max(max(counts) - 1, 0).bit_length()):
-        on_path = on_path & on_path[jump]
-        jump = jump[jump]
-    on_path = on_path & ~is_root
-    path_h, best_h, tokens_h = torch.stack([on_path.long(), best, tokens]).tolist()  # sync
-    results = []
-    for b in range(len(trees)):
-        lo, hi = int(offsets[b]), int(offsets[b + 1])
-        path = [i for i in range(lo + 1, hi) if path_h[i]]
-        last = path[-1] if path else lo
-        results.append(
-            AcceptResult(
-                accepted_nodes=[i - lo for i in path],
-                token_ids=[tokens_h[i] for i in path] + [best_h[last]],
-            )
-        )
-    return results
+    tokens = cat_on(device, [t.token_ids for t in trees])[index_t]
+    tokens = torch.where(real_t, tokens, -1)  # padding never matches an argmax
+    parents = torch.where(real_t, cat_on(device, [t.parents for t in trees])[index_t], 0)
+    depths = torch.where(real_t, cat_on(device, [t.depths for t in trees])[index_t], 0)
+    best = target_logits.argmax(dim=-1)[index_t]  # [B, width]
+    return greedy_accept_argmax(tokens, parents, depths, best, width - 1)
 
 
-def greedy_accept_uniform(
-    token_ids: torch.Tensor,  # [batch, q] int64: each tree's nodes, root first
-    parents: torch.Tensor,  # [batch, q] int64: tree-local parent indices
-    depths: torch.Tensor,  # [batch, q] int64
-    target_logits: torch.Tensor,  # [batch * q, vocab]: row b * q + i is node i of tree b
-    max_depth: int,  # the shape's depth: no node is deeper
-) -> UniformAcceptance:
-    """``greedy_accept_batch`` for trees of one size, as device ops only (no sync, no
-    host-to-device copy; capturable): a node passes when its token is its parent's
-    argmax, and is accepted when it and all its ancestors pass (pointer jumping). At most
-    one child per node passes, so the accepted nodes have distinct depths 1 .. a: scattering
-    each to its depth gives the path."""
-    batch, q = token_ids.shape
-    if target_logits.shape[0] != batch * q:
-        raise ValueError(
-            f"target_logits has {target_logits.shape[0]} rows; expected {batch * q} "
-            f"({batch} trees of {q} nodes, back to back)"
-        )
-    best = target_logits.argmax(dim=-1).view(batch, q)  # [batch, q]
-    return greedy_accept_argmax(token_ids, parents, depths, best, max_depth)
-
-
-def _result(layout: _Layout, b: int, path: list[int], token_ids: list[int]) -> AcceptResult:
-    """Tree-local node indices for tree b's accepted ``path`` (global ids)."""
-    return AcceptResult(
-        accepted_nodes=[c - layout.offsets[b] for c in path], token_ids=[int(t) for t in token_ids]
+def _host_acceptance(
+    layout: _Layout, paths: list[list[int]], token_ids: list[list[int]], width: int
+) -> Acceptance:
+    """An ``Acceptance`` on the host from each tree's accepted ``paths`` (global node
+    ids) and emitted ``token_ids``, padded as ``Acceptance`` says (node 0, token 0)."""
+    batch = len(paths)
+    path = np.zeros((batch, width), dtype=np.int64)
+    tokens = np.zeros((batch, width), dtype=np.int64)
+    for b, (nodes, emitted) in enumerate(zip(paths, token_ids, strict=True)):
+        path[b, 1 : len(nodes) + 1] = [c - layout.offsets[b] for c in nodes]
+        tokens[b, : len(emitted)] = emitted
+    num_accepted = np.array([len(nodes) for nodes in paths], dtype=np.int64)
+    return Acceptance(
+        num_accepted=torch.from_numpy(num_accepted),
+        path=torch.from_numpy(path),
+        token_ids=torch.from_numpy(tokens),
     )
 
 
@@ -319,10 +283,10 @@ def sample_accept(
     target_probs: torch.Tensor,  # [num_nodes, vocab] float32, rows sum to 1
     stream: SeededStream | None = None,
     generator: torch.Generator | None = None,
-) -> AcceptResult:
+) -> AcceptedRow:
     """``sample_accept_batch`` for one tree, drawing from ``stream`` if given, else from
     ``generator`` (torch's default RNG if None)."""
-    return sample_accept_batch([tree], target_probs, [stream], generator)[0]
+    return sample_accept_batch([tree], target_probs, [stream], generator).tolist()[0]
 
 
 def sample_accept_batch(
@@ -330,8 +294,10 @@ def sample_accept_batch(
     target_probs: torch.Tensor,  # [total_nodes, vocab] float32, trees back to back
     streams: list[SeededStream | None],
     generator: torch.Generator | None = None,
-) -> list[AcceptResult]:
-    """Lossless recursive rejection sampling of every tree (see the module docstring).
+    width: int | None = None,
+) -> Acceptance:
+    """Lossless recursive rejection sampling of every tree (see the module docstring),
+    as host tensors ``width`` wide (default: the largest tree's node count).
 
     ``target_probs`` row of node v must be the filtered target distribution at v's
     context (``probs_from_logits`` of its verify row). From the root, children are tried
@@ -372,12 +338,14 @@ def sample_accept_batch(
     accepts, bonus_h, tokens_h = torch.stack(
         [accepts_t.long(), bonus, layout.token_ids]
     ).tolist()  # sync: outcomes
-    results = []
+    paths, emitted = [], []
     for b in range(len(trees)):
         path = layout.walk(b, accepts)
         last = path[-1] if path else layout.offsets[b]
-        results.append(_result(layout, b, path, [tokens_h[c] for c in path] + [bonus_h[last]]))
-    return results
+        paths.append(path)
+        emitted.append([tokens_h[c] for c in path] + [bonus_h[last]])
+    width = max(t.num_nodes for t in trees) if width is None else width
+    return _host_acceptance(layout, paths, emitted, width)
 
 
 def _seeded_draws(
@@ -409,7 +377,7 @@ def accept_batch(
     target_logits: torch.Tensor,  # [total_nodes, vocab] float32, trees back to back
     meta: SamplingMetadata,
     generator: torch.Generator | None = None,
-) -> list[AcceptResult]:
+) -> Acceptance:
     """Acceptance for one step's batch: row b of ``meta`` samples tree b.
 
     ``target_logits`` holds the raw verify logits of tree 0's nodes, then tree 1's, ...
@@ -418,6 +386,8 @@ def accept_batch(
     ``probs_from_logits`` of their nodes (one batched call), with the row's stream when
     seeded and ``generator`` (the engine's batch RNG) otherwise, as the sampler does.
     Host syncs: the greedy mask of a mixed batch, plus those of the two batch functions.
+    The result is as wide as the largest tree; a mixed batch's is on the logits' device,
+    an all-random one's on the host.
     """
     if meta.num_rows != len(trees):
         raise ValueError(
@@ -440,24 +410,29 @@ def accept_batch(
     offsets = [0]
     for n in counts:
         offsets.append(offsets[-1] + n)
-    groups = {flag: [b for b in range(len(trees)) if greedy[b] == flag] for flag in (True, False)}
-    results: list[AcceptResult | None] = [None] * len(trees)
-    for flag, rows_b in groups.items():
+    device, width, batch = target_logits.device, max(counts), len(trees)
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    path = torch.zeros(batch, width, dtype=torch.int64, device=device)
+    token_ids = torch.zeros(batch, width, dtype=torch.int64, device=device)
+    for flag in (True, False):
+        rows_b = [b for b in range(batch) if greedy[b] == flag]
         index = torch.tensor(
-            [i for b in rows_b for i in range(offsets[b], offsets[b + 1])],
-            device=target_logits.device,
+            [i for b in rows_b for i in range(offsets[b], offsets[b + 1])], device=device
         )
         logits = target_logits[index]  # [group_nodes, vocab]
         group_trees = [trees[b] for b in rows_b]
         if flag:
-            out = greedy_accept_batch(group_trees, logits)
+            part = greedy_accept_batch(group_trees, logits, width)
         else:
             group_meta = _select_rows(meta, rows_b)
             probs = probs_from_logits(logits, _per_node(group_meta, [counts[b] for b in rows_b]))
-            out = sample_accept_batch(group_trees, probs, group_meta.streams, generator)
-        for b, result in zip(rows_b, out, strict=True):
-            results[b] = result
-    return [r for r in results if r is not None]
+            part = sample_accept_batch(group_trees, probs, group_meta.streams, generator, width)
+            part = part.to(device)
+        rows_t = torch.tensor(rows_b, device=device)
+        num_accepted[rows_t] = part.num_accepted
+        path[rows_t] = part.path
+        token_ids[rows_t] = part.token_ids
+    return Acceptance(num_accepted=num_accepted, path=path, token_ids=token_ids)
 
 
 def _take_rows(meta: SamplingMetadata, index: torch.Tensor, **flags) -> SamplingMetadata:
