@@ -64,12 +64,12 @@ class AttentionBackend(ABC):
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """Instantiate a registered backend by name ("torch", "triton")."""
+    """Instantiate a registered backend by name ("torch", "triton", "triton_invariant")."""
     # Importing the modules registers their classes.
     from specdec.attention import torch_backend  # noqa: F401
 
     with contextlib.suppress(ImportError):  # without triton only the reference exists
-        from specdec.attention import triton_backend  # noqa: F401
+        from specdec.attention import invariant_backend, triton_backend  # noqa: F401
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()

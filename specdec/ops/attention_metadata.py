@@ -30,6 +30,18 @@ Attention works on cache indices only: tree nodes' RoPE positions (prefix length
 reach the model through its ``positions`` input, not through this metadata. A batch may mix
 trees, plain decodes and prefill chunks; ``specdec.attention.tree_mask`` builds the fields
 from parent arrays.
+
+Logical positions (optional ``tree_paths``/``tree_depths``, read by the batch-invariant
+kernel ``specdec.kernels.invariant_attention``). A query's visible keys, in the order that
+kernel reduces them, are its *logical positions* ``0 .. n - 1``. A query outside a tree at
+cache index ``p`` has ``n = p + 1`` and logical position ``l`` is cache index ``l``. A query
+of tree node ``i`` (tree of ``t`` nodes starting at cache index ``r = seq_lens[s] - t``)
+sees the ``r`` keys before the tree at their own indices, then its visible tree nodes in
+node order, which is depth order: logical position ``r + k`` is cache index ``r +
+tree_paths[s, i, k]`` for ``k = 0 .. tree_depths[s, i]``, so ``n = r + tree_depths[s, i] +
+1``. An accepted node at depth ``d`` thus reads the same keys at the same logical
+positions as the token at cache index ``r + d`` of plain decoding. ``ops.tree_paths``
+builds both tables from the tree mask with device ops.
 """
 
 from __future__ import annotations
@@ -76,6 +88,10 @@ class AttentionMetadata:
     tree_mask_offsets: torch.Tensor | None = None  # [num_seqs] int64: seq s's mask start
     tree_mask: torch.Tensor | None = None  # [sum_s tree_lens[s]**2] bool, row-major [t, t]
     max_tree_len: int = 0  # host bound on tree_lens
+    # Logical positions of tree queries (module docstring); None: not built. Entries past a
+    # row's depth, and rows past a tree's length, are unspecified.
+    tree_paths: torch.Tensor | None = None  # [num_seqs, max_tree_len, max_tree_len] int32
+    tree_depths: torch.Tensor | None = None  # [num_seqs, max_tree_len] int32
 
     def __post_init__(self) -> None:
         given = [
@@ -92,6 +108,13 @@ class AttentionMetadata:
             raise ValueError(
                 f"max_tree_len {self.max_tree_len} needs the tree tensors and must be >= 0"
             )
+        paths = [n for n in ("tree_paths", "tree_depths") if getattr(self, n) is not None]
+        if paths and (len(paths) != 2 or not given):
+            raise ValueError(
+                f"got {paths} without {'the tree fields' if not given else 'its partner'}; "
+                "build tree_paths and tree_depths together from the tree fields "
+                "(specdec.ops.tree_paths.with_tree_paths)"
+            )
 
     @property
     def num_seqs(self) -> int:
@@ -101,6 +124,11 @@ class AttentionMetadata:
     def has_tree(self) -> bool:
         """Some sequence may verify a draft tree (its queries need the tree mask)."""
         return self.tree_lens is not None and self.max_tree_len > 0
+
+    @property
+    def has_tree_paths(self) -> bool:
+        """The logical-position tables of the trees are attached."""
+        return self.tree_paths is not None
 
     @property
     def is_decode_only(self) -> bool:

@@ -1,0 +1,31 @@
+"""Batch-invariant Triton attention backend: ``specdec.kernels.invariant_attention``.
+
+Same contract as the ``triton`` backend (cache write, RoPE fused into it, the causal and
+tree rules of ``ops.attention_metadata``), but one kernel for every batch whose output for a
+token does not depend on the token's kind (prefill, chunk, decode, chain or tree row) nor on
+the batch around it: the attention half of a deterministic mode in which speculative output
+equals plain output token for token. The cache write and RoPE work per token, so they are
+invariant already and are the ``triton`` backend's.
+
+Trees need ``meta.tree_paths``; a forward without them builds them (device ops, graph-safe)
+in every layer, so a runner should attach them once per forward
+(``ops.tree_paths.with_tree_paths``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.attention.triton_backend import TritonAttentionBackend
+from specdec.kernels.invariant_attention import invariant_paged_attention
+from specdec.ops.attention_metadata import AttentionMetadata
+
+
+class InvariantTritonBackend(TritonAttentionBackend):
+    name = "triton_invariant"
+
+    @staticmethod
+    def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # The default config for every launch: outputs are invariant only between launches
+        # that share one.
+        return invariant_paged_attention(q, k_cache, v_cache, meta, scale)
