@@ -34,7 +34,8 @@ class TreeMask:
     max_tree_len: int  # host bound on tree_lens
 
     def attach(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """``meta`` with these tree fields (one entry per sequence of ``meta``)."""
+        """``meta`` with these tree fields (one entry per sequence of ``meta``); any
+        ``tree_paths`` it carried described other trees and are dropped."""
         if self.tree_lens.shape[0] != meta.num_seqs:
             raise ValueError(
                 f"tree fields cover {self.tree_lens.shape[0]} sequences but the batch has "
@@ -46,6 +47,8 @@ class TreeMask:
             tree_mask_offsets=self.tree_mask_offsets,
             tree_mask=self.tree_mask,
             max_tree_len=self.max_tree_len,
+            tree_paths=None,
+            tree_depths=None,
         )
 
 
