@@ -48,6 +48,14 @@ def add_engine_args(
         "--enforce-eager", action="store_true", help="run every step eagerly: no CUDA graphs"
     )
     g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant target: a token's logits have the same bits whatever the step "
+        "computing it, so speculative output equals plain output token for token in bf16 "
+        "too; Triton GEMMs and norms at every row count, the triton_invariant attention "
+        "backend, the target's layers uncompiled; slower (default: off)",
+    )
+    g.add_argument(
         "--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)"
     )
     g.add_argument(
@@ -329,6 +337,7 @@ def engine_kwargs(args: argparse.Namespace, draft_fallback: str | None = None) -
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        deterministic=args.deterministic,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_memory=args.kv_cache_memory,

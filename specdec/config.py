@@ -360,6 +360,21 @@ class EngineConfig:
     capped by ``max_num_seqs``). The token bound is capped by ``max_num_batched_tokens``
     and ``max_model_len``; 0 for either: such steps run eagerly.
 
+    ``deterministic``: speculative output equals plain output token for token, in bf16
+    too: every op on the target's path gives a token's logits the same bits whatever the
+    step that computes them (its number of query rows, the batch around it, the chunking
+    of its prompt, prefill, decode or verified draft token). The target's projections and
+    norms run batch-invariant Triton kernels at every row count (``models/invariant.py``)
+    and attention the ``INVARIANT_ATTENTION`` backend; its layers stay uncompiled (CUDA
+    graphs and the pipelined step still run; the draft side compiles as usual). Refused
+    with another ``attention_backend`` or ``compile=True``, and on a CPU without the
+    Triton interpreter (``engine/runtime.py``). Slower than the default path: cuBLAS and
+    the compiled regions are off the target's path.
+
+    ``compile``: ``torch.compile`` the target's layers (and the draft head, per
+    ``SpeculativeConfig.compile_head``) inside the CUDA graphs. None (auto): on where steps
+    replay graphs, except the target's layers in deterministic mode.
+
     ``defer_graphs``: GPU path: capture (and compile) after the engine starts, one graph
     at a time between steps (or while idle), the CUDA graphs its first requests do not
     need: speculation's (the target's verify steps, the draft's growth, the pipelined
@@ -375,7 +390,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    compile: bool = True
+    compile: bool | None = None
     cuda_graph_max_batch_size: int = 256
     seed: int = 0
     cache_dir: str | None = None
@@ -387,9 +402,12 @@ class EngineConfig:
     prefill_graph_max_tokens: int = 8192
     prefill_graph_max_seqs: int | None = None
     defer_graphs: bool | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         spec = self.speculative
+        if self.deterministic:
+            _check_deterministic(self)
         if self.triton_gemm_max_tokens < 0:
             raise ValueError(
                 f"triton_gemm_max_tokens={self.triton_gemm_max_tokens} must be >= 0 (0: "
@@ -437,6 +455,31 @@ class EngineConfig:
         cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS}
         sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHEDULER_FIELDS}
         return cls.from_dict({"model": model, **kwargs, "cache": cache, "scheduler": sched})
+
+
+INVARIANT_ATTENTION = "triton_invariant"
+"""The attention backend of deterministic mode: batch-invariant paged attention."""
+
+
+def _check_deterministic(config: EngineConfig) -> None:
+    """Refuse the settings under which ``deterministic`` cannot hold (what needs the
+    device resolved is checked in ``engine.runtime.choose_runtime``)."""
+    backend = config.attention_backend
+    if backend not in ("auto", INVARIANT_ATTENTION):
+        raise ValueError(
+            f"deterministic=True with attention_backend={backend!r}: that backend's results "
+            "for a token depend on the step around it (reductions split or padded by the "
+            f"step's shape); leave attention_backend='auto' or set "
+            f"{INVARIANT_ATTENTION!r}"
+        )
+    if config.compile:
+        raise ValueError(
+            "deterministic=True with compile=True: torch.compile fuses the target's "
+            "elementwise ops into kernels that round differently from the eager modules "
+            "that prefill steps run, so a token's logits would depend on its step; leave "
+            "compile unset (deterministic mode runs the target's layers eagerly inside the "
+            "CUDA graphs) or set compile=False"
+        )
 
 
 _CACHE_FIELDS = frozenset(f.name for f in fields(CacheConfig))

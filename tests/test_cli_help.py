@@ -159,3 +159,30 @@ def test_engine_flag_defaults_are_the_engine_config_defaults():
     assert f"default: {config.triton_gemm_max_tokens}:" in helps["triton_gemm_max_tokens"]
     assert f"default: {config.prefill_graph_max_tokens}," in helps["prefill_graph_max_tokens"]
     assert config.cache.cpu_kv_cache_memory == 1 << 30 and "1 GiB" in helps["kv_cache_memory"]
+
+
+def test_deterministic_flag_reaches_the_engine_config_and_refuses_inexact_settings():
+    """``--deterministic`` on every engine command (one shared flag group) sets
+    ``EngineConfig.deterministic``; settings under which a token's logits would still
+    depend on its step are refused at construction, naming the setting and the fix."""
+    from specdec.cli_engine import engine_kwargs
+    from specdec.config import INVARIANT_ATTENTION, EngineConfig
+    from specdec.serve.cli import serve_config_from_args
+
+    parser = build_parser()
+    for command in ("generate", "bench"):
+        assert engine_kwargs(parser.parse_args([command, "--deterministic"]))["deterministic"]
+        assert not engine_kwargs(parser.parse_args([command]))["deterministic"]
+    serve = serve_config_from_args(
+        parser.parse_args(["serve", "--deterministic", "--draft", "none"])
+    )
+    assert serve.engine.deterministic and serve.engine.compile is None
+    assert not serve_config_from_args(parser.parse_args(["serve"])).engine.deterministic
+    assert EngineConfig.from_flat("m", deterministic=True).deterministic
+    assert EngineConfig(deterministic=True, attention_backend=INVARIANT_ATTENTION).deterministic
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match=rf"attention_backend='{backend}'.*'triton_invariant'"):
+            EngineConfig(deterministic=True, attention_backend=backend)
+    with pytest.raises(ValueError, match=r"compile=True.*leave compile unset .* compile=False"):
+        EngineConfig(deterministic=True, compile=True)
+    assert not EngineConfig(deterministic=True, compile=False).compile

@@ -24,6 +24,7 @@ from specdec.engine.runtime import choose_runtime, decide_max_model_len, kv_byte
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.models import load_config, load_model
 from specdec.models.config import ModelConfig
+from specdec.models.invariant import use_invariant_kernels
 from specdec.models.linear import use_triton_gemm
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.paged_attention import move_kvcache_ref
@@ -52,9 +53,11 @@ class ModelRunner:
         self.device = self.runtime.device
         self.dtype = self.runtime.dtype
         self.block_size = config.cache.block_size
-        # Under torch.compile attention must be one opaque op (see custom_op.py).
-        self.use_compile = self.runtime.use_cuda_graphs and config.compile
-        if self.use_compile:
+        # Under torch.compile attention must be one opaque op (see custom_op.py), wherever
+        # something compiles: the target's layers, or a draft head sharing this backend.
+        self.use_compile = self.runtime.compile_target
+        self.compile_draft = self.runtime.compile_draft
+        if self.compile_draft:
             self.attention = OpaqueAttention(self.runtime.attention_backend)
         else:
             self.attention = get_attention_backend(self.runtime.attention_backend)
@@ -81,6 +84,11 @@ class ModelRunner:
             config.triton_gemm_max_tokens if self.runtime.use_cuda_graphs else 0
         )
         use_triton_gemm(self.model, self.triton_gemm_max_rows)
+        if self.runtime.deterministic:
+            # Every projection and norm at every row count, prefill included (on top of
+            # the few-row switch above, which it overrides).
+            n = use_invariant_kernels(self.model)
+            logger.info("deterministic mode: %d target modules on batch-invariant kernels", n)
         self.block_table_width = cdiv(self.max_model_len, self.block_size)
         # The step's block-table array, kept between steps (only changed rows rewritten).
         self.block_tables = BlockTables(config.scheduler.max_num_seqs, self.block_table_width)

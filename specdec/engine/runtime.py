@@ -1,14 +1,16 @@
-"""Where and how the target runs: device, dtype, attention backend and CUDA graphs
-resolved from the config's "auto" fields, the context limit, and the KV cache's bytes per
-block."""
+"""Where and how the target runs: device, dtype, attention backend, CUDA graphs and
+compilation resolved from the config's "auto" fields, the context limit, and the KV
+cache's bytes per block."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from specdec.config import EngineConfig
+from specdec.attention import available_backends
+from specdec.config import INVARIANT_ATTENTION, EngineConfig
 from specdec.models.config import ModelConfig
 
 _DTYPES = {
@@ -27,11 +29,16 @@ class RuntimeChoice:
     dtype: torch.dtype
     attention_backend: str
     use_cuda_graphs: bool
+    compile_target: bool = False  # torch.compile the target's layers (compile_regions)
+    compile_draft: bool = False  # the draft side may compile (SpeculativeConfig.compile_head)
+    deterministic: bool = False  # batch-invariant kernels on the target's path
 
 
 def choose_runtime(config: EngineConfig) -> RuntimeChoice:
-    """Resolve the "auto" fields: the GPU path is bf16 + Triton + CUDA graphs, the CPU path
-    fp32 + the torch reference backend, eager."""
+    """Resolve the "auto" fields: the GPU path is bf16 + Triton + CUDA graphs (+ compiled
+    regions), the CPU path fp32 + the torch reference backend, eager. Deterministic mode
+    takes the batch-invariant attention backend and leaves the target uncompiled; it is
+    refused where its kernels cannot run or its backend is not registered."""
     if config.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -45,8 +52,39 @@ def choose_runtime(config: EngineConfig) -> RuntimeChoice:
         dtype = _DTYPES[config.dtype]
     backend = config.attention_backend
     if backend == "auto":
-        backend = "triton" if on_gpu else "torch"
-    return RuntimeChoice(device, dtype, backend, on_gpu and not config.enforce_eager)
+        backend = INVARIANT_ATTENTION if config.deterministic else "triton" if on_gpu else "torch"
+    if config.deterministic:
+        _require_deterministic_runtime(device, backend)
+    graphs = on_gpu and not config.enforce_eager
+    compiles = graphs and config.compile is not False
+    return RuntimeChoice(
+        device,
+        dtype,
+        backend,
+        graphs,
+        compile_target=compiles and not config.deterministic,
+        compile_draft=compiles,
+        deterministic=config.deterministic,
+    )
+
+
+def _require_deterministic_runtime(device: torch.device, backend: str) -> None:
+    """What deterministic mode needs once the device is known: somewhere its Triton
+    kernels run, and its attention backend registered (never a silent substitute)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"deterministic=True runs the target on Triton kernels, which need a CUDA "
+            f"device; device={str(device)!r}: use device='cuda' (or set TRITON_INTERPRET=1 "
+            "before starting, to run them slowly in the interpreter for tests)"
+        )
+    available = available_backends()
+    if backend not in available:
+        raise ValueError(
+            f"deterministic=True needs the batch-invariant attention backend {backend!r}, "
+            f"which is not registered (available: {available}); without it a token's "
+            "attention output would depend on its step. Use a specdec build that ships "
+            "it, or turn deterministic off"
+        )
 
 
 def decide_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -28,6 +28,18 @@ stream), with ``models.llama.RMSNorm``'s roundings.
 Invariants: float32 accumulation over a ``BLOCK_K`` loop whose tiles depend on the
 weight's shape only, never on the number of rows. Shapes come from host ints, nothing
 synchronises (graph-safe).
+
+Batch invariance, for any number of rows (1 to a prefill's thousands): a row's output
+bits depend on that row and the weight only, never on how many rows the launch has, where
+the row sits among them or what the other rows hold. ``choose_gemm_config`` reads the
+weight's shape (N, K) only, so one compilation (``M`` is not specialised) with one tile
+``BLOCK_M x BLOCK_N x BLOCK_K`` and one ``num_warps`` serves every row count, and more
+rows only launch more row tiles. No split-K: each output element is one program's
+``BLOCK_K`` loop, in order, each ``tl.dot`` reducing its ``BLOCK_K`` slice in an order the
+tile shape fixes; rows sharing a tile never mix (masked rows load zeros and are not
+stored). The norm prologue reduces each row over the same ``BLOCK_K`` tiles, per row. The
+engine's deterministic mode (``EngineConfig.deterministic``, ``models/invariant.py``)
+runs every target projection here for that reason.
 """
 
 from __future__ import annotations
@@ -43,7 +55,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specdec.kernels.launch import dot_precision, require_last_dim_contiguous, require_launchable
+from specdec.kernels.launch import (
+    dot_precision,
+    require_grid_yz,
+    require_last_dim_contiguous,
+    require_launchable,
+)
 
 __all__ = [
     "GemmConfig",
@@ -173,7 +190,8 @@ def _measured_tiles(path: str) -> dict[tuple[int, int], GemmConfig]:
 def choose_gemm_config(num_rows: int, n: int, k: int) -> GemmConfig:
     """Narrow column tiles for narrow projections (enough programs to fill the SMs with a
     576-column output), wider ones for wide outputs (an LM head: fewer, longer programs);
-    a measured tile from ``$SPECDEC_GEMM_TILES`` first. ``num_rows`` sets only how many
+    a measured tile from ``$SPECDEC_GEMM_TILES`` first. The tile is a function of
+    ``(n, k)`` alone (batch invariance, module docstring); ``num_rows`` sets only how many
     16-row tiles run."""
     del num_rows  # the row tile is fixed
     path = os.environ.get(TILES_ENV)
@@ -231,6 +249,7 @@ def _launch(
     if m == 0:
         return out, stream
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    require_grid_yz("row tiles (rows / block_m)", grid[1])
     _skinny_gemm_kernel[grid](
         x,
         residual if residual is not None else x,

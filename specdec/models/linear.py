@@ -7,6 +7,12 @@ on CUDA when ``EngineConfig.triton_gemm_max_tokens`` asks (off by default: in th
 on the H200 it is slower than cuBLAS, docs/benchmarks.md); training, the CPU and
 prefills keep ``F.linear``.
 
+In the engine's deterministic mode (``use_invariant_kernels``, ``models/invariant.py``)
+every ``Linear`` is ``invariant``: inputs of any number of rows, prefill included, take
+the Triton GEMM, whose per-row results do not depend on the row count
+(``kernels/skinny_gemm.py``, "Batch invariance"); an input it cannot take raises instead
+of falling back to cuBLAS, whose kernel choice (and so the row's bits) follows the batch.
+
 A pre-norm block's entries fuse further on that path (``add_norm_linear``,
 ``add_norm_gate_up_silu``): the residual add and the RMSNorm run in the projection's
 prologue, so a decoder layer is four launches besides attention.
@@ -101,16 +107,31 @@ def _run(op, launcher: str, *args):
 class Linear(nn.Linear):
     """``nn.Linear`` that multiplies inputs of at most ``max_rows`` rows (2-d, contiguous
     rows, a float dtype) with the skinny Triton GEMM; same results up to float rounding
-    (float32 accumulation either way)."""
+    (float32 accumulation either way). ``invariant``: every input, whatever its rows."""
 
     max_rows: int = 0  # off; use_triton_gemm sets it per module
+    invariant: bool = False  # off; use_invariant_kernels sets it per module
 
     def takes_triton(self, x: torch.Tensor) -> bool:
+        if self.invariant:
+            self._require_invariant_input(x)
+            return True
         return (
             0 < x.shape[0] <= self.max_rows
             and x.dim() == 2
             and x.dtype in _FLOATS
             and x.stride(-1) == 1
+        )
+
+    def _require_invariant_input(self, x: torch.Tensor) -> None:
+        if x.dim() == 2 and x.dtype == self.weight.dtype and x.stride(-1) == 1:
+            return
+        raise ValueError(
+            f"this Linear runs the batch-invariant GEMM (deterministic mode), which takes "
+            f"[rows, {self.in_features}] {self.weight.dtype} inputs with contiguous rows; "
+            f"got {tuple(x.shape)} {x.dtype} with strides {x.stride()}. Pass x.reshape(-1, "
+            f"{self.in_features}).contiguous() in the weight's dtype (a cuBLAS fallback "
+            "would make the rows' results depend on the batch)"
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,13 +148,14 @@ class Linear(nn.Linear):
 
 
 def _fusable(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
-    return (
-        isinstance(proj, Linear)
-        and proj.takes_triton(x)
-        and residual.shape == x.shape
-        and residual.stride() == x.stride()
-        and residual.dtype == x.dtype
-    )
+    """Whether the fused entry runs. For an ``invariant`` projection the answer must not
+    change with the row count (fused and unfused norms round alike but sum in different
+    orders), so it reads the module, the shapes and the dtypes only: the model's ``x`` and
+    ``residual`` are always dense alike, and other layouts raise in the launcher."""
+    if not isinstance(proj, Linear) or not proj.takes_triton(x):
+        return False
+    same = residual.shape == x.shape and residual.dtype == x.dtype
+    return same and (proj.invariant or residual.stride() == x.stride())
 
 
 def add_norm_linear(

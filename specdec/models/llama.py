@@ -32,7 +32,13 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, kv
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, cast back, then scaled (HF's order, so bf16 matches)."""
+    """RMSNorm computed in float32, cast back, then scaled (HF's order, so bf16 matches).
+
+    ``invariant`` (set by ``models.invariant.use_invariant_kernels``): the Triton kernel of
+    ``kernels/rmsnorm.py``, one program per row, whose results do not depend on the rows
+    around it; same roundings, its own summation order."""
+
+    invariant: bool = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -40,9 +46,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if self.invariant:
+            from specdec.kernels.rmsnorm import rmsnorm  # triton loads only when used
+
+            return rmsnorm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(
+        self,
+        x: torch.Tensor,  # [..., dim]
+        residual: torch.Tensor,  # [..., dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (self(x + residual), x + residual)
+        """The norm of the stream ``x + residual``, and the stream; one launch when
+        ``invariant``."""
+        if self.invariant:
+            from specdec.kernels.rmsnorm import add_rmsnorm
+
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        stream = x + residual
+        return self(stream), stream
 
 
 class Attention(nn.Module):
@@ -115,8 +139,8 @@ class Attention(nn.Module):
         the norm and the qkv projection are one launch."""
         entry = add_norm_linear(x, residual, norm, self.qkv_proj)
         if entry is None:
-            stream = x + residual
-            return self(norm(stream), cos, sin, kv_cache, meta), stream
+            normed, stream = norm.add_forward(x, residual)
+            return self(normed, cos, sin, kv_cache, meta), stream
         qkv, stream = entry
         return self.attend(qkv, cos, sin, kv_cache, meta), stream
 
@@ -177,8 +201,8 @@ class MLP(nn.Module):
         the norm, gate/up and SiLU are one launch."""
         entry = add_norm_gate_up_silu(x, residual, norm, self.gate_up_proj)
         if entry is None:
-            stream = x + residual
-            return self(norm(stream)), stream
+            normed, stream = norm.add_forward(x, residual)
+            return self(normed), stream
         act, stream = entry
         return self.down_proj(act), stream
 
@@ -312,7 +336,7 @@ class CausalLM(nn.Module):
         return x, torch.zeros_like(x), cos, sin
 
     def _leave(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + residual)  # [num_tokens, hidden]
+        return self.norm.add_forward(x, residual)[0]  # [num_tokens, hidden]
 
     def compile_regions(self, **compile_kwargs) -> None:
         """Compile the repeated region, not the whole model: ``torch.compile`` per decoder
@@ -322,7 +346,17 @@ class CausalLM(nn.Module):
         dynamic one, batch 1); a layer's graph is a thirtieth of it. Kernels only fuse within a
         region, so the split residual stream (``DecoderLayer``) keeps add + norm fused.
         ``forward(..., compiled=True)`` runs the compiled regions; eager callers (prefill,
-        mixed steps) keep the plain modules, whose varying shapes would recompile."""
+        mixed steps) keep the plain modules, whose varying shapes would recompile.
+
+        Refused once ``models.invariant.use_invariant_kernels`` switched the model: the
+        compiled regions would round the elementwise chains between the kernels
+        differently from the eager modules that the other steps run."""
+        if any(getattr(m, "invariant", False) for m in self.modules()):
+            raise ValueError(
+                "this model runs batch-invariant kernels (deterministic mode); compiling its "
+                "regions would make a token's logits depend on whether its step ran "
+                "compiled or eagerly: run it uncompiled (EngineConfig.compile unset or False)"
+            )
         self._compiled = _Stages(
             enter=compile_region(self._enter, **compile_kwargs),
             layers=tuple(compile_region(layer, **compile_kwargs) for layer in self.layers),

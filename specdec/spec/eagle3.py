@@ -124,8 +124,9 @@ class Eagle3Proposer(PipelinedProposer):
         self.grower = TreeGrower(self._grow)
         self._graph_grow = self._grow  # what CUDA graphs capture (capture_graphs)
         self.max_positions = runner.max_model_len
-        # The head compiles only where the target does (CUDA graphs with EngineConfig.compile).
-        self.compile = runner.use_compile
+        # The head compiles only where the runner allows (CUDA graphs with
+        # EngineConfig.compile not False; in deterministic mode too, the target aside).
+        self.compile = runner.compile_draft
         # Target id of each draft-vocabulary column: growth ranks in the draft vocabulary.
         self.draft_ids = self.head.draft_to_target(
             torch.arange(self.head.config.draft_vocab_size, device=self.device)
