@@ -14,6 +14,10 @@ import yaml
 from specdec.models.head_variants import HEAD_VARIANTS
 from specdec.train.draft_loss import DRAFT_LOSSES
 
+# The drafters train-draft trains (``trainer.DRAFTERS`` builds each): EAGLE-3 heads (the
+# ``ttt`` section) and DFlash-style block drafters (the ``block`` section).
+DRAFTER_NAMES = ("eagle3", "block")
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -36,6 +40,7 @@ def _at_least(section: str, obj: object, minimum: float, *keys: str) -> None:
 @dataclass
 class ModelSection:
     target: str = "smollm2-135m-instruct"  # alias, HF dir, .gguf or hub name
+    drafter: str = "eagle3"  # eagle3 (an EAGLE-3 head, TTT) | block (a block drafter)
     vocab: str | None = None  # data_gen's vocab.safetensors (d2t/t2d) or its directory;
     # None: vocab.safetensors next to data.path or in it
     draft_vocab_size: int | None = None  # checked against the vocab file when both are set
@@ -45,7 +50,8 @@ class ModelSection:
     # The head's MLP width. None: init_head's, else the target's. Wider than init_head's:
     # the trained head is widened exactly (new units start silent: train/model.widen_mlp).
     intermediate_size: int | None = None
-    # The head's decoder layers. None: init_head's, else 1 (EAGLE-3's). More than init_head's:
+    # The head's decoder layers. None: init_head's, else 1 (EAGLE-3's; 2 for a block
+    # drafter). More than init_head's:
     # the trained head is deepened exactly (new layers start silent: train/model.deepen).
     # vLLM serves deeper heads; SGLang and EAGLE load one layer only.
     num_layers: int | None = None
@@ -61,6 +67,12 @@ class ModelSection:
                  f"model.num_layers={self.num_layers} must be >= 1")  # fmt: skip
         if self.variant is not None:
             _choice("model", "variant", self.variant, tuple(HEAD_VARIANTS))
+        _choice("model", "drafter", self.drafter, DRAFTER_NAMES)
+        if self.drafter == "block":
+            for key in ("init_head", "variant"):
+                _require(getattr(self, key) is None,
+                         f"model.{key} is an EAGLE-3 setting; a block drafter (model.drafter="
+                         "block) starts fresh: drop it")  # fmt: skip
 
 
 @dataclass
@@ -113,6 +125,43 @@ class TTTSection:
                  f"ttt.argmax_weight={self.argmax_weight} must be in [0, 1] (0: the target's "
                  "distribution, 1: its argmax)")  # fmt: skip
         _choice("ttt", "attention", self.attention, ("auto", "flex", "reference"))
+
+
+@dataclass
+class BlockSection:
+    """The block drafter (``model.drafter=block``; specdec/models/block_drafter.py,
+    train/block_loss.py)."""
+
+    block_size: int = 16  # the anchor + B-1 drafted slots (vLLM: num_speculative_tokens + 1)
+    # Anchors per micro-batch, drawn among the eligible positions of all its sequences.
+    # None: ceil(data.max_tokens / block_size), about one block token per context token.
+    anchors: int | None = None
+    gamma: float | None = None  # slot k's weight exp(-(k-1)/gamma); None: 7 (B=16), 4 (B=8)
+    # The masked slots' input token. None: the tokenizer's first of <|MASK|>, <empty_output>
+    # (block_drafter.MASK_TOKEN_CANDIDATES): a reserved token chat never emits.
+    mask_token_id: int | None = None
+    # Draft over the target's whole vocabulary with its frozen lm_head (DFlash's own
+    # setup) instead of the pruned draft vocabulary (model.vocab) with a trained lm_head.
+    target_lm_head: bool = False
+    loss: str = "ce"  # ce | lk_alpha | lk_hybrid (train/draft_loss.py), per slot
+    lk_eta: float = 3.0
+    # Share of each slot's label on the target's argmax: 1 = the greedy token (DFlash's
+    # hard labels), 0 = the target's distribution over the draft vocabulary.
+    argmax_weight: float = 1.0
+    attention: str = "auto"  # auto (flex on CUDA, else reference) | flex | reference
+
+    def __post_init__(self) -> None:
+        _at_least("block", self, 2, "block_size")
+        _require(self.anchors is None or self.anchors >= 1,
+                 f"block.anchors={self.anchors} must be >= 1")  # fmt: skip
+        _require(self.gamma is None or self.gamma > 0, f"block.gamma={self.gamma} must be > 0")
+        _require(self.mask_token_id is None or self.mask_token_id >= 0,
+                 f"block.mask_token_id={self.mask_token_id} must be a token id (>= 0)")  # fmt: skip
+        _choice("block", "loss", self.loss, tuple(DRAFT_LOSSES))
+        _require(self.lk_eta >= 0, f"block.lk_eta={self.lk_eta} must be >= 0")
+        _require(0 <= self.argmax_weight <= 1,
+                 f"block.argmax_weight={self.argmax_weight} must be in [0, 1]")  # fmt: skip
+        _choice("block", "attention", self.attention, ("auto", "flex", "reference"))
 
 
 @dataclass
@@ -267,6 +316,12 @@ class TrainConfig(SectionedConfig):
     optim: OptimSection = field(default_factory=OptimSection)
     run: RunSection = field(default_factory=RunSection)
     spec_exit: SpecExitSection = field(default_factory=SpecExitSection)
+    block: BlockSection = field(default_factory=BlockSection)
+
+    def __post_init__(self) -> None:
+        _require(self.model.drafter != "block" or not self.spec_exit.signals,
+                 "spec_exit.signals trains SpecExit channels on an EAGLE-3 head; a block "
+                 "drafter (model.drafter=block) has none: drop them")  # fmt: skip
 
 
 def _coerce(section: str, section_cls: type, values: dict[str, Any]) -> dict[str, Any]:

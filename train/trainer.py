@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from specdec.models.block_drafter import BlockDrafterConfig, resolve_mask_token_id
 from specdec.models.head_variants import HEAD_VARIANTS
 from specdec.train import checkpoint
-from specdec.train.config import TrainConfig
+from specdec.train.block_attention import block_attention
+from specdec.train.block_loss import anchors_for, default_gamma
+from specdec.train.block_model import BlockModel, build_block_drafter
+from specdec.train.config import DRAFTER_NAMES, TrainConfig
 from specdec.train.data import OfflineShards, OnlineRecords, Schedule, Source
 from specdec.train.loop import (
     KILL_ENV,
@@ -146,6 +151,85 @@ def train(config: TrainConfig) -> dict[str, Any]:
             f"model.aux_layer_ids={list(aux_ids)} but the data holds layers "
             f"{list(source.aux_layer_ids)}; dump again with those ids or drop the override"
         )
+    drafter = DRAFTERS[config.model.drafter]
+    model = drafter.build(config, target, device, aux_ids)
+    if config.data.max_seq_len > model.head.rotary.num_positions:
+        # Positions past the head's RoPE table are clamped (train/ttt.py unroll): harmless
+        # for padding, silently wrong for tokens that carry loss.
+        raise ValueError(
+            f"data.max_seq_len={config.data.max_seq_len} exceeds the target's context "
+            f"({model.head.rotary.num_positions} positions); set data.max_seq_len <= "
+            f"{model.head.rotary.num_positions}"
+        )
+    positions = drafter.positions(config)
+    exit_cfg = config.spec_exit
+    model.place_target(device, torch.bfloat16 if precision == "bf16" else torch.float32)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay,
+    )  # fmt: skip
+    scheduler = lr_schedule(optimizer, optim_cfg)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # Stepped by hand once per optimizer step (accelerate would step it per process).
+    accelerator.register_for_checkpointing(scheduler)
+
+    state = checkpoint.TrainState()
+    resume_from = checkpoint.latest(out_dir) if run.resume else None
+    if resume_from is not None:
+        state = checkpoint.load(accelerator, resume_from)
+        logger.info("resumed from %s (step %d)", resume_from, state.step)
+    log = RunLogger(accelerator, out_dir, config, resumed=resume_from is not None)
+
+    schedule = Schedule(source)
+    world = accelerator.num_processes
+    batches = schedule.iterate(state.consumed, accelerator.process_index, world)
+    bar = tqdm(total=optim_cfg.max_steps, initial=state.step, desc="train-draft", unit="step",
+               disable=not accelerator.is_local_main_process)  # fmt: skip
+    tally, t0 = Tally(), time.perf_counter()
+    evals: dict[str, Any] = {}
+    if state.step == 0:  # the fresh head's figures: the baseline every later eval beats
+        log.write(0, evaluate(model, source, accelerator, positions, exit_cfg.signals))
+    kill_after = int(os.environ.get(KILL_ENV, "0"))
+    limit = TimeLimit(run.time_limit_s, accelerator, started)
+    model.train()
+    while state.step < optim_cfg.max_steps and not limit.hit:
+        optimizer_step(model, batches, device, accelerator, optimizer, optim_cfg, tally)
+        scheduler.step()
+        state.step += 1
+        state.consumed += optim_cfg.grad_accum * world
+        bar.update(1)
+        last = state.step == optim_cfg.max_steps or limit.reached()
+        if state.step % run.log_every == 0 or last:
+            figures = tally.summary(accelerator, "train/", positions, exit_cfg.signals)
+            seconds = time.perf_counter() - t0
+            figures["train/tokens_per_s"] = figures["train/tokens"] / max(seconds, 1e-9)
+            figures["lr"] = scheduler.get_last_lr()[0]
+            state.tokens += figures["train/tokens"]
+            log.write(state.step, figures)
+            bar.set_postfix(loss=f"{figures['train/loss']:.3f}",
+                            acc0=f"{figures['train/acc_0']:.2f}",
+                            tok_s=f"{figures['train/tokens_per_s']:,.0f}")  # fmt: skip
+            tally, t0 = Tally(), time.perf_counter()
+        if state.step % run.eval_every == 0 or last:
+            evals = evaluate(model, source, accelerator, positions, exit_cfg.signals)
+            log.write(state.step, evals)
+            model.train()
+        if state.step % run.save_every == 0 or last:
+            checkpoint.save(accelerator, out_dir, state, config.to_dict(), run.keep_last)
+        if state.step == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    bar.close()
+    batches.close()  # stops the prefetch thread
+    head_dir = _save_head(accelerator, model, out_dir, drafter.save)
+    log.close()
+    limit.report(state.step, optim_cfg.max_steps)
+    return {"step": state.step, "head": str(head_dir), "time_limited": limit.hit, **evals}
+
+
+def _build_eagle3(
+    config: TrainConfig, target: TargetIO, device: torch.device, aux_ids: tuple[int, ...]
+) -> TTTModel:
+    """A fresh or continued (``model.init_head``) EAGLE-3 head in its TTT objective."""
     init = _read_init_head(config.model.init_head, target) if config.model.init_head else None
     if init is not None and not config.model.vocab:
         d2t, t2d = init.d2t.cpu(), init.t2d.cpu()  # a head continues with its own vocabulary
@@ -174,14 +258,6 @@ def train(config: TrainConfig) -> dict[str, Any]:
     head = build_head(target, config.model.target, d2t, t2d, aux_ids, backend,
                       exit_signals=exit_cfg.signals, intermediate_size=width,
                       num_layers=depth, variant=variant)  # fmt: skip
-    if config.data.max_seq_len > head.rotary.num_positions:
-        # Positions past the head's RoPE table are clamped (train/ttt.py unroll): harmless
-        # for padding, silently wrong for tokens that carry loss.
-        raise ValueError(
-            f"data.max_seq_len={config.data.max_seq_len} exceeds the target's context "
-            f"({head.rotary.num_positions} positions); set data.max_seq_len <= "
-            f"{head.rotary.num_positions}"
-        )
     if init is not None:
         _load_init_head(head, init)
     exit_loss = None
@@ -192,67 +268,74 @@ def train(config: TrainConfig) -> dict[str, Any]:
                      lk_eta=config.ttt.lk_eta, exit_loss=exit_loss,
                      freeze_draft=exit_cfg.freeze_draft,
                      pad_to=config.data.max_tokens if backend.static_tokens else None)  # fmt: skip
-    model.place_target(device, torch.bfloat16 if precision == "bf16" else torch.float32)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay,
+    return model
+
+
+def _build_block(
+    config: TrainConfig, target: TargetIO, device: torch.device, aux_ids: tuple[int, ...]
+) -> BlockModel:
+    """A fresh block drafter in its block objective (train/block_loss.py)."""
+    from specdec.models import load_tokenizer, resolve_model
+
+    cfg = config.block
+    if cfg.target_lm_head:
+        d2t = t2d = None
+        vocab = target.config.vocab_size
+    else:
+        d2t, t2d = load_vocab(_vocab_path(config))
+        vocab = d2t.shape[0]
+    if config.model.draft_vocab_size not in (None, vocab):
+        raise ValueError(
+            f"model.draft_vocab_size={config.model.draft_vocab_size} but the drafter "
+            f"drafts {vocab} ids; rebuild the vocabulary with that size or drop the setting"
+        )
+    mask_id = cfg.mask_token_id
+    if mask_id is None:
+        mask_id = resolve_mask_token_id(load_tokenizer(resolve_model(config.model.target)))
+    drafter_config = BlockDrafterConfig.for_target(
+        target.config, vocab, mask_token_id=mask_id, aux_layer_ids=aux_ids,
+        block_size=cfg.block_size, num_layers=config.model.num_layers or 2,
+        intermediate_size=config.model.intermediate_size, target_name=config.model.target,
     )  # fmt: skip
-    scheduler = lr_schedule(optimizer, optim_cfg)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # Stepped by hand once per optimizer step (accelerate would step it per process).
-    accelerator.register_for_checkpointing(scheduler)
+    attention, static = block_attention(cfg.attention, device)
+    return BlockModel(
+        build_block_drafter(target, drafter_config, d2t, t2d), target, attention=attention,
+        anchors=cfg.anchors or anchors_for(cfg.block_size, config.data.max_tokens),
+        gamma=cfg.gamma or default_gamma(cfg.block_size), loss=cfg.loss, lk_eta=cfg.lk_eta,
+        argmax_weight=cfg.argmax_weight, pad_to=config.data.max_tokens if static else None,
+    )  # fmt: skip
 
-    state = checkpoint.TrainState()
-    resume_from = checkpoint.latest(out_dir) if run.resume else None
-    if resume_from is not None:
-        state = checkpoint.load(accelerator, resume_from)
-        logger.info("resumed from %s (step %d)", resume_from, state.step)
-    log = RunLogger(accelerator, out_dir, config, resumed=resume_from is not None)
 
-    schedule = Schedule(source)
-    world = accelerator.num_processes
-    batches = schedule.iterate(state.consumed, accelerator.process_index, world)
-    bar = tqdm(total=optim_cfg.max_steps, initial=state.step, desc="train-draft", unit="step",
-               disable=not accelerator.is_local_main_process)  # fmt: skip
-    tally, t0 = Tally(), time.perf_counter()
-    evals: dict[str, Any] = {}
-    if state.step == 0:  # the fresh head's figures: the baseline every later eval beats
-        log.write(0, evaluate(model, source, accelerator, config.ttt.steps, exit_cfg.signals))
-    kill_after = int(os.environ.get(KILL_ENV, "0"))
-    limit = TimeLimit(run.time_limit_s, accelerator, started)
-    model.train()
-    while state.step < optim_cfg.max_steps and not limit.hit:
-        optimizer_step(model, batches, device, accelerator, optimizer, optim_cfg, tally)
-        scheduler.step()
-        state.step += 1
-        state.consumed += optim_cfg.grad_accum * world
-        bar.update(1)
-        last = state.step == optim_cfg.max_steps or limit.reached()
-        if state.step % run.log_every == 0 or last:
-            figures = tally.summary(accelerator, "train/", config.ttt.steps, exit_cfg.signals)
-            seconds = time.perf_counter() - t0
-            figures["train/tokens_per_s"] = figures["train/tokens"] / max(seconds, 1e-9)
-            figures["lr"] = scheduler.get_last_lr()[0]
-            state.tokens += figures["train/tokens"]
-            log.write(state.step, figures)
-            bar.set_postfix(loss=f"{figures['train/loss']:.3f}",
-                            acc0=f"{figures['train/acc_0']:.2f}",
-                            tok_s=f"{figures['train/tokens_per_s']:,.0f}")  # fmt: skip
-            tally, t0 = Tally(), time.perf_counter()
-        if state.step % run.eval_every == 0 or last:
-            evals = evaluate(model, source, accelerator, config.ttt.steps, exit_cfg.signals)
-            log.write(state.step, evals)
-            model.train()
-        if state.step % run.save_every == 0 or last:
-            checkpoint.save(accelerator, out_dir, state, config.to_dict(), run.keep_last)
-        if state.step == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-    bar.close()
-    batches.close()  # stops the prefetch thread
-    head_dir = _save_head(accelerator, model, out_dir)
-    log.close()
-    limit.report(state.step, optim_cfg.max_steps)
-    return {"step": state.step, "head": str(head_dir), "time_limited": limit.hit, **evals}
+def _save_eagle3(head, directory: Path) -> None:
+    from specdec.models.eagle3_formats import save_eagle3
+
+    save_eagle3(head, directory)
+
+
+def _save_block(head, directory: Path) -> None:
+    from specdec.models.block_drafter_formats import save_block_drafter
+
+    save_block_drafter(head, directory)
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """One kind of drafter train-draft trains: ``build`` its model (a module whose
+    ``forward(batch)`` returns a ``TTTOutput`` and whose ``head`` is the drafter saved at
+    the end), ``positions`` of its per-position figures (loss_i, acc_i), ``save`` its head
+    in the project format."""
+
+    build: Callable[[TrainConfig, TargetIO, torch.device, tuple[int, ...]], torch.nn.Module]
+    positions: Callable[[TrainConfig], int]
+    save: Callable[[torch.nn.Module, Path], None]
+
+
+DRAFTERS: dict[str, Drafter] = {
+    "eagle3": Drafter(_build_eagle3, lambda c: c.ttt.steps, _save_eagle3),
+    "block": Drafter(_build_block, lambda c: c.block.block_size - 1, _save_block),
+}
+if tuple(DRAFTERS) != DRAFTER_NAMES:  # the config validates names without this module
+    raise RuntimeError(f"trainer.DRAFTERS {tuple(DRAFTERS)} != config.DRAFTER_NAMES")
 
 
 def evaluate(
@@ -391,11 +474,10 @@ def _load_init_head(head, init) -> None:
         )
 
 
-def _save_head(accelerator, model, out_dir: Path) -> Path:
-    """The final head in the project format, written to a temporary directory and renamed."""
+def _save_head(accelerator, model, out_dir: Path, save: Callable[..., None]) -> Path:
+    """The final head in the project format (``save``), written to a temporary directory
+    and renamed."""
     import shutil
-
-    from specdec.models.eagle3_formats import save_eagle3
 
     final = out_dir / "head"
     state = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards
@@ -404,7 +486,7 @@ def _save_head(accelerator, model, out_dir: Path) -> Path:
         head.load_state_dict({k.removeprefix("head."): v for k, v in state.items()})
         tmp = out_dir / "head.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_eagle3(head, tmp)
+        save(head, tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     accelerator.wait_for_everyone()
