@@ -194,11 +194,14 @@ def cmd_validate_head(args: argparse.Namespace) -> int:
     """
     from specdec.interop.target import local_target
     from specdec.interop.validate import validate_head
+    from specdec.models.block_drafter_formats import detect_block_format, is_block_drafter
     from specdec.models.eagle3_formats import detect_format
     from specdec.models.weights import WeightLoadError
 
     consumer = args.consumer
-    if consumer is None:
+    if consumer is None and is_block_drafter(args.head_dir):
+        consumer = {"dflash": "vllm"}.get(detect_block_format(args.head_dir), "specdec")
+    elif consumer is None:
         try:
             consumer = {"speculators": "vllm", "eagle": "sglang"}.get(
                 detect_format(args.head_dir), "specdec"

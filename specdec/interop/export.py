@@ -6,6 +6,9 @@ vLLM gets the speculators format, SGLang and EAGLE the research one with the aux
 SGLang's numbering. The output is then validated for that consumer against the target;
 an export that would not load there raises with every finding.
 
+A block drafter (config.json naming ``DFlashDraftModel``) goes to vLLM in the dflash
+layout instead (``block_drafters.export_block_drafter``).
+
 A head's SpecExit channels (docs/spec_exit.md) run only in specdec: the export drops them
 (``ExportResult.dropped``, and ``specdec_dropped`` in the safetensors metadata), and the
 exported head drafts exactly as the original does.
@@ -23,6 +26,7 @@ from pathlib import Path
 from specdec.interop.consumers import EXPORT_TARGETS, LaunchSpec, get_consumer
 from specdec.interop.target import resolve_target
 from specdec.interop.validate import ValidationReport, validate_head
+from specdec.models.block_drafter_formats import is_block_drafter
 from specdec.models.eagle3_formats import dropped_keys, load_eagle3, save_eagle3, stored_dtype
 from specdec.models.tree_defaults import TreeDefaults
 
@@ -62,6 +66,11 @@ def export_head(
     head's own target name; ``verifier`` is the target name written for vLLM;
     ``num_speculative_tokens`` the chain length recorded in the config (default: the
     head's tree defaults, else 3)."""
+    if is_block_drafter(head_dir):
+        from specdec.interop.block_drafters import export_block_drafter
+
+        return export_block_drafter(head_dir, out_dir, to, target=target, verifier=verifier,
+                                    num_speculative_tokens=num_speculative_tokens)  # fmt: skip
     consumer = get_consumer(to)
     if consumer.writes is None:
         raise ValueError(f"--to {to!r} is not an export target; choose one of {EXPORT_TARGETS}")

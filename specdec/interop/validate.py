@@ -46,6 +46,7 @@ FORMAT_NAMES: dict[str, str] = {
     "specdec": "specdec",
     "eagle": "research (EAGLE/SpecForge)",
     "speculators": "speculators",
+    "dflash": "DFlash (vLLM dflash)",
 }
 
 
@@ -114,7 +115,7 @@ class ValidationReport:
 
     path: Path
     consumer: str
-    format: Eagle3Format | None
+    format: str | None  # an Eagle3Format, or a block drafter's BlockFormat
     target: str | None
     findings: list[Finding]
 
@@ -152,7 +153,13 @@ def validate_head(
     report) enables the checks against the target model."""
     from specdec.interop.checks import GENERIC_CHECKS
     from specdec.interop.consumers import get_consumer
+    from specdec.models.block_drafter_formats import is_block_drafter
 
+    if is_block_drafter(directory):  # a DFlash-style drafter: its own checks
+        from specdec.interop.block_drafters import validate_block_drafter
+
+        return validate_block_drafter(directory, consumer, target=target,
+                                      target_name=target_name)  # fmt: skip
     checks = get_consumer(consumer).checks if consumer else ()
     path = Path(directory)
     findings: list[Finding] = []
