@@ -7,7 +7,7 @@ block's anchor, and every token of its own block (bidirectional) — the same ke
 ``BlockDrafter.block_logits`` gives a block at inference, so training and drafting compute
 one function. A padding block (sequence -1) sees only itself.
 
-Two implementations with equal results (``BLOCK_ATTENTION``): ``reference``, one SDPA call
+Two implementations with equal results (``block_attention`` picks one): ``reference``, one SDPA call
 with a dense [A * B, n + A * B] mask (any device; memory grows with that product), and
 ``flex``, one FlexAttention call with a block mask from the same rule (compiled on CUDA,
 where it skips the blocks no query sees).

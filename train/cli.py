@@ -34,7 +34,8 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @command("train-draft", _args)
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    """Train an EAGLE-3 draft head (training-time test) on data-gen output, offline or online.
+    """Train an EAGLE-3 draft head (training-time test) or, with model.drafter=block, a
+    DFlash-style block drafter, on data-gen output, offline or online.
 
     Settings come from a YAML run config (--config, e.g. configs/train/smollm2.yaml) with
     section.key=value overrides on top. A run resumes from the newest checkpoint in
