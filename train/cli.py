@@ -34,8 +34,10 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @command("train-draft", _args)
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    """Train an EAGLE-3 draft head (training-time test) or, with model.drafter=block, a
-    DFlash-style block drafter, on data-gen output, offline or online.
+    """Train an EAGLE-3 head or a DFlash-style block drafter on data-gen output, offline or online.
+
+    model.drafter picks the drafter: eagle3 (the default; training-time test) or block
+    (a block drafter, the config's block section).
 
     Settings come from a YAML run config (--config, e.g. configs/train/smollm2.yaml) with
     section.key=value overrides on top. A run resumes from the newest checkpoint in
