@@ -40,9 +40,11 @@ def add_engine_args(
     g.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "triton"],
-        help="attention kernels: triton (paged FlashAttention-style) or torch (the "
-        "reference) (default: auto: triton on a GPU, torch on the CPU)",
+        choices=["auto", "torch", "triton", "triton_invariant"],
+        help="attention kernels: triton (paged FlashAttention-style), triton_invariant (one "
+        "batch-invariant kernel, what --deterministic takes) or torch (the reference) "
+        "(default: auto: triton on a GPU, torch on the CPU, triton_invariant with "
+        "--deterministic)",
     )
     g.add_argument(
         "--enforce-eager", action="store_true", help="run every step eagerly: no CUDA graphs"

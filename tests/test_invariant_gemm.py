@@ -475,15 +475,16 @@ def test_the_runtime_refuses_deterministic_mode_where_it_cannot_hold(monkeypatch
 # ------------------------------------------------------------------ the engine
 
 
+@pytest.mark.parametrize("attention", ["row_by_row", "triton_invariant"])
 def test_deterministic_engine_runs_the_target_on_invariant_kernels(
-    smollm2_dir, tmp_path, monkeypatch
+    smollm2_dir, tmp_path, monkeypatch, attention: str
 ) -> None:
-    """The mode switch, config -> runner -> modules, with ``RowByRowAttention`` standing in
-    for the batch-invariant attention backend (registered under its name for this test
-    only): every target projection and norm is switched, the target is not compiled, and
-    n-gram speculation (verify steps of 4 rows) gives plain decoding's tokens. What the
-    mode guarantees bit for bit is checked per token above; the engine-level check that
-    speculative bf16 output equals plain needs the real backend on the GPU."""
+    """The mode switch, config -> runner -> modules, with the batch-invariant attention
+    backend and with ``RowByRowAttention`` standing in for it (registered under its name
+    for this test only): every target projection and norm is switched, the target is not
+    compiled, and n-gram speculation (verify steps of 4 rows) gives plain decoding's
+    tokens. What the mode guarantees bit for bit is checked per token above; the
+    engine-level check that speculative bf16 output equals plain needs the GPU."""
     from tiny_models import make_tiny_model_dir
 
     from specdec.attention import base
@@ -492,7 +493,9 @@ def test_deterministic_engine_runs_the_target_on_invariant_kernels(
     from specdec.models.llama import RMSNorm
     from specdec.sampling_params import SamplingParams
 
-    monkeypatch.setitem(base._BACKENDS, INVARIANT_ATTENTION, RowByRowAttention)
+    base.available_backends()  # registers the real backend first, so the stand-in replaces it
+    if attention == "row_by_row":
+        monkeypatch.setitem(base._BACKENDS, INVARIANT_ATTENTION, RowByRowAttention)
     model_dir = make_tiny_model_dir(tmp_path, smollm2_dir, seed=3, vocab_size=256)
     kwargs = dict(device=DEVICE.type, dtype="float32", kv_cache_memory=16 << 20)
     kwargs.update(max_model_len=128, deterministic=True, enforce_eager=True)
@@ -502,6 +505,7 @@ def test_deterministic_engine_runs_the_target_on_invariant_kernels(
     for llm in (plain, spec):
         runner = llm.engine.runner
         assert runner.runtime.attention_backend == INVARIANT_ATTENTION
+        assert type(runner.attention) is base._BACKENDS[INVARIANT_ATTENTION]
         assert not runner.use_compile
         switched = [m for m in runner.model.modules() if isinstance(m, Linear | RMSNorm)]
         assert len(switched) == 6 * runner.model_config.num_layers + 2  # 4 Linear, 2 norms a layer

@@ -40,6 +40,11 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The step's metadata with whatever this backend derives from it once for every
+        layer of a forward (the caller passes the result to each layer); as it is here."""
+        return meta
+
     # Whether ``forward_rope`` rotates q and k inside the backend's own kernels (and so
     # compiled code should leave RoPE to the backend instead of fusing it itself).
     fuses_rope: ClassVar[bool] = False

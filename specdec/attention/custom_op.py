@@ -43,6 +43,8 @@ def paged_attention(
     max_tree_len: int = 0,
     cos: torch.Tensor | None = None,  # [num_tokens, 1, head_dim // 2]: q, k before RoPE
     sin: torch.Tensor | None = None,  # [num_tokens, 1, head_dim // 2]
+    tree_paths: torch.Tensor | None = None,  # [num_seqs, max_tree_len, max_tree_len] int32
+    tree_depths: torch.Tensor | None = None,  # [num_seqs, max_tree_len] int32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -55,6 +57,8 @@ def paged_attention(
         tree_mask_offsets=tree_mask_offsets,
         tree_mask=tree_mask,
         max_tree_len=max_tree_len,
+        tree_paths=tree_paths,
+        tree_depths=tree_depths,
     )
     if cos is not None:
         assert sin is not None
@@ -83,6 +87,8 @@ def _(
     max_tree_len=0,
     cos=None,
     sin=None,
+    tree_paths=None,
+    tree_depths=None,
 ):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -103,6 +109,9 @@ class OpaqueAttention(AttentionBackend):
     @property
     def fuses_rope(self) -> bool:  # type: ignore[override]
         return self._inner.fuses_rope
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return self._inner.prepare(meta)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if not torch.compiler.is_compiling():
@@ -150,4 +159,6 @@ class OpaqueAttention(AttentionBackend):
             meta.max_tree_len,
             cos,
             sin,
+            meta.tree_paths,
+            meta.tree_depths,
         )

@@ -7,9 +7,9 @@ the batch around it: the attention half of a deterministic mode in which specula
 equals plain output token for token. The cache write and RoPE work per token, so they are
 invariant already and are the ``triton`` backend's.
 
-Trees need ``meta.tree_paths``; a forward without them builds them (device ops, graph-safe)
-in every layer, so a runner should attach them once per forward
-(``ops.tree_paths.with_tree_paths``).
+Trees need ``meta.tree_paths``: ``prepare`` attaches them once per forward
+(``ops.tree_paths.with_tree_paths``, device ops, graph-safe); a layer called without them
+builds them itself.
 """
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ import torch
 from specdec.attention.triton_backend import TritonAttentionBackend
 from specdec.kernels.invariant_attention import invariant_paged_attention
 from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.tree_paths import with_tree_paths
 
 
 class InvariantTritonBackend(TritonAttentionBackend):
     name = "triton_invariant"
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return with_tree_paths(meta)
 
     @staticmethod
     def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

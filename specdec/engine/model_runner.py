@@ -109,7 +109,7 @@ class ModelRunner:
             )
         # Every cache's base address, for the one-launch K/V move (Triton path only).
         self._kv_table: torch.Tensor | None = None
-        if self.runtime.attention_backend == "triton":
+        if self.runtime.triton_kernels:
             from specdec.kernels.move_kv import cache_pointer_table, move_kv_slots
 
             self._kv_table = cache_pointer_table([c for pair in self.kv_caches for c in pair])
@@ -213,6 +213,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # hidden [n, hidden], aux [n, A] or None
         """The target's forward over the KV cache; the aux states also land in
         ``aux_cache`` at each token's slot (padding tokens' in the null block's)."""
+        meta = self.attention.prepare(meta)  # once for every layer
         hidden, aux = self.model(
             input_ids, positions, self.kv_caches, meta, self.aux_layer_ids, compiled=compiled
         )

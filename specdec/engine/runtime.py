@@ -23,6 +23,9 @@ _DTYPES = {
 }
 
 
+_TRITON_BACKENDS = frozenset({"triton", INVARIANT_ATTENTION})
+
+
 @dataclass(frozen=True)
 class RuntimeChoice:
     device: torch.device
@@ -32,6 +35,12 @@ class RuntimeChoice:
     compile_target: bool = False  # torch.compile the target's layers (compile_regions)
     compile_draft: bool = False  # the draft side may compile (SpeculativeConfig.compile_head)
     deterministic: bool = False  # batch-invariant kernels on the target's path
+
+    @property
+    def triton_kernels(self) -> bool:
+        """Whether the attention backend runs Triton kernels, so the runner's other Triton
+        kernels (K/V move, acceptance, top-k) run too: both Triton backends."""
+        return self.attention_backend in _TRITON_BACKENDS
 
 
 def choose_runtime(config: EngineConfig) -> RuntimeChoice:

@@ -61,7 +61,7 @@ class DraftModelProposer(Proposer):
             )
         self.device = runner.device
         self.block_size = runner.block_size
-        self.level_topk = level_topk_for(runner.runtime.attention_backend)
+        self.level_topk = level_topk_for(runner.runtime.triton_kernels)
         self.model = load_model(
             resolved,
             dtype=runner.dtype,

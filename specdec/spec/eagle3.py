@@ -99,7 +99,7 @@ class Eagle3Proposer(PipelinedProposer):
         )
         self.head.eval().requires_grad_(False)  # drafting only; see load_model
         use_triton_gemm(self.head, runner.triton_gemm_max_rows)  # as the target's
-        self.level_topk = level_topk_for(runner.runtime.attention_backend)
+        self.level_topk = level_topk_for(runner.runtime.triton_kernels)
         self.aux_layer_ids = tuple(self.head.config.aux_layer_ids)
         if runner.aux_layer_ids != self.aux_layer_ids:
             raise ValueError(

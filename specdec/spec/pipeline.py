@@ -251,7 +251,7 @@ class SpecPipeline:
         # Acceptance, the next catch-up state and the read-back row: one launch on the
         # Triton path (kernels/accept.py), the reference's ~25 torch ops elsewhere.
         self._accept_and_stage = greedy_accept_and_stage
-        if runner.runtime.attention_backend == "triton":
+        if runner.runtime.triton_kernels:
             from specdec.kernels.accept import accept_and_stage
 
             self._accept_and_stage = accept_and_stage

@@ -6,10 +6,11 @@ from __future__ import annotations
 from specdec.ops.topk import LevelTopK, log_softmax_topk_ref
 
 
-def level_topk_for(attention_backend: str) -> LevelTopK:
-    """A proposer's ``LevelTopK``: the Triton kernel on the Triton (GPU) path, where the
-    reference's nine kernels cost ~40 µs a level; the reference elsewhere."""
-    if attention_backend == "triton":
+def level_topk_for(triton_kernels: bool) -> LevelTopK:
+    """A proposer's ``LevelTopK``: the Triton kernel on the Triton (GPU) path
+    (``RuntimeChoice.triton_kernels``), where the reference's nine kernels cost ~40 µs a
+    level; the reference elsewhere."""
+    if triton_kernels:
         from specdec.kernels.topk import log_softmax_topk
 
         return log_softmax_topk
