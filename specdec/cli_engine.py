@@ -149,23 +149,26 @@ def add_engine_args(
     g.add_argument(
         "--draft",
         default=draft,
-        choices=["auto", "none", "ngram", "eagle3", "draft_model"],
+        choices=["auto", "none", "ngram", "eagle3", "draft_model", "dflash"],
         help="speculate with this proposer: auto: the model's shipped EAGLE-3 head "
         f"(specdec/heads), {auto}; ngram: prompt lookup; eagle3: an EAGLE-3 head; "
-        f"draft_model: a smaller LM; none: plain decoding (default: {draft})",
+        "draft_model: a smaller LM; dflash: a block drafter (chains); none: plain "
+        f"decoding (default: {draft})",
     )
     g.add_argument(
         "--draft-model",
         default=None,
         metavar="PATH",
         help="with --draft eagle3: the head directory (default: the model's shipped head); "
-        "with --draft draft_model: the draft LM (alias, HF directory or .gguf; required)",
+        "with --draft draft_model: the draft LM (alias, HF directory or .gguf; required); "
+        "with --draft dflash: the block drafter directory (ours or vLLM's dflash; required)",
     )
     g.add_argument(
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help="chain length K, or the depth of a dynamic tree (default: the head's, else 3)",
+        help="chain length K, or the depth of a dynamic tree (default: the head's; a block "
+        "drafter's block size - 1; else 3)",
     )
     g.add_argument(
         "--num-speculative-tokens-by-batch-size",
@@ -303,6 +306,7 @@ def speculative_config(args: argparse.Namespace, fallback: str | None = None):
     shipped head's, or ``--draft-model``'s own), which overrides ``SpeculativeConfig``'s
     defaults."""
     from specdec.config import SpeculativeConfig
+    from specdec.models.block_drafter_formats import read_block_size
     from specdec.models.packaged_heads import default_speculative, head_speculative
 
     method = args.draft
@@ -313,7 +317,7 @@ def speculative_config(args: argparse.Namespace, fallback: str | None = None):
     if method == "auto":
         if args.draft_model is not None:
             raise ValueError(
-                f"--draft-model {args.draft_model} needs --draft eagle3 or --draft draft_model"
+                f"--draft-model {args.draft_model} needs --draft eagle3, draft_model or dflash"
             )
         spec = default_speculative(args.model, **tree)
         if spec is not None or fallback is None:
@@ -328,6 +332,11 @@ def speculative_config(args: argparse.Namespace, fallback: str | None = None):
         return spec
     if method == "eagle3":
         return head_speculative(args.draft_model, **tree)
+    if method == "dflash":
+        if args.draft_model is None:
+            raise ValueError("--draft dflash needs --draft-model DRAFTER_DIR (a block drafter)")
+        # One block drafts block_size - 1 tokens: the chain it was trained to fill.
+        tree.setdefault("num_speculative_tokens", read_block_size(args.draft_model) - 1)
     return SpeculativeConfig(method=method, model=args.draft_model, **tree)
 
 

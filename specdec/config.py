@@ -197,7 +197,8 @@ def override_fields(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 @dataclass
 class SpeculativeConfig:
     """How to speculate. ``method`` picks a proposer from the registry (``ngram``,
-    ``eagle3``, ``draft_model``); ``model`` is its head/model when it needs one.
+    ``eagle3``, ``draft_model``, ``dflash``: a block drafter); ``model`` is its head or
+    model when it needs one.
 
     Tree shape: ``tree="chain"`` drafts ``num_speculative_tokens`` tokens in a line;
     ``tree="dynamic"`` grows an EAGLE-2 tree (``top_k`` children per node, depth

@@ -199,6 +199,16 @@ def load_block_drafter(
     return drafter
 
 
+def read_block_size(directory: str | Path) -> int:
+    """The block size (B) a drafter checkpoint in either format was trained with: one
+    block drafts B - 1 tokens (vLLM's ``num_speculative_tokens`` for it)."""
+    return _block_size(_read_config(Path(directory)))
+
+
+def _block_size(hf: dict[str, Any]) -> int:
+    return hf.get("block_size") or (hf.get("dflash_config") or {}).get("block_size") or 16
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -265,7 +275,7 @@ def _to_config(hf: dict[str, Any], target: ModelConfig, path: Path) -> BlockDraf
             draft_vocab_size=hf.get("draft_vocab_size") or vocab,
             aux_layer_ids=ids,
             mask_token_id=dflash["mask_token_id"],
-            block_size=hf.get("block_size") or dflash.get("block_size") or 16,
+            block_size=_block_size(hf),
             num_layers=hf["num_hidden_layers"],
             target_name=hf.get("target_model") or "",
         )

@@ -155,7 +155,12 @@ class Proposer(ABC):
 
 def proposer_class(config: SpeculativeConfig) -> type[Proposer]:
     """The registered proposer ``config.method`` names."""
-    from specdec.spec import draft_model, eagle3, ngram_proposer  # noqa: F401  (registration)
+    from specdec.spec import (  # noqa: F401  (registration)
+        block_proposer,
+        draft_model,
+        eagle3,
+        ngram_proposer,
+    )
 
     if config.method not in _PROPOSERS:
         raise ValueError(
