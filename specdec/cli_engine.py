@@ -306,7 +306,7 @@ def speculative_config(args: argparse.Namespace, fallback: str | None = None):
     shipped head's, or ``--draft-model``'s own), which overrides ``SpeculativeConfig``'s
     defaults."""
     from specdec.config import SpeculativeConfig
-    from specdec.models.block_drafter_formats import read_block_size
+    from specdec.models.block_drafter_file import read_block_size
     from specdec.models.packaged_heads import default_speculative, head_speculative
 
     method = args.draft

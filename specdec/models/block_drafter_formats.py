@@ -50,6 +50,11 @@ import torch
 from safetensors.torch import save_file
 
 from specdec.models.block_drafter import BlockDrafter, BlockDrafterConfig
+from specdec.models.block_drafter_file import (
+    ARCHITECTURE,
+    block_size_of,
+    read_block_drafter_json,
+)
 from specdec.models.config import ModelConfig
 from specdec.models.eagle3_formats import (
     MAX_SHARD_BYTES,
@@ -62,7 +67,6 @@ from specdec.models.rope import rope_from_hf
 from specdec.models.weights import WeightLoadError
 
 BlockFormat = Literal["specdec", "dflash"]
-ARCHITECTURE = "DFlashDraftModel"
 _IGNORED_KEYS = frozenset({"embed_tokens.weight"})  # the target's embedding, if shipped
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -168,14 +172,14 @@ def _hf_config(c: BlockDrafterConfig, dtype: str) -> dict[str, Any]:
 
 def detect_block_format(directory: str | Path) -> BlockFormat:
     path = Path(directory)
-    hf = _read_config(path)
+    hf = read_block_drafter_json(path)
     return "specdec" if "target_model" in hf else "dflash"
 
 
 def read_block_config(directory: str | Path, target_config: ModelConfig) -> BlockDrafterConfig:
     """The drafter config of a checkpoint in either format, checked against its target."""
     path = Path(directory)
-    return _to_config(_read_config(path), target_config, path)
+    return _to_config(read_block_drafter_json(path), target_config, path)
 
 
 def load_block_drafter(
@@ -189,7 +193,7 @@ def load_block_drafter(
     """Load a drafter in either format (module docstring). Bind the target's embedding
     (and lm_head, for a full-vocabulary drafter) with ``bind_target`` before drafting."""
     path = Path(directory)
-    config = _to_config(_read_config(path), target_config, path)
+    config = _to_config(read_block_drafter_json(path), target_config, path)
     tensors = _read_tensors(path)
     with torch.device("meta"):
         drafter = BlockDrafter(config, max_positions=max_positions or target_config.max_context_len)
@@ -197,29 +201,6 @@ def load_block_drafter(
     drafter.rotary.build_cache()
     _fill(drafter, tensors, path)
     return drafter
-
-
-def read_block_size(directory: str | Path) -> int:
-    """The block size (B) a drafter checkpoint in either format was trained with: one
-    block drafts B - 1 tokens (vLLM's ``num_speculative_tokens`` for it)."""
-    return _block_size(_read_config(Path(directory)))
-
-
-def _block_size(hf: dict[str, Any]) -> int:
-    return hf.get("block_size") or (hf.get("dflash_config") or {}).get("block_size") or 16
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise WeightLoadError(f"{path} has no config.json; it is not a block drafter directory")
-    hf = json.loads(config_file.read_text())
-    if hf.get("architectures") != [ARCHITECTURE]:
-        raise WeightLoadError(
-            f"{path}/config.json names architectures={hf.get('architectures')}; a block "
-            f"drafter needs [{ARCHITECTURE!r}]"
-        )
-    return hf
 
 
 def _to_config(hf: dict[str, Any], target: ModelConfig, path: Path) -> BlockDrafterConfig:
@@ -275,7 +256,7 @@ def _to_config(hf: dict[str, Any], target: ModelConfig, path: Path) -> BlockDraf
             draft_vocab_size=hf.get("draft_vocab_size") or vocab,
             aux_layer_ids=ids,
             mask_token_id=dflash["mask_token_id"],
-            block_size=_block_size(hf),
+            block_size=block_size_of(hf),
             num_layers=hf["num_hidden_layers"],
             target_name=hf.get("target_model") or "",
         )

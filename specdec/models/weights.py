@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from specdec.models.errors import WeightLoadError
 from specdec.models.llama import CausalLM
 
 # Checkpoint entries that carry no weights we need (old HF saves included RoPE buffers).
@@ -66,10 +67,6 @@ def read_tensors(hf_dir: Path, keys: list[str]) -> dict[str, torch.Tensor | None
             [stack.enter_context(safe_open(str(s), framework="pt")) for s in shards], Path(hf_dir)
         )
         return {k: reader.get(k) if k in reader else None for k in keys}
-
-
-class WeightLoadError(ValueError):
-    """The checkpoint does not match the model built from its config.json."""
 
 
 def load_safetensors_weights(model: CausalLM, hf_dir: Path) -> None:
