@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.config import ModelConfig, validate_decoder_shape
-from specdec.models.eagle3_head import default_aux_layer_ids, validate_vocab_map
+from specdec.models.eagle3_head import target_shaped_fields, validate_vocab_map
 from specdec.models.linear import Linear
 from specdec.models.llama import MLP, RMSNorm
 from specdec.models.rope import RotaryEmbedding, max_context_len
@@ -155,26 +155,9 @@ class BlockDrafterConfig:
         """A drafter shaped like ``model_config``'s layers (widths, heads, norm eps, RoPE),
         reading EAGLE-3's default aux layers unless ``aux_layer_ids`` is given (so the
         same hidden-state dumps train both)."""
-        ids = tuple(aux_layer_ids or default_aux_layer_ids(model_config.num_layers))
-        bad = [i for i in ids if not 0 <= i < model_config.num_layers]
-        if bad:
-            raise ValueError(
-                f"aux_layer_ids {list(ids)} include {bad}, outside [0, "
-                f"{model_config.num_layers}) for a {model_config.num_layers}-layer target"
-            )
         return cls(
-            hidden_size=model_config.hidden_size,
-            intermediate_size=intermediate_size or model_config.intermediate_size,
-            num_heads=model_config.num_heads,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            rms_norm_eps=model_config.rms_norm_eps,
-            rope_theta=model_config.rope_theta,
-            rope_scaling=model_config.rope_scaling,
-            max_position_embeddings=model_config.max_position_embeddings,
-            vocab_size=model_config.vocab_size,
+            **target_shaped_fields(model_config, aux_layer_ids, intermediate_size),
             draft_vocab_size=draft_vocab_size,
-            aux_layer_ids=ids,
             mask_token_id=mask_token_id,
             block_size=block_size,
             num_layers=num_layers,

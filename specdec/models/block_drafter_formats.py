@@ -62,6 +62,7 @@ from specdec.models.eagle3_formats import (
     _check_shape,
     _read_tensors,
     _write_shards,
+    fill_by_layout,
 )
 from specdec.models.rope import rope_from_hf
 from specdec.models.weights import WeightLoadError
@@ -267,19 +268,8 @@ def _to_config(hf: dict[str, Any], target: ModelConfig, path: Path) -> BlockDraf
 
 
 def _fill(drafter: BlockDrafter, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    used: set[str] = set()
-    missing: list[str] = []
+    used, missing = fill_by_layout(drafter, tensors, path)
     with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            row = 0
-            for key, rows in drafter.checkpoint_layout(name):
-                if key not in tensors:
-                    missing.append(key)
-                else:
-                    _check_shape(tensors[key], (rows, *param.shape[1:]), key, path)
-                    param[row : row + rows].copy_(tensors[key])
-                    used.add(key)
-                row += rows
         if drafter.config.full_vocab:
             drafter.d2t.zero_()
             drafter.t2d.fill_(True)

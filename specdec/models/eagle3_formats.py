@@ -715,13 +715,18 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _fill_head(head: Eagle3Head, tensors: dict[str, torch.Tensor], path: Path) -> None:
+def fill_by_layout(
+    module: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path
+) -> tuple[set[str], list[str]]:
+    """Copy every parameter of ``module`` from ``tensors`` by its ``checkpoint_layout``
+    (one or more stored keys stacked by rows), each shape checked. Returns the keys used
+    and the keys missing; the caller decides what else it reads (d2t/t2d) and reports."""
     used: set[str] = set()
     missing: list[str] = []
     with torch.no_grad():
-        for name, param in head.named_parameters():
+        for name, param in module.named_parameters():
             row = 0
-            for key, rows in head.checkpoint_layout(name):
+            for key, rows in module.checkpoint_layout(name):
                 if key not in tensors:
                     missing.append(key)
                 else:
@@ -729,6 +734,12 @@ def _fill_head(head: Eagle3Head, tensors: dict[str, torch.Tensor], path: Path) -
                     param[row : row + rows].copy_(tensors[key])
                     used.add(key)
                 row += rows
+    return used, missing
+
+
+def _fill_head(head: Eagle3Head, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    used, missing = fill_by_layout(head, tensors, path)
+    with torch.no_grad():
         if ("d2t" in tensors) != ("t2d" in tensors):
             raise WeightLoadError(f"{path} stores only one of d2t/t2d; the two come together")
         if "d2t" in tensors:

@@ -76,6 +76,37 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return ids
 
 
+def target_shaped_fields(
+    model_config: ModelConfig,
+    aux_layer_ids: Sequence[int] | None = None,
+    intermediate_size: int | None = None,
+) -> dict[str, Any]:
+    """The config fields a draft model shaped like the target's layers takes from it
+    (widths, heads, norm eps, RoPE, vocabulary; the MLP ``intermediate_size`` wide if
+    given) and the aux layers it reads (``default_aux_layer_ids`` unless given), checked
+    to lie inside the target: what an EAGLE-3 head and a block drafter share."""
+    ids = tuple(aux_layer_ids or default_aux_layer_ids(model_config.num_layers))
+    bad = [i for i in ids if not 0 <= i < model_config.num_layers]
+    if bad:
+        raise ValueError(
+            f"aux_layer_ids {list(ids)} include {bad}, outside [0, "
+            f"{model_config.num_layers}) for a {model_config.num_layers}-layer target"
+        )
+    return dict(
+        hidden_size=model_config.hidden_size,
+        intermediate_size=intermediate_size or model_config.intermediate_size,
+        num_heads=model_config.num_heads,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        rms_norm_eps=model_config.rms_norm_eps,
+        rope_theta=model_config.rope_theta,
+        rope_scaling=model_config.rope_scaling,
+        max_position_embeddings=model_config.max_position_embeddings,
+        vocab_size=model_config.vocab_size,
+        aux_layer_ids=ids,
+    )
+
+
 @dataclass(frozen=True)
 class Eagle3Config:
     """Shape and numerics of one EAGLE-3 head, validated on construction.
@@ -183,26 +214,9 @@ class Eagle3Config:
         heads, norm eps and RoPE; the MLP ``intermediate_size`` wide if given), reading the
         default aux layers unless ``aux_layer_ids`` is given; EAGLE-3.1 with ``fc_norm``
         and ``norm_output``."""
-        ids = aux_layer_ids or default_aux_layer_ids(model_config.num_layers)
-        bad = [i for i in ids if not 0 <= i < model_config.num_layers]
-        if bad:
-            raise ValueError(
-                f"aux_layer_ids {list(ids)} include {bad}, outside [0, "
-                f"{model_config.num_layers}) for a {model_config.num_layers}-layer target"
-            )
         return cls(
-            hidden_size=model_config.hidden_size,
-            intermediate_size=intermediate_size or model_config.intermediate_size,
-            num_heads=model_config.num_heads,
-            num_kv_heads=model_config.num_kv_heads,
-            head_dim=model_config.head_dim,
-            rms_norm_eps=model_config.rms_norm_eps,
-            rope_theta=model_config.rope_theta,
-            rope_scaling=model_config.rope_scaling,
-            max_position_embeddings=model_config.max_position_embeddings,
-            vocab_size=model_config.vocab_size,
+            **target_shaped_fields(model_config, aux_layer_ids, intermediate_size),
             draft_vocab_size=draft_vocab_size,
-            aux_layer_ids=tuple(ids),
             target_name=target_name,
             tree=tree,
             exit_signals=exit_signals,
