@@ -112,6 +112,8 @@ def test_rows_are_internally_consistent(report):
         steps, accepted = r["steps"], r["accepted_tokens"]
         if steps:
             assert math.isclose(r["tau"], (accepted + steps) / steps)
+            verified = steps + r["drafted_tokens"]  # each step's root and drafts
+            assert math.isclose(r["tau_per_verified"], (accepted + steps) / verified)
             rates = r["acceptance_rates"]
             assert len(rates) == r["shape"]["depth"]
             assert all(a >= b for a, b in itertools.pairwise(rates))

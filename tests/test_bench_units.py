@@ -135,6 +135,33 @@ def test_bands_naming_shapes_parse_from_the_flag_and_label_by_shape():
     assert label(spec) == "eagle3-k3-b1t8d6n32@cuda-b4k5"
 
 
+def test_drafters_compare_at_the_sweeps_shapes():
+    """Each drafter runs every shape of the sweep (one verify budget for all), a block
+    drafter the chains only; two drafters of one method are told apart by directory."""
+    from specdec.bench.config import compare_drafters, labels_of
+
+    base = SpeculativeConfig(method="eagle3", model="heads/a", top_k=8, total_tokens=16)
+    shapes, _ = sweep(base, chain=[3], top_k=[8], depth=[4])
+    others, skipped = compare_drafters(shapes, ["dflash:runs/block", "eagle3:heads/b"])
+    assert [(c.method, c.model, c.tree) for c in others] == [
+        ("dflash", "runs/block", "chain"),
+        ("eagle3", "heads/b", "chain"),
+        ("eagle3", "heads/b", "dynamic"),
+    ]
+    assert skipped == ["dflash:runs/block eagle3-tree-t8-d4-n16: dflash drafts chains only"]
+    assert labels_of(shapes + others) == [
+        "eagle3[a]-k3",
+        "eagle3[a]-tree-t8-d4-n16",
+        "dflash-k3",
+        "eagle3[b]-k3",
+        "eagle3[b]-tree-t8-d4-n16",
+    ]
+    config = BenchConfig(speculative=tuple(shapes + others))
+    assert config.label_of(others[0]) == "dflash-k3"
+    with pytest.raises(ValueError, match="speculation configs repeat"):
+        BenchConfig(speculative=(base, base))
+
+
 def test_sweep_pairs_each_shape_with_the_synchronous_and_pipelined_step():
     base = SpeculativeConfig(method="eagle3", model="head")
     configs, _ = sweep(base, chain=[3], top_k=[8], depth=[5], pipelined=[False, True])

@@ -119,6 +119,15 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
         "model's shipped head, else ngram)"
     )
     g.add_argument(
+        "--compare-drafters",
+        type=lambda v: [x for x in v.split(",") if x],
+        metavar="METHOD[:MODEL],...",
+        help="also measure these drafters at the same shapes (the same verify budget), e.g. "
+        "--draft eagle3 --sweep-chain 3 --compare-drafters dflash:runs/block,eagle3:runs/h2; "
+        "compare them by 'τ / verified' (tokens emitted per token verified) and tok/s; "
+        "shapes a drafter cannot draft are skipped (default: --draft's only)",
+    )
+    g.add_argument(
         "--sweep-chain",
         type=_int_list,
         metavar="K,K,...",
@@ -184,7 +193,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     """``BenchConfig`` from parsed arguments; sweep points the shape rejects are returned
     as reasons."""
-    from specdec.bench.config import BenchConfig, PeerConfig, sweep
+    from specdec.bench.config import BenchConfig, PeerConfig, compare_drafters, sweep
     from specdec.bench.sets import DEFAULT_SETS, SetOptions
 
     engine = engine_kwargs(args, draft_fallback="ngram")
@@ -205,6 +214,9 @@ def config_from_args(args: argparse.Namespace):
     )
     if not specs:
         raise ValueError(f"every sweep point is invalid: {skipped}")
+    if args.compare_drafters:
+        others, unfit = compare_drafters(specs, args.compare_drafters)
+        specs, skipped = specs + others, skipped + unfit
     sets = args.sets if args.sets is not None else ([] if args.prompts else list(DEFAULT_SETS))
     markdown_path = args.markdown_path
     if markdown_path is None and args.json_path:

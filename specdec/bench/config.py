@@ -4,7 +4,10 @@ speculation configurations a sweep expands to."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from specdec.bench.sets import DEFAULT_SETS, SetOptions, get_set
@@ -84,9 +87,16 @@ class BenchConfig:
             raise ValueError(f"batch_sizes={list(self.batch_sizes)} must be positive integers")
         if not self.speculative:
             raise ValueError("no speculation config to measure against plain decoding")
-        labels = [label(s) for s in self.speculative]
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"speculation configs repeat: {labels}")
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"speculation configs repeat: {self.labels}")
+
+    @cached_property
+    def labels(self) -> list[str]:
+        """Each speculation config's row label (``labels_of``)."""
+        return labels_of(self.speculative)
+
+    def label_of(self, spec: SpeculativeConfig) -> str:
+        return self.labels[self.speculative.index(spec)]
 
     def num_requests(self, num_prompts: int, batch_size: int) -> int:
         """Requests one run of a set submits at ``batch_size``: ``waves`` batches' worth,
@@ -112,6 +122,19 @@ def label(spec: SpeculativeConfig) -> str:
         t, d, n = spec.top_k, spec.num_speculative_tokens, spec.total_tokens
         return f"{spec.method}-tree-t{t}-d{d}-n{n}{bands}{suffix}"
     return f"{spec.method}-static-n{spec.max_draft_tokens}{suffix}"
+
+
+def labels_of(specs: tuple[SpeculativeConfig, ...] | list[SpeculativeConfig]) -> list[str]:
+    """``label`` of each config; configs sharing one (a shape drafted by two drafters of
+    one method) name their drafter's directory as well: ``eagle3[head-b]-k3``."""
+    plain = [label(s) for s in specs]
+    counts = Counter(plain)
+    return [
+        text.replace(s.method, f"{s.method}[{Path(s.model).name}]", 1)
+        if counts[text] > 1 and s.model
+        else text
+        for s, text in zip(specs, plain, strict=True)
+    ]
 
 
 def _band_label(band: int | dict, shape: TreeShape) -> str:
@@ -178,3 +201,26 @@ def sweep(
     if pipelined:  # each shape with the speculative step synchronous and/or pipelined
         configs = [replace(c, pipelined=p) for c in configs for p in pipelined]
     return list({label(c): c for c in configs}.values()), skipped
+
+
+def compare_drafters(
+    configs: list[SpeculativeConfig], drafters: list[str]
+) -> tuple[list[SpeculativeConfig], list[str]]:
+    """``configs`` (the sweep's shapes) once more for each drafter in ``drafters``
+    (``METHOD`` or ``METHOD:MODEL``, e.g. ``dflash:runs/block``): the same shapes, so every
+    drafter is measured at the same verify budget (draft tokens the target checks per
+    step). A shape the drafter's proposer cannot draft (a tree for a block drafter) is
+    returned as a reason, not raised."""
+    from specdec.spec.proposer import proposer_class
+
+    out: list[SpeculativeConfig] = []
+    skipped: list[str] = []
+    for entry in drafters:
+        method, _, model = entry.partition(":")
+        for c in configs:
+            spec = replace(c, method=method, model=model or None)
+            if not proposer_class(spec).drafts_trees and c.tree != "chain":
+                skipped.append(f"{entry} {label(c)}: {method} drafts chains only")
+                continue
+            out.append(spec)
+    return out, skipped

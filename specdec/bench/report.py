@@ -60,6 +60,9 @@ class PromptRow:
 class BenchRow:
     """One (set, speculation config, batch size). Invariants: speedup =
     spec.tokens_per_s / plain.tokens_per_s; tau = (accepted + steps) / steps;
+    tau_per_verified = (accepted + steps) / (steps + drafted): tokens emitted per token
+    the target verified (each step's root and drafts), what drafters at one verify budget
+    compare by;
     acceptance_rates[k-1] = accepted_at_least[k-1] / steps, non-increasing; per_prompt
     counters sum to the row's."""
 
@@ -76,6 +79,7 @@ class BenchRow:
     spec: Timing | None = None
     speedup: float | None = None
     tau: float | None = None
+    tau_per_verified: float | None = None
     acceptance_rates: list[float] = field(default_factory=list)  # a_1, a_2, ... to depth
     steps: int = 0
     drafted_tokens: int = 0
@@ -158,12 +162,15 @@ def markdown(report: Report) -> str:
     peer_rate = {(r.set, r.peer): r.timing.tokens_per_s for r in report.peers}
     head = (
         "| set | proposer | batch | requests | in flight plain/spec | plain tok/s | spec tok/s "
-        "| speedup | τ "
+        "| speedup | τ | τ / verified "
         "| accept a1/a2/... | drafted | accepted | TTFT ms plain/spec | TPOT ms plain/spec "
         "| identical | coverage "
     )
     head += "".join(f"| {p} tok/s " for p in peers) + "| note |"
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        head,
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     lines[-1] += "---:|" * len(peers) + "---|"
     for r in report.rows:
         plain, spec = r.plain, r.spec
@@ -183,6 +190,7 @@ def markdown(report: Report) -> str:
             _f(spec and spec.tokens_per_s, 1),
             _f(r.speedup, 2),
             _f(r.tau, 2),
+            _f(r.tau_per_verified, 3),
             rates,
             str(r.drafted_tokens),
             str(r.accepted_tokens),

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.bench import passes
-from specdec.bench.config import BenchConfig, label, shape_fields
+from specdec.bench.config import BenchConfig, shape_fields
 from specdec.bench.driver import Run, RunParams
 from specdec.bench.env import command_line, env_info, git_commit, git_dirty
 from specdec.bench.measure import (
@@ -141,6 +141,9 @@ def summarize_row(
     row.accepted_tokens = stats.accepted_tokens
     if stats.steps:
         row.tau = stats.tau
+        row.tau_per_verified = (stats.accepted_tokens + stats.steps) / (
+            stats.steps + stats.drafted_tokens
+        )
         # Counted up to the deepest acceptance seen: pad to the depth drafted.
         pad = max(0, depth - len(stats.accepted_at_least))
         row.accepted_at_least = stats.accepted_at_least + [0] * pad
@@ -207,7 +210,7 @@ def measure_row(
 def _new_row(config: BenchConfig, spec: SpeculativeConfig, set_name: str, n: int, batch: int):
     return BenchRow(
         set=set_name,
-        label=label(spec),
+        label=config.label_of(spec),
         speculative=dataclasses.asdict(spec),
         shape=shape_fields(spec),
         batch_size=batch,
@@ -265,11 +268,11 @@ class _Bench:
                     row.note = f"FAILED: {type(e).__name__}: {e}"[:300]
                     self.report.rows.append(row)
                     bar.update()
-            tqdm.write(f"{label(spec)} FAILED to build: {type(e).__name__}: {e}")
+            tqdm.write(f"{config.label_of(spec)} FAILED to build: {type(e).__name__}: {e}")
             return
         for set_name, prompts in self.prompts.items():
             for batch in config.batch_sizes:
-                bar.set_postfix_str(f"{set_name} {label(spec)} batch {batch}")
+                bar.set_postfix_str(f"{set_name} {config.label_of(spec)} batch {batch}")
                 row = _new_row(config, spec, set_name, len(prompts), batch)
                 try:
                     row, plain_runs = measure_row(config, self.plain, spec_llm, row, prompts)
@@ -284,7 +287,7 @@ class _Bench:
                 run = RunParams(config.max_tokens, config.ignore_eos, max(config.batch_sizes))
                 steps = passes.trace_steps(spec_llm, prompts, run)
                 self.report.traces.append(
-                    TraceReport(set_name, label(spec), run.concurrency, steps)
+                    TraceReport(set_name, config.label_of(spec), run.concurrency, steps)
                 )
                 self.save()
         del spec_llm

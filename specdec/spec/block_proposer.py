@@ -61,6 +61,7 @@ DRAFT_STREAM_SALT = 0x9E6C63D0676A9A99
 
 class BlockProposer(Proposer):
     name = "dflash"
+    drafts_trees = False  # one block forward drafts one token per position
 
     def __init__(self, config: SpeculativeConfig, *, runner) -> None:
         super().__init__(config, runner=runner)

@@ -71,6 +71,9 @@ class Proposer(ABC):
             return shape
         return ChainShape(min(max_draft_tokens, shape.depth))
 
+    # Whether the proposer grows trees; False: chains only (its bands must be chains).
+    drafts_trees: ClassVar[bool] = True
+
     # Target layers whose entering residual stream this proposer reads (EAGLE-3): the
     # engine then passes the aux states of the tokens each step that may speculate
     # computes to ``observe``, and ``defer``s the rest (``ModelRunner.aux_cache``).
