@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.config import ModelConfig, validate_decoder_shape
-from specdec.models.eagle3_head import target_shaped_fields, validate_vocab_map
+from specdec.models.eagle3_head import DraftVocabulary, target_shaped_fields
 from specdec.models.linear import Linear
 from specdec.models.llama import MLP, RMSNorm
 from specdec.models.rope import RotaryEmbedding, max_context_len
@@ -251,7 +251,7 @@ class BlockDrafterLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class BlockDrafter(nn.Module):
+class BlockDrafter(DraftVocabulary, nn.Module):
     """The block drafter (module docstring). Buffers ``d2t`` [draft_vocab] int64 and
     ``t2d`` [vocab] bool hold the draft vocabulary (the identity for a full-vocabulary
     drafter); ``lm_head`` exists only for a pruned one. The target's embedding (and, for
@@ -279,10 +279,7 @@ class BlockDrafter(nn.Module):
             None if c.full_vocab else Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding.for_config(c, max_positions or c.max_context_len)
-        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
-        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-        t2d[: c.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        self.init_vocab_map()
         self.bind_target(None)
 
     # ---------------------------------------------------------------- the target's parts
@@ -394,24 +391,7 @@ class BlockDrafter(nn.Module):
         hidden = self.block_hidden(embeds.reshape(b * block, -1), positions.reshape(-1), attend)
         return self.compute_logits(hidden.view(b, block, -1)[:, 1:])
 
-    # ---------------------------------------------------------------------- vocabulary
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target token ids of draft-vocabulary ids (int64, same shape)."""
-        return draft_ids + self.d2t[draft_ids]
-
-    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Validate (``validate_vocab_map``) and install a draft vocabulary."""
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(
-                f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "
-                f"draft_vocab_size={self.config.draft_vocab_size}, vocab_size="
-                f"{self.config.vocab_size}"
-            )
-        validate_vocab_map(d2t, t2d)
-        with torch.no_grad():
-            self.d2t.copy_(d2t)
-            self.t2d.copy_(t2d)
+    # -------------------------------------------------------------------------------- checkpoint
 
     def checkpoint_layout(self, param_name: str) -> list[tuple[str, int]]:
         """The HF keys that, concatenated along dim 0 in order, form ``param_name``:

@@ -63,8 +63,8 @@ from specdec.models.eagle3_formats import (
     _read_tensors,
     _write_shards,
     fill_by_layout,
+    hf_decoder_fields,
 )
-from specdec.models.rope import rope_from_hf
 from specdec.models.weights import WeightLoadError
 
 BlockFormat = Literal["specdec", "dflash"]
@@ -242,18 +242,8 @@ def _to_config(hf: dict[str, Any], target: ModelConfig, path: Path) -> BlockDraf
         if bad:
             raise ValueError(f"aux layers {list(ids)} (entering-layer numbering) include {bad}, "
                              f"outside a {target.num_layers}-layer target")  # fmt: skip
-        theta, scaling = rope_from_hf(hf)
         return BlockDrafterConfig(
-            hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hidden // heads,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            vocab_size=vocab,
+            **hf_decoder_fields(hf, hidden, heads, vocab),
             draft_vocab_size=hf.get("draft_vocab_size") or vocab,
             aux_layer_ids=ids,
             mask_token_id=dflash["mask_token_id"],

@@ -555,18 +555,8 @@ def _layer_to_config(
             )
         ids = ids or default_aux_layer_ids(target.num_layers)
         _check_ids(ids, 0, target.num_layers, "vLLM (entering-layer)", target.num_layers)
-        theta, scaling = rope_from_hf(layer)
         return Eagle3Config(
-            hidden_size=hidden,
-            intermediate_size=layer["intermediate_size"],
-            num_heads=heads,
-            num_kv_heads=layer.get("num_key_value_heads") or heads,
-            head_dim=layer.get("head_dim") or hidden // heads,
-            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=layer.get("max_position_embeddings", 2048),
-            vocab_size=vocab,
+            **hf_decoder_fields(layer, hidden, heads, vocab),
             draft_vocab_size=top.get("draft_vocab_size") or vocab,
             aux_layer_ids=tuple(ids),
             target_name=target_name,
@@ -581,6 +571,25 @@ def _layer_to_config(
         raise fail(f"missing field {err}") from err
     except ValueError as err:
         raise fail(str(err)) from err
+
+
+def hf_decoder_fields(hf: dict[str, Any], hidden: int, heads: int, vocab: int) -> dict[str, Any]:
+    """A draft model's decoder-shape config fields (widths, heads, norm eps, RoPE,
+    vocabulary) from its HF-style config dict, HF's defaults where a field is absent;
+    ``hidden``, ``heads`` and ``vocab`` as the caller read and checked them."""
+    theta, scaling = rope_from_hf(hf)
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=hf["intermediate_size"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        vocab_size=vocab,
+    )
 
 
 def _variant_flags(top: dict[str, Any]) -> dict[str, bool]:

@@ -279,6 +279,41 @@ def validate_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         )
 
 
+class DraftVocabulary:
+    """A draft model's pruned vocabulary (DESIGN.md, "Draft vocabulary"): buffers ``d2t``
+    [draft_vocab] int64 offsets and ``t2d`` [vocab] bool kept ids, the identity on the
+    first ``draft_vocab_size`` ids until ``set_vocab_map``. Mixed into ``nn.Module``s
+    whose ``config`` has ``draft_vocab_size`` and ``vocab_size``."""
+
+    config: Any
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    def init_vocab_map(self) -> None:
+        c = self.config
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[: c.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [...]
+        """Target token ids of draft-vocabulary ids (int64, same shape)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Validate (``validate_vocab_map``) and install a draft vocabulary."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "
+                f"the draft model's draft_vocab_size={self.config.draft_vocab_size}, target "
+                f"vocab_size={self.config.vocab_size}"
+            )
+        validate_vocab_map(d2t, t2d)
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+
 class Eagle3DecoderLayer(nn.Module):
     """The head's first decoder layer (``midlayer`` in the research checkpoints; EAGLE-3's
     only one), reading the token embedding beside the hidden state."""
@@ -343,7 +378,7 @@ class Eagle3StackedLayer(nn.Module):
         return stream + out
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftVocabulary, nn.Module):
     """The EAGLE-3 draft head over a paged KV cache (see the module docstring).
 
     Buffers: ``d2t`` [draft_vocab] int64 (draft id ``i`` is target id ``i + d2t[i]``) and
@@ -398,10 +433,7 @@ class Eagle3Head(nn.Module):
         if config.exit_signals:
             self.spec_exit = nn.Linear(width, len(config.exit_signals), bias=True)
         self.rotary = RotaryEmbedding.for_config(config, max_positions or config.max_context_len)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[: config.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
+        self.init_vocab_map()
         self.bind_embedding(embed)
         # (layers, logits) compiled by ``compile_regions``; a plain attribute, not
         # submodules, so the state dict and ``.to()`` never see the wrappers.
@@ -511,23 +543,6 @@ class Eagle3Head(nn.Module):
         out_prenorm: torch.Tensor,  # [m, hidden]
     ) -> torch.Tensor:  # [m, draft_vocab] float32
         return self.lm_head(self.norm(out_prenorm)).float()
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [...]
-        """Target token ids of draft-vocabulary ids (int64, same shape)."""
-        return draft_ids + self.d2t[draft_ids]
-
-    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Validate (``validate_vocab_map``) and install a draft vocabulary."""
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(
-                f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "
-                f"the head's draft_vocab_size={self.config.draft_vocab_size}, target "
-                f"vocab_size={self.config.vocab_size}"
-            )
-        validate_vocab_map(d2t, t2d)
-        with torch.no_grad():
-            self.d2t.copy_(d2t)
-            self.t2d.copy_(t2d)
 
     def checkpoint_layout(self, param_name: str) -> list[tuple[str, int]]:
         """The research-format keys that, concatenated along dim 0 in order, form
