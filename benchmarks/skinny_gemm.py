@@ -113,6 +113,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--tune", action="store_true", help="time a grid of tile configs too")
     p.add_argument("--tune-rows", type=parse_int_list, default=[4])
+    p.add_argument(
+        "--tune-block-m",
+        type=parse_int_list,
+        default=[16],
+        help="row tiles in the tuning grid (a deterministic-mode tile must serve every row "
+        "count, so compare one tile's times across --tune-rows)",
+    )
+    p.add_argument("--tune-block-n", type=parse_int_list, default=[16, 32, 64])
+    p.add_argument("--tune-block-k", type=parse_int_list, default=[64, 128, 256])
+    p.add_argument("--tune-warps", type=parse_int_list, default=[2, 4])
     p.add_argument("--cold", action="store_true", help="weights from HBM, not L2")
     p.add_argument("--cold-mb", type=int, default=256)
     p.add_argument("--json", help="write the rows here")
@@ -151,17 +161,19 @@ def main() -> None:
                 "max_abs_diff": err,
             }
             if a.tune and m in a.tune_rows:
-                grid = itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3,))
-                best = None
-                for bn, bk, warps, stages in grid:
-                    cfg = GemmConfig(16, bn, bk, warps, stages)
+                grid = itertools.product(a.tune_block_m, (16, 32, 64), (64, 128, 256), (2, 4), (3,))
+                best, timed = None, []
+                for bm, bn, bk, warps, stages in grid:
+                    cfg = GemmConfig(bm, bn, bk, warps, stages)
                     try:
                         us = time_graph(triton_fn(x, ws, fused, cfg, norm), calls, 5)
                     except Exception as e:  # out of shared memory / registers
                         print(f"  {name} {cfg}: {type(e).__name__}", file=sys.stderr)
                         continue
+                    timed.append({"us": us, **vars(cfg)})
                     if best is None or us < best[0]:
                         best = (us, vars(cfg))
+                row["grid"] = timed
                 if best is not None:
                     row["tuned_us"], row["tuned_config"] = best
             rows_out.append(row)
@@ -173,7 +185,7 @@ def main() -> None:
         if "tuned_us" in r:
             c = r["tuned_config"]
             tuned = (
-                f"{r['tuned_us']:.2f} (n{c['block_n']} k{c['block_k']} "
+                f"{r['tuned_us']:.2f} (m{c['block_m']} n{c['block_n']} k{c['block_k']} "
                 f"w{c['num_warps']} s{c['num_stages']})"
             )
         print(

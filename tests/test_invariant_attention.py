@@ -30,7 +30,9 @@ from specdec.attention.triton_backend import TritonAttentionBackend
 from specdec.kernels.invariant_attention import (
     InvariantAttentionConfig,
     invariant_attention_ref,
-    invariant_paged_attention,
+)
+from specdec.kernels.invariant_attention import (
+    invariant_paged_attention as _invariant_paged_attention,
 )
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.paged_attention import paged_attention_ref
@@ -65,7 +67,23 @@ def _bf16_dots_in_the_interpreter():
 
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16  # SmolLM2's heads: 9 / 3
-BLOCK_N = InvariantAttentionConfig().block_n
+# The default config on CUDA. The interpreter runs every program slowly, so there two
+# splits keep the structure under test (splits of several blocks, empty splits, the
+# merge) at an eighth of the default's programs.
+CONFIG = (
+    InvariantAttentionConfig() if DEVICE.type == "cuda" else InvariantAttentionConfig(num_splits=2)
+)
+BLOCK_N = CONFIG.block_n
+
+
+def invariant_paged_attention(q, k_cache, v_cache, meta, scale):
+    return _invariant_paged_attention(q, k_cache, v_cache, meta, scale, config=CONFIG)
+
+
+@pytest.fixture(autouse=True)
+def _backend_config(monkeypatch):
+    """The backend's launches (``through_backend``) run ``CONFIG`` too."""
+    monkeypatch.setattr(InvariantTritonBackend, "config", CONFIG)
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity

@@ -28,6 +28,7 @@ pytest.importorskip("triton")
 from specdec.attention.base import AttentionBackend
 from specdec.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from specdec.kernels.skinny_gemm import (
+    MEASURED_TILES,
     add_rmsnorm_gate_up_silu,
     add_rmsnorm_gate_up_silu_ref,
     add_rmsnorm_linear,
@@ -183,6 +184,20 @@ def test_a_rows_bits_do_not_depend_on_the_batch(name: str, dtype: torch.dtype) -
     _skip_interpreted_bf16_dot(name, dtype)
     op, widths = _ops(dtype)[name]
     assert batch_variance(op, widths, dtype) == []
+
+
+@pytest.mark.parametrize("tile", sorted(set(MEASURED_TILES.values()), key=repr), ids=repr)
+def test_every_measured_tile_keeps_rows_batch_invariant(tile) -> None:
+    """The measured tiles (64-row tiles among them, where a probe row shares its tile with
+    up to 63 others) on a small weight, with and without the norm prologue."""
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    p = _weights(dtype)
+    ops = [
+        (lambda x: (skinny_linear(x, p["w"], p["bias"], tile),), (K,)),
+        (lambda x, r: add_rmsnorm_linear(x, r, p["norm"], EPS, p["w"], None, tile), (K, K)),
+    ]
+    for op, widths in ops:
+        assert batch_variance(op, widths, dtype, counts=(3, 70)) == []
 
 
 def test_lm_head_sized_outputs_are_batch_invariant() -> None:
@@ -460,6 +475,7 @@ def test_the_runtime_refuses_deterministic_mode_where_it_cannot_hold(monkeypatch
     from specdec.engine import runtime
 
     config = EngineConfig(deterministic=True, device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels can run on this device
     monkeypatch.setattr(runtime, "available_backends", lambda: ["torch", "triton"])
     with pytest.raises(ValueError, match=r"'triton_invariant', which is not registered"):
         runtime.choose_runtime(config)

@@ -7,29 +7,34 @@ the batch around it: the attention half of a deterministic mode in which specula
 equals plain output token for token. The cache write and RoPE work per token, so they are
 invariant already and are the ``triton`` backend's.
 
-Trees need ``meta.tree_paths``: ``prepare`` attaches them once per forward
-(``ops.tree_paths.with_tree_paths``, device ops, graph-safe); a layer called without them
-builds them itself.
+Trees need ``meta.tree_paths`` and every launch ``meta.token_seqs``: ``prepare`` attaches
+both once per forward (``ops.tree_paths.with_tree_paths``,
+``ops.attention_metadata.with_token_seqs``; device ops, graph-safe); a layer called without
+them builds them itself.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from specdec.attention.triton_backend import TritonAttentionBackend
-from specdec.kernels.invariant_attention import invariant_paged_attention
-from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.kernels.invariant_attention import (
+    InvariantAttentionConfig,
+    invariant_paged_attention,
+)
+from specdec.ops.attention_metadata import AttentionMetadata, with_token_seqs
 from specdec.ops.tree_paths import with_tree_paths
 
 
 class InvariantTritonBackend(TritonAttentionBackend):
     name = "triton_invariant"
+    # One config for every launch: outputs are invariant only between launches sharing it.
+    config: ClassVar[InvariantAttentionConfig] = InvariantAttentionConfig()
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
-        return with_tree_paths(meta)
+        return with_token_seqs(with_tree_paths(meta))
 
-    @staticmethod
-    def _attend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # The default config for every launch: outputs are invariant only between launches
-        # that share one.
-        return invariant_paged_attention(q, k_cache, v_cache, meta, scale)
+    def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return invariant_paged_attention(q, k_cache, v_cache, meta, scale, config=self.config)

@@ -8,30 +8,38 @@ count, query tiles and key tiles follow the batch, and a tree node's ancestors s
 ``root + node_index`` while verifying but at ``root + depth`` in plain decoding, so their
 key tiles group different keys.
 
-How the kernel keeps it:
+How the kernels keep it:
 
 * Keys are reduced in *logical position* order (``ops.attention_metadata``, "Logical
-  positions"): blocks of ``block_n`` logical positions from 0, an fp32 online softmax over
-  the blocks in increasing order, no split-K. A tree query maps its logical positions
-  past the tree's first cache index through ``tree_paths`` to its ancestors' slots, so an
-  accepted node at depth ``d`` reads exactly the keys, in exactly the blocks, of the token
-  at ``root + d`` in plain decoding.
-* One program per (token, KV head). Its tile rows are that token's GQA group of query heads
-  padded to ``max(16, next_power_of_2(group))``; no other token shares it, so every
-  ``tl.dot`` has one shape and the same operands whatever the batch.
-* A program runs exactly ``cdiv(n, block_n)`` blocks for a query with ``n`` logical keys.
-  Positions ``>= n`` in the last block load zeros for K and V and get score -inf: they add
-  exact zeros to the sum and the output and cannot raise the running max. Position 0 is
-  in every query's first block, so the max is finite from the first block on and the
-  rescale factor ``exp2(m_old - m_new)`` is exactly 0 there (``m_old`` = -inf) and exactly
-  1.0 whenever a block leaves the max unchanged.
-* The batch reaches the kernel only through runtime integers that change no arithmetic,
+  positions"): blocks of ``block_n`` logical positions from 0, and a tree query maps its
+  logical positions past the tree's first cache index through ``tree_paths`` to its
+  ancestors' slots, so an accepted node at depth ``d`` reads exactly the keys, in exactly
+  the blocks, of the token at ``root + d`` in plain decoding.
+* The split over keys is fixed by position, never by the grid: key block ``b`` belongs to
+  split ``b % num_splits``. The split kernel runs one program per (token, KV head, split),
+  an fp32 online softmax over its blocks in increasing order; the combine kernel merges a
+  token's ``num_splits`` partial states, always all of them and always in one vectorised
+  reduction of fixed shape. A long context gets ``num_splits`` programs per token even at
+  batch 1, and the grouping of keys is the same for every token at every batch.
+* Tile rows are one token's GQA group of query heads padded to
+  ``max(16, next_power_of_2(group))``; no other token shares a tile, so every ``tl.dot``
+  has one shape and the same operands whatever the batch.
+* A split with no block in range (a short context) stores the empty state (max -inf, sum
+  0, accumulator 0), which the merge weighs by exactly 0. Inside a split, positions
+  ``>= n`` of the last block load zeros for K and V and get score -inf: they add exact
+  zeros. The first position of every block in range is a real key, so a split's max is
+  finite from its first block on: the rescale ``exp2(m_old - m_new)`` is exactly 0 there
+  and exactly 1.0 whenever a block leaves the max unchanged. Split 0 holds position 0, so
+  the merged max is finite.
+* The batch reaches the kernels only through runtime integers that change no arithmetic,
   kept unspecialised, and trees through a runtime flag: one compiled variant serves every
-  batch of a model and dtype (``block_n``, head dim and group are its only constants).
+  batch of a model and dtype (``block_n``, ``num_splits``, head dim and group are its only
+  constants).
 
-Graph safety: the grid is (tokens, KV heads), from tensor shapes; token -> sequence is a
-device ``searchsorted``; the tree tables are built with device ops when ``meta`` lacks them
-(``ops.tree_paths``). Nothing syncs with the host.
+Graph safety: the grids are (tokens, KV heads, splits) and (tokens, KV heads), from tensor
+shapes and the config; token -> sequence is a device ``searchsorted`` (``token_seqs``,
+built once per forward by the backend's ``prepare``); the tree tables are built with
+device ops when ``meta`` lacks them (``ops.tree_paths``). Nothing syncs with the host.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from specdec.kernels.launch import (
     require_last_dim_contiguous,
     require_launchable,
 )
-from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.attention_metadata import AttentionMetadata, token_seqs
 from specdec.ops.paged_attention import gather_context
 from specdec.ops.tree_paths import with_tree_paths
 
@@ -67,15 +75,25 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class InvariantAttentionConfig:
-    """Launch constants. ``block_n`` fixes the reduction's grouping of keys, so it is part of
-    the result: outputs are invariant only between launches with the same config."""
+    """Launch constants. ``block_n`` and ``num_splits`` fix the reduction's grouping of
+    keys, so they are part of the result: outputs are invariant only between launches with
+    the same config."""
 
+    # Measured on an H100 against other block sizes and split counts (decodes at batch 1
+    # to 64 over 300 and 1,500 keys): 32 x 16 was fastest at batch 1 and within 20% of
+    # the best elsewhere.
     block_n: int = 32  # logical positions per online-softmax block
+    num_splits: int = 16  # key block b goes to split b % num_splits
     num_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n {self.block_n} must be a power of two >= 16 (tl.dot)")
+        if self.num_splits < 1 or self.num_splits & (self.num_splits - 1):
+            raise ValueError(
+                f"num_splits {self.num_splits} must be a power of two >= 1 (the combine "
+                "kernel reduces the splits as one tile)"
+            )
 
 
 # Every integer argument: none may compile a variant of its own (specialisation on == 1 or
@@ -85,8 +103,6 @@ _RUNTIME_INTS = (
     "has_tree",
     "stride_qt",
     "stride_qh",
-    "stride_ot",
-    "stride_oh",
     "stride_cb",
     "stride_cs",
     "stride_ch",
@@ -97,12 +113,45 @@ _RUNTIME_INTS = (
 )
 
 
+@triton.jit
+def _attend_block(
+    q,  # [ROWS, BLOCK_D], the caches' dtype
+    k_cache_ptr,
+    v_cache_ptr,
+    row,  # [BLOCK_N] int64: each key's offset in the caches (its page, slot and KV head)
+    valid,  # [BLOCK_N]: the key is one of the query's
+    offs_d,
+    d_mask,
+    m_i,  # [ROWS] running max, log2 units
+    l_i,  # [ROWS] running sum
+    acc,  # [ROWS, BLOCK_D] running weighted sum of V
+    scale_log2,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One block of the online softmax; the same arithmetic wherever the keys come from."""
+    kv_off = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+    kv_mask = valid[:, None] & d_mask[None, :]
+    # Zeros past the query's keys, whatever the slots hold (NaN times a zero weight is NaN).
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a block's first position is a key
+    alpha = tl.exp2(m_i - m_new)  # 0 on a split's first block, 1.0 when the max holds
+    p = tl.exp2(s - m_new[:, None])  # exact zeros past the query's keys
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _invariant_attention_kernel(
+def _invariant_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    out_ptr,
+    part_m_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain
+    part_l_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
+    part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, BLOCK_D] fp32, unnormalised
     token_seq_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -115,8 +164,6 @@ def _invariant_attention_kernel(
     has_tree,
     stride_qt,
     stride_qh,
-    stride_ot,
-    stride_oh,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -124,16 +171,19 @@ def _invariant_attention_kernel(
     stride_ps,
     stride_pn,
     stride_ds,
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(token_seq_ptr + token).to(tl.int64)
     if seq >= num_seqs:  # a row past query_start_loc[-1]: no sequence owns it
         return
@@ -169,34 +219,104 @@ def _invariant_attention_kernel(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    for n0 in range(0, n_keys, BLOCK_N):
-        lpos = n0 + offs_n  # [BLOCK_N] logical positions
+    kv_head = kvh * stride_ch
+    # This split's blocks: split, split + NUM_SPLITS, ... (fixed by position), in two
+    # loops that differ only in where a block's keys live: blocks wholly before a tree
+    # query's tree (every block of any other query) read cache index = logical position,
+    # a table lookup the compiler can prefetch; the rest go through the tree path. Both
+    # run the same arithmetic on the same keys, so the split changes no bit.
+    n_blocks = tl.cdiv(n_keys, BLOCK_N)
+    first_path_block = tl.where(is_tree, tree_lo // BLOCK_N, n_blocks)
+    for b in range(split, first_path_block, NUM_SPLITS):
+        lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions = cache indices
         valid = lpos < n_keys
-        in_tree = valid & (lpos >= tree_lo)  # only tree queries reach past tree_lo
+        page = tl.load(table + lpos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = page * stride_cb + (lpos % BLOCK_SIZE) * stride_cs + kv_head
+        m_i, l_i, acc = _attend_block(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            row,
+            valid,
+            offs_d,
+            d_mask,
+            m_i,
+            l_i,
+            acc,
+            scale_log2,
+            DOT_PRECISION,
+        )
+    # This split's first block at or past first_path_block.
+    behind = tl.maximum(first_path_block - split, 0)
+    path_start = split + tl.cdiv(behind, NUM_SPLITS) * NUM_SPLITS
+    for b in range(path_start, n_blocks, NUM_SPLITS):
+        lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions
+        valid = lpos < n_keys
+        in_tree = valid & (lpos >= tree_lo)
         anc = tl.load(path + (lpos - tree_lo), mask=in_tree, other=0)
         cidx = tl.where(in_tree, tree_lo + anc, lpos)  # [BLOCK_N] cache indices
-        block = tl.load(table + cidx // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = block * stride_cb + (cidx % BLOCK_SIZE) * stride_cs + kvh * stride_ch
-        kv_off = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-        kv_mask = valid[:, None] & d_mask[None, :]
-        # Zeros past n_keys, whatever the slots hold (a NaN times a zero weight is NaN).
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        page = tl.load(table + cidx // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = page * stride_cb + (cidx % BLOCK_SIZE) * stride_cs + kv_head
+        m_i, l_i, acc = _attend_block(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            row,
+            valid,
+            offs_d,
+            d_mask,
+            m_i,
+            l_i,
+            acc,
+            scale_log2,
+            DOT_PRECISION,
+        )
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: position 0 is in the first block
-        alpha = tl.exp2(m_i - m_new)  # 0 on the first block, 1.0 when the max holds
-        p = tl.exp2(s - m_new[:, None])  # exact zeros past n_keys
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    # The partial state, empty (-inf, 0, 0) for a split with no block in range.
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
+    row_mask = offs_m < GROUP
+    tl.store(part_m_ptr + part, m_i, mask=row_mask)
+    tl.store(part_l_ptr + part, l_i, mask=row_mask)
     tl.store(
-        out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :],
+        acc,
+        mask=row_mask[:, None],
+    )
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_ot", "stride_oh"])
+def _invariant_combine_kernel(
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    token_seq_ptr,
+    num_seqs,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tl.load(token_seq_ptr + token) >= num_seqs:
+        return
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [NUM_SPLITS]
+    m = tl.load(part_m_ptr + part)
+    l_s = tl.load(part_l_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :])  # [S, BLOCK_D]
+    m_max = tl.max(m, 0)  # exact, any order; finite (split 0 holds position 0)
+    w = tl.exp2(m - m_max)  # exactly 0 for an empty split
+    l_sum = tl.sum(l_s * w, 0)
+    o = tl.sum(acc * w[:, None], 0) / l_sum  # [BLOCK_D]
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d,
         o.to(out_ptr.dtype.element_ty),
-        mask=io_mask,
+        mask=offs_d < HEAD_DIM,
     )
 
 
@@ -240,9 +360,7 @@ def invariant_paged_attention(
     decodes and trees in one launch."""
     config = config or InvariantAttentionConfig()
     require_kv_cache(k_cache, v_cache)
-    require_launchable(
-        _invariant_attention_kernel, q, k_cache, meta.query_start_loc, meta.block_tables
-    )
+    require_launchable(_invariant_split_kernel, q, k_cache, meta.query_start_loc, meta.block_tables)
     for name, t in [
         ("q", q),
         ("block_tables", meta.block_tables),
@@ -259,14 +377,25 @@ def invariant_paged_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    # [num_tokens] the sequence of each token (num_seqs for rows past the last query).
-    tokens = torch.arange(num_tokens, dtype=meta.query_start_loc.dtype, device=q.device)
-    token_seq = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True)
-    _invariant_attention_kernel[(num_tokens, num_kv_heads)](
+    token_seq = token_seqs(meta)  # [num_tokens]; num_seqs for padded rows
+    if token_seq.shape[0] != num_tokens:
+        raise ValueError(
+            f"meta.token_seqs has {token_seq.shape[0]} rows for {num_tokens} query rows; "
+            "build it from this batch's metadata (specdec.ops.attention_metadata.token_seqs)"
+        )
+    splits, block_d = config.num_splits, next_power_of_2(head_dim)
+    part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(
+        num_tokens, num_heads, splits, block_d, dtype=torch.float32, device=q.device
+    )
+    _invariant_split_kernel[(num_tokens, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
-        out,
+        part_m,
+        part_l,
+        part_acc,
         token_seq,
         meta.query_start_loc,
         meta.seq_lens,
@@ -279,8 +408,6 @@ def invariant_paged_attention(
         int(meta.has_tree),
         q.stride(0),
         q.stride(1),
-        out.stride(0),
-        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -288,14 +415,31 @@ def invariant_paged_attention(
         paths.stride(0),
         paths.stride(1) if paths.dim() > 1 else 0,
         depths.stride(0),
+        NUM_HEADS=num_heads,
         GROUP=group,
         ROWS=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
+        NUM_SPLITS=splits,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=config.num_warps,
+    )
+    _invariant_combine_kernel[(num_tokens, num_heads)](
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        token_seq,
+        meta.num_seqs,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=splits,
+        num_warps=1,
     )
     return out
 

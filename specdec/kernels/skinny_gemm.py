@@ -187,18 +187,36 @@ def _measured_tiles(path: str) -> dict[tuple[int, int], GemmConfig]:
     return out
 
 
+# Tiles measured per (N, K) on an H100 (bf16, weights streamed from HBM as in a forward:
+# ``benchmarks/skinny_gemm.py --cold --rows 1,64,2048 --tune --tune-rows 1,64,2048
+# --tune-block-m 16,64``, docs/benchmarks.md): SmolLM2-135M's projections, each the tile
+# with the least time at 1 + 64 rows plus 1/16 of its time at 2,048 rows, since
+# deterministic mode runs every row count, prefill included, on one tile.
+MEASURED_TILES: dict[tuple[int, int], GemmConfig] = {
+    (960, 576): GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4),  # qkv
+    (576, 576): GemmConfig(block_m=64, block_n=16, block_k=128, num_warps=4),  # o_proj
+    (1536, 576): GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=2),  # gate/up
+    (576, 1536): GemmConfig(block_m=16, block_n=16, block_k=256, num_warps=2),  # down
+    (49152, 576): GemmConfig(block_m=64, block_n=32, block_k=64, num_warps=4),  # LM head
+}
+
+
 def choose_gemm_config(num_rows: int, n: int, k: int) -> GemmConfig:
-    """Narrow column tiles for narrow projections (enough programs to fill the SMs with a
-    576-column output), wider ones for wide outputs (an LM head: fewer, longer programs);
-    a measured tile from ``$SPECDEC_GEMM_TILES`` first. The tile is a function of
-    ``(n, k)`` alone (batch invariance, module docstring); ``num_rows`` sets only how many
-    16-row tiles run."""
+    """A tile from ``$SPECDEC_GEMM_TILES`` first, then a measured one
+    (``MEASURED_TILES``), else the rule: narrow column tiles for narrow projections
+    (enough programs to fill the SMs with a 576-column output), wider ones for wide
+    outputs (an LM head: fewer, longer programs). The tile is a function of ``(n, k)``
+    alone (batch invariance, module docstring); ``num_rows`` sets only how many row tiles
+    run."""
     del num_rows  # the row tile is fixed
     path = os.environ.get(TILES_ENV)
     if path:
         tile = _measured_tiles(path).get((n, k))
         if tile is not None:
             return tile
+    tile = MEASURED_TILES.get((n, k))
+    if tile is not None:
+        return tile
     block_n = 16 if n <= 4096 else 64
     return GemmConfig(block_n=block_n)
 
