@@ -27,7 +27,8 @@ from skinny_gemm import time_graph
 
 from specdec.attention.triton_backend import TritonAttentionBackend
 from specdec.kernels.invariant_attention import InvariantAttentionConfig, invariant_paged_attention
-from specdec.ops.attention_metadata import AttentionMetadata, with_token_seqs
+from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.query_tiles import with_query_tiles
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -70,7 +71,7 @@ def main() -> None:
     for case in a.cases.split(","):
         batch, context, q_len = (int(v) for v in case.split("x"))
         q, k_cache, v_cache, meta = make_case(batch, context, q_len, gen)
-        meta = with_token_seqs(meta)
+        meta = with_query_tiles(meta)
 
         args = (q, k_cache, v_cache, meta, scale)
         default = partial(TritonAttentionBackend._attend, *args)

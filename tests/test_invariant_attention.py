@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from itertools import accumulate
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from specdec.kernels.invariant_attention import (
 )
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.paged_attention import paged_attention_ref
+from specdec.ops.query_tiles import query_tiles, with_query_tiles
 from specdec.ops.tree_paths import tree_paths, with_tree_paths
 
 
@@ -277,6 +279,34 @@ def test_tree_paths_equal_a_walk_up_the_parents():
             assert paths[s, i, : len(walk)].tolist() == walk
     attached = with_tree_paths(meta)
     assert torch.equal(attached.tree_paths, paths) and with_tree_paths(attached) is attached
+
+
+def test_query_tiles_cover_every_row_once():
+    """Rows before a tree go in tiles of up to TILE_TOKENS, each tree row alone; draft-step
+    trees longer than the query and padded rows included."""
+    # (q_len, seq_len, tree_len) per sequence: a prefill of 10, a decode, 3 plain rows and
+    # a 5-node tree, a draft step's 4 queries of a 9-node tree, a chain as plain rows.
+    shapes = [(10, 30, 0), (1, 8, 0), (8, 40, 5), (4, 20, 9), (6, 50, 0)]
+    parents = [[], [], [0, 0, 1, 1, 2], [0] * 9, []]
+    masks = build_tree_mask([torch.tensor(p, dtype=torch.int64) for p in parents])
+    loc = [0, *accumulate(q for q, _, _ in shapes)]
+    padded = 3
+    meta = masks.attach(
+        AttentionMetadata(
+            slot_mapping=torch.zeros(loc[-1] + padded, dtype=torch.int64),
+            query_start_loc=torch.tensor(loc, dtype=torch.int32),
+            seq_lens=torch.tensor([n for _, n, _ in shapes], dtype=torch.int32),
+            block_tables=torch.zeros(len(shapes), 4, dtype=torch.int32),
+            max_query_len=10,
+            max_seq_len=50,
+        )
+    )
+    starts, seqs = query_tiles(meta)
+    # tiles: cdiv(10, 4) = 3; 1; cdiv(3, 4) + 5 = 6; 0 + 4 = 4; cdiv(6, 4) = 2
+    assert starts.tolist() == [0, 3, 4, 10, 14, 16]
+    assert seqs.tolist() == [0] * 3 + [1] + [2] * 6 + [3] * 4 + [4] * 2 + [5] * (loc[-1] + 3 - 16)
+    attached = with_query_tiles(meta)
+    assert torch.equal(attached.tile_starts, starts) and with_query_tiles(attached) is attached
 
 
 def test_metadata_rejects_tree_paths_without_trees():

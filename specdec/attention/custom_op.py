@@ -45,7 +45,8 @@ def paged_attention(
     sin: torch.Tensor | None = None,  # [num_tokens, 1, head_dim // 2]
     tree_paths: torch.Tensor | None = None,  # [num_seqs, max_tree_len, max_tree_len] int32
     tree_depths: torch.Tensor | None = None,  # [num_seqs, max_tree_len] int32
-    token_seqs: torch.Tensor | None = None,  # [num_tokens] int64
+    tile_starts: torch.Tensor | None = None,  # [num_seqs + 1] int32
+    tile_seqs: torch.Tensor | None = None,  # [num_tokens] int64
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -60,7 +61,8 @@ def paged_attention(
         max_tree_len=max_tree_len,
         tree_paths=tree_paths,
         tree_depths=tree_depths,
-        token_seqs=token_seqs,
+        tile_starts=tile_starts,
+        tile_seqs=tile_seqs,
     )
     if cos is not None:
         assert sin is not None
@@ -91,7 +93,8 @@ def _(
     sin=None,
     tree_paths=None,
     tree_depths=None,
-    token_seqs=None,
+    tile_starts=None,
+    tile_seqs=None,
 ):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -164,5 +167,6 @@ class OpaqueAttention(AttentionBackend):
             sin,
             meta.tree_paths,
             meta.tree_depths,
-            meta.token_seqs,
+            meta.tile_starts,
+            meta.tile_seqs,
         )

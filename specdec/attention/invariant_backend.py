@@ -7,10 +7,10 @@ the batch around it: the attention half of a deterministic mode in which specula
 equals plain output token for token. The cache write and RoPE work per token, so they are
 invariant already and are the ``triton`` backend's.
 
-Trees need ``meta.tree_paths`` and every launch ``meta.token_seqs``: ``prepare`` attaches
-both once per forward (``ops.tree_paths.with_tree_paths``,
-``ops.attention_metadata.with_token_seqs``; device ops, graph-safe); a layer called without
-them builds them itself.
+Trees need ``meta.tree_paths`` and every launch the query tiles (``meta.tile_starts``,
+``tile_seqs``): ``prepare`` attaches both once per forward (``ops.tree_paths``,
+``ops.query_tiles``; device ops, graph-safe); a layer called without them builds them
+itself.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from specdec.kernels.invariant_attention import (
     InvariantAttentionConfig,
     invariant_paged_attention,
 )
-from specdec.ops.attention_metadata import AttentionMetadata, with_token_seqs
+from specdec.ops.attention_metadata import AttentionMetadata
+from specdec.ops.query_tiles import with_query_tiles
 from specdec.ops.tree_paths import with_tree_paths
 
 
@@ -34,7 +35,7 @@ class InvariantTritonBackend(TritonAttentionBackend):
     config: ClassVar[InvariantAttentionConfig] = InvariantAttentionConfig()
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
-        return with_token_seqs(with_tree_paths(meta))
+        return with_query_tiles(with_tree_paths(meta))
 
     def _attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return invariant_paged_attention(q, k_cache, v_cache, meta, scale, config=self.config)

@@ -16,30 +16,37 @@ How the kernels keep it:
   ancestors' slots, so an accepted node at depth ``d`` reads exactly the keys, in exactly
   the blocks, of the token at ``root + d`` in plain decoding.
 * The split over keys is fixed by position, never by the grid: key block ``b`` belongs to
-  split ``b % num_splits``. The split kernel runs one program per (token, KV head, split),
-  an fp32 online softmax over its blocks in increasing order; the combine kernel merges a
-  token's ``num_splits`` partial states, always all of them and always in one vectorised
-  reduction of fixed shape. A long context gets ``num_splits`` programs per token even at
-  batch 1, and the grouping of keys is the same for every token at every batch.
-* Tile rows are one token's GQA group of query heads padded to
-  ``max(16, next_power_of_2(group))``; no other token shares a tile, so every ``tl.dot``
-  has one shape and the same operands whatever the batch.
-* A split with no block in range (a short context) stores the empty state (max -inf, sum
-  0, accumulator 0), which the merge weighs by exactly 0. Inside a split, positions
-  ``>= n`` of the last block load zeros for K and V and get score -inf: they add exact
-  zeros. The first position of every block in range is a real key, so a split's max is
-  finite from its first block on: the rescale ``exp2(m_old - m_new)`` is exactly 0 there
+  split ``b % num_splits``. The split kernel runs one program per (query tile, KV head,
+  split), an fp32 online softmax over its blocks in increasing order; the combine kernel
+  merges a token's ``num_splits`` partial states, always all of them and always in one
+  vectorised reduction of fixed shape. A long context gets ``num_splits`` programs per
+  token even at batch 1, and the grouping of keys is the same for every token at every
+  batch.
+* A program's tile holds the GQA groups of up to ``TILE_TOKENS`` consecutive query rows
+  before a tree (``ops.query_tiles``; they share every K/V tile), or of one tree row, in
+  ``max(16, next_power_of_2(TILE_TOKENS * group))`` rows. Every ``tl.dot`` has that one
+  shape, and a tensor-core product computes each output element from its own row and
+  column alone, so which rows share a tile changes no row's bits. Each row keeps its own
+  key count: a block holding none of a row's keys gives the row scores of -inf, which
+  leave its max, sum and accumulator exactly as they were (a row that has seen no key
+  keeps the empty state, the exponent taken against 0 rather than -inf), so a row runs
+  exactly the arithmetic of its blocks, alone or not.
+* A split with none of a row's keys leaves it the empty state (max -inf, sum 0,
+  accumulator 0), which the merge weighs by exactly 0. Positions past every row's keys
+  load zeros for K and V. A row's first block in a split holds its first key there, so
+  its max is finite from then on: the rescale ``exp2(m_old - m_new)`` is exactly 0 there
   and exactly 1.0 whenever a block leaves the max unchanged. Split 0 holds position 0, so
   the merged max is finite.
 * The batch reaches the kernels only through runtime integers that change no arithmetic,
   kept unspecialised, and trees through a runtime flag: one compiled variant serves every
-  batch of a model and dtype (``block_n``, ``num_splits``, head dim and group are its only
-  constants).
+  batch of a model and dtype (``block_n``, ``num_splits``, ``TILE_TOKENS``, head dim and
+  group are its only constants).
 
-Graph safety: the grids are (tokens, KV heads, splits) and (tokens, KV heads), from tensor
-shapes and the config; token -> sequence is a device ``searchsorted`` (``token_seqs``,
-built once per forward by the backend's ``prepare``); the tree tables are built with
-device ops when ``meta`` lacks them (``ops.tree_paths``). Nothing syncs with the host.
+Graph safety: the grids are (query rows, KV heads, splits), a bound on the tiles, and
+(query rows, heads), from tensor shapes and the config; the query tiles and tree tables
+are built with device ops, once per forward by the backend's ``prepare`` or here when
+``meta`` lacks them (``ops.query_tiles``, ``ops.tree_paths``). Nothing syncs with the
+host.
 """
 
 from __future__ import annotations
@@ -59,8 +66,9 @@ from specdec.kernels.launch import (
     require_last_dim_contiguous,
     require_launchable,
 )
-from specdec.ops.attention_metadata import AttentionMetadata, token_seqs
+from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.paged_attention import gather_context
+from specdec.ops.query_tiles import TILE_TOKENS, with_query_tiles
 from specdec.ops.tree_paths import with_tree_paths
 
 __all__ = [
@@ -119,26 +127,32 @@ def _attend_block(
     k_cache_ptr,
     v_cache_ptr,
     row,  # [BLOCK_N] int64: each key's offset in the caches (its page, slot and KV head)
-    valid,  # [BLOCK_N]: the key is one of the query's
+    loaded,  # [BLOCK_N]: the key is some row's (loaded; zeros elsewhere)
+    valid,  # [ROWS, BLOCK_N]: the key is this row's
     offs_d,
     d_mask,
-    m_i,  # [ROWS] running max, log2 units
+    m_i,  # [ROWS] running max, log2 units; -inf while a row has seen no key
     l_i,  # [ROWS] running sum
     acc,  # [ROWS, BLOCK_D] running weighted sum of V
     scale_log2,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One block of the online softmax; the same arithmetic wherever the keys come from."""
+    """One block of the online softmax; the same arithmetic wherever the keys come from
+    and whichever rows share the tile. A block with none of a row's keys leaves the row's
+    state exactly as it was: its scores are -inf, so its max, sum and accumulator gain
+    exact zeros (a row with no key yet keeps the empty state: ``m_safe`` keeps
+    ``-inf - -inf`` out of the exponent)."""
     kv_off = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
-    kv_mask = valid[:, None] & d_mask[None, :]
-    # Zeros past the query's keys, whatever the slots hold (NaN times a zero weight is NaN).
+    kv_mask = loaded[:, None] & d_mask[None, :]
+    # Zeros past every row's keys, whatever the slots hold (NaN times a zero weight is NaN).
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: a block's first position is a key
-    alpha = tl.exp2(m_i - m_new)  # 0 on a split's first block, 1.0 when the max holds
-    p = tl.exp2(s - m_new[:, None])  # exact zeros past the query's keys
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # 0 on a row's first block, 1.0 when the max holds
+    p = tl.exp2(s - m_safe[:, None])  # exact zeros off the row's keys
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -152,7 +166,8 @@ def _invariant_split_kernel(
     part_m_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain
     part_l_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, BLOCK_D] fp32, unnormalised
-    token_seq_ptr,
+    tile_starts_ptr,
+    tile_seqs_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -173,6 +188,7 @@ def _invariant_split_kernel(
     stride_ds,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    TILE_TOKENS: tl.constexpr,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -181,35 +197,45 @@ def _invariant_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq = tl.load(token_seq_ptr + token).to(tl.int64)
-    if seq >= num_seqs:  # a row past query_start_loc[-1]: no sequence owns it
+    seq = tl.load(tile_seqs_ptr + tile).to(tl.int64)
+    if seq >= num_seqs:  # past the last tile
         return
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    q_pos = seq_len - q_len + (token - q_start)  # the query's cache index
-
-    # Logical keys 0 .. n_keys - 1; those from tree_lo on come through the tree path.
+    first_pos = seq_len - q_len  # cache index of the sequence's first query row
     tree_len = tl.load(tree_lens_ptr + seq, mask=has_tree != 0, other=0)
-    tree_lo = seq_len - tree_len
-    node = q_pos - tree_lo  # >= 0: the query is tree node `node`
-    is_tree = node >= 0
-    node = tl.maximum(node, 0)
-    depth = tl.load(tree_depths_ptr + seq * stride_ds + node, mask=is_tree, other=0)
-    n_keys = tl.where(is_tree, tree_lo + depth + 1, q_pos + 1)
-    path = tree_paths_ptr + seq * stride_ps + node * stride_pn
+    tree_lo = seq_len - tree_len  # tree nodes sit at cache indices tree_lo ..
+    n_plain = tl.maximum(q_len - tree_len, 0)  # query rows before the tree
+    plain_tiles = tl.cdiv(n_plain, TILE_TOKENS)
+    local = tile - tl.load(tile_starts_ptr + seq)
+    is_tree = local >= plain_tiles  # a tree row, alone in its tile
+    first = tl.where(is_tree, n_plain + local - plain_tiles, local * TILE_TOKENS)
+    count = tl.where(is_tree, 1, tl.minimum(n_plain - first, TILE_TOKENS))
 
+    # Rows: token-major, each token's GQA group of query heads; padded rows have no keys.
     offs_m = tl.arange(0, ROWS)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    head = kvh * GROUP + offs_m
-    io_mask = (offs_m < GROUP)[:, None] & d_mask[None, :]
+    in_tile = offs_m // GROUP  # [ROWS] the row's token within the tile
+    row_ok = in_tile < count
+    token = (q_start + first + in_tile).to(tl.int64)  # [ROWS] query row in the batch
+    head = kvh * GROUP + offs_m % GROUP  # [ROWS]
+    q_pos = first_pos + first + in_tile  # [ROWS] cache index of each row's query
+    # A tree row's logical keys: those before tree_lo, then its path (depth + 1 nodes).
+    node = tl.maximum(first_pos + first - tree_lo, 0)
+    depth = tl.load(tree_depths_ptr + seq * stride_ds + node, mask=is_tree, other=0)
+    n_keys = tl.where(row_ok, tl.where(is_tree, tree_lo + depth + 1, q_pos + 1), 0)  # [ROWS]
+    max_keys = tl.max(n_keys, 0)
+    path = tree_paths_ptr + seq * stride_ps + node * stride_pn
+
+    io_mask = row_ok[:, None] & d_mask[None, :]
     q = tl.load(
-        q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=io_mask,
         other=0.0,
     )  # [ROWS, BLOCK_D]; padded rows are zeros and never stored
@@ -222,22 +248,23 @@ def _invariant_split_kernel(
     kv_head = kvh * stride_ch
     # This split's blocks: split, split + NUM_SPLITS, ... (fixed by position), in two
     # loops that differ only in where a block's keys live: blocks wholly before a tree
-    # query's tree (every block of any other query) read cache index = logical position,
-    # a table lookup the compiler can prefetch; the rest go through the tree path. Both
-    # run the same arithmetic on the same keys, so the split changes no bit.
-    n_blocks = tl.cdiv(n_keys, BLOCK_N)
+    # row's tree (every block of a plain tile) read cache index = logical position, a
+    # table lookup the compiler can prefetch; the rest go through the tree path. Both run
+    # the same arithmetic on the same keys, so the split changes no bit.
+    n_blocks = tl.cdiv(max_keys, BLOCK_N)
     first_path_block = tl.where(is_tree, tree_lo // BLOCK_N, n_blocks)
     for b in range(split, first_path_block, NUM_SPLITS):
         lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions = cache indices
-        valid = lpos < n_keys
-        page = tl.load(table + lpos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        loaded = lpos < max_keys
+        page = tl.load(table + lpos // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
         row = page * stride_cb + (lpos % BLOCK_SIZE) * stride_cs + kv_head
         m_i, l_i, acc = _attend_block(
             q,
             k_cache_ptr,
             v_cache_ptr,
             row,
-            valid,
+            loaded,
+            lpos[None, :] < n_keys[:, None],
             offs_d,
             d_mask,
             m_i,
@@ -251,18 +278,19 @@ def _invariant_split_kernel(
     path_start = split + tl.cdiv(behind, NUM_SPLITS) * NUM_SPLITS
     for b in range(path_start, n_blocks, NUM_SPLITS):
         lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions
-        valid = lpos < n_keys
-        in_tree = valid & (lpos >= tree_lo)
+        loaded = lpos < max_keys
+        in_tree = loaded & (lpos >= tree_lo)
         anc = tl.load(path + (lpos - tree_lo), mask=in_tree, other=0)
         cidx = tl.where(in_tree, tree_lo + anc, lpos)  # [BLOCK_N] cache indices
-        page = tl.load(table + cidx // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        page = tl.load(table + cidx // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
         row = page * stride_cb + (cidx % BLOCK_SIZE) * stride_cs + kv_head
         m_i, l_i, acc = _attend_block(
             q,
             k_cache_ptr,
             v_cache_ptr,
             row,
-            valid,
+            loaded,
+            lpos[None, :] < n_keys[:, None],
             offs_d,
             d_mask,
             m_i,
@@ -272,16 +300,11 @@ def _invariant_split_kernel(
             DOT_PRECISION,
         )
 
-    # The partial state, empty (-inf, 0, 0) for a split with no block in range.
+    # The partial states, empty (-inf, 0, 0) where a row has no key in this split.
     part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
-    row_mask = offs_m < GROUP
-    tl.store(part_m_ptr + part, m_i, mask=row_mask)
-    tl.store(part_l_ptr + part, l_i, mask=row_mask)
-    tl.store(
-        part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :],
-        acc,
-        mask=row_mask[:, None],
-    )
+    tl.store(part_m_ptr + part, m_i, mask=row_ok)
+    tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_ot", "stride_oh"])
@@ -290,7 +313,7 @@ def _invariant_combine_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
-    token_seq_ptr,
+    query_start_loc_ptr,
     num_seqs,
     stride_ot,
     stride_oh,
@@ -301,7 +324,7 @@ def _invariant_combine_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if tl.load(token_seq_ptr + token) >= num_seqs:
+    if token >= tl.load(query_start_loc_ptr + num_seqs):  # a padded row: no partials
         return
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
@@ -377,11 +400,13 @@ def invariant_paged_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    token_seq = token_seqs(meta)  # [num_tokens]; num_seqs for padded rows
-    if token_seq.shape[0] != num_tokens:
+    meta = with_query_tiles(meta)
+    assert meta.tile_starts is not None and meta.tile_seqs is not None
+    if meta.tile_seqs.shape[0] != num_tokens:
         raise ValueError(
-            f"meta.token_seqs has {token_seq.shape[0]} rows for {num_tokens} query rows; "
-            "build it from this batch's metadata (specdec.ops.attention_metadata.token_seqs)"
+            f"meta.tile_seqs has {meta.tile_seqs.shape[0]} entries for {num_tokens} query "
+            "rows; build the tiles from this batch's metadata "
+            "(specdec.ops.query_tiles.with_query_tiles)"
         )
     splits, block_d = config.num_splits, next_power_of_2(head_dim)
     part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -396,7 +421,8 @@ def invariant_paged_attention(
         part_m,
         part_l,
         part_acc,
-        token_seq,
+        meta.tile_starts,
+        meta.tile_seqs,
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
@@ -417,7 +443,8 @@ def invariant_paged_attention(
         depths.stride(0),
         NUM_HEADS=num_heads,
         GROUP=group,
-        ROWS=max(16, next_power_of_2(group)),
+        TILE_TOKENS=TILE_TOKENS,
+        ROWS=max(16, next_power_of_2(TILE_TOKENS * group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
@@ -431,7 +458,7 @@ def invariant_paged_attention(
         part_m,
         part_l,
         part_acc,
-        token_seq,
+        meta.query_start_loc,
         meta.num_seqs,
         out.stride(0),
         out.stride(1),

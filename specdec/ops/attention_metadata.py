@@ -43,15 +43,16 @@ tree_paths[s, i, k]`` for ``k = 0 .. tree_depths[s, i]``, so ``n = r + tree_dept
 positions as the token at cache index ``r + d`` of plain decoding. ``ops.tree_paths``
 builds both tables from the tree mask with device ops.
 
-Query rows' sequences (optional ``token_seqs``): ``token_seqs[i]`` is the sequence that
-query row ``i`` belongs to, ``num_seqs`` for padded rows past ``query_start_loc[-1]``.
-Kernels that run one program per token read it; ``with_token_seqs`` builds it once per
-forward so that no layer repeats the search.
+Query tiles (optional ``tile_starts``/``tile_seqs``, read by the batch-invariant kernel):
+a sequence's query rows before its tree go in tiles of up to ``TILE_TOKENS`` consecutive
+rows, each tree row in a tile of its own; ``tile_starts[s]`` is sequence ``s``'s first
+tile, ``tile_starts[num_seqs]`` the tile count, and ``tile_seqs[i]`` tile ``i``'s sequence
+(``num_seqs`` past the last tile; one entry per query row, a bound on the tile count).
+``ops.query_tiles`` builds both with device ops, once per forward.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -98,8 +99,9 @@ class AttentionMetadata:
     # row's depth, and rows past a tree's length, are unspecified.
     tree_paths: torch.Tensor | None = None  # [num_seqs, max_tree_len, max_tree_len] int32
     tree_depths: torch.Tensor | None = None  # [num_seqs, max_tree_len] int32
-    # Each query row's sequence (module docstring); None: not built.
-    token_seqs: torch.Tensor | None = None  # [num_tokens] int64
+    # Query tiles (module docstring); None: not built.
+    tile_starts: torch.Tensor | None = None  # [num_seqs + 1] int32
+    tile_seqs: torch.Tensor | None = None  # [num_tokens] int64
 
     def __post_init__(self) -> None:
         given = [
@@ -124,6 +126,12 @@ class AttentionMetadata:
                 "(specdec.ops.tree_paths.with_tree_paths)"
             )
 
+        if (self.tile_starts is None) != (self.tile_seqs is None):
+            raise ValueError(
+                "tile_starts and tile_seqs come together: build both with "
+                "specdec.ops.query_tiles.with_query_tiles"
+            )
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
@@ -142,20 +150,3 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         """Every sequence has exactly one new token and no tree (the decode kernel's case)."""
         return self.max_query_len == 1 and not self.has_tree
-
-
-def token_seqs(meta: AttentionMetadata) -> torch.Tensor:  # [num_tokens] int64
-    """Each query row's sequence, ``num_seqs`` for padded rows (module docstring): a device
-    search over ``query_start_loc``, graph-safe. Rows are ``slot_mapping``'s."""
-    if meta.token_seqs is not None:
-        return meta.token_seqs
-    loc = meta.query_start_loc
-    rows = torch.arange(meta.slot_mapping.shape[0], dtype=loc.dtype, device=loc.device)
-    return torch.searchsorted(loc[1:], rows, right=True)
-
-
-def with_token_seqs(meta: AttentionMetadata) -> AttentionMetadata:
-    """``meta`` with ``token_seqs`` attached (itself when already there)."""
-    if meta.token_seqs is not None:
-        return meta
-    return dataclasses.replace(meta, token_seqs=token_seqs(meta))

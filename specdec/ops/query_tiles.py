@@ -1,0 +1,53 @@
+"""Query tiles of the batch-invariant attention kernel: ``AttentionMetadata.tile_starts``
+and ``tile_seqs`` (``ops.attention_metadata``, "Query tiles").
+
+A tile is the rows one program of ``kernels/invariant_attention.py`` attends for: up to
+``TILE_TOKENS`` consecutive query rows of one sequence that all lie before its tree (their
+logical positions are cache indices, so one K/V tile serves them all), or a single tree
+row (its logical positions run through its own ancestors). A prefill chunk of ``n`` rows
+is ``cdiv(n, TILE_TOKENS)`` tiles, a decode one tile, a ``t``-node tree ``t`` tiles. How
+rows share a tile never changes a row's bits (the kernel's docstring says why), only how
+often its keys are read.
+
+Built from ``query_start_loc``, ``seq_lens`` and ``tree_lens`` with device ops (a clamp,
+a cumulative sum, a search): nothing reads device values back, and the shapes come from
+``num_seqs`` and the row count, so the tables can be built inside a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdec.ops.attention_metadata import AttentionMetadata
+
+__all__ = ["TILE_TOKENS", "query_tiles", "with_query_tiles"]
+
+TILE_TOKENS = 4  # query rows per tile before a tree: 4 x a GQA group of <= 4 fills 16 rows
+
+
+def query_tiles(
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_seqs + 1] int32, [num_tokens] int64
+    """``(tile_starts, tile_seqs)`` of ``meta``'s batch (module docstring)."""
+    loc = meta.query_start_loc
+    q_lens = loc[1:] - loc[:-1]  # [num_seqs]
+    tree_lens = meta.tree_lens if meta.has_tree else torch.zeros_like(meta.seq_lens)
+    assert tree_lens is not None
+    # Rows before the tree: from cache index seq_len - q_len up to seq_len - tree_len.
+    plain = torch.clamp(q_lens - tree_lens, min=0)
+    tiles = (plain + TILE_TOKENS - 1) // TILE_TOKENS + (q_lens - plain)  # [num_seqs]
+    starts = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=loc.device)
+    starts[1:] = torch.cumsum(tiles, 0)
+    rows = torch.arange(meta.slot_mapping.shape[0], dtype=torch.int32, device=loc.device)
+    return starts, torch.searchsorted(starts[1:], rows, right=True)
+
+
+def with_query_tiles(meta: AttentionMetadata) -> AttentionMetadata:
+    """``meta`` with its query tiles attached (``meta`` itself when already there). Build
+    once per forward: every layer reuses them."""
+    if meta.tile_starts is not None:
+        return meta
+    starts, seqs = query_tiles(meta)
+    return dataclasses.replace(meta, tile_starts=starts, tile_seqs=seqs)
