@@ -6,6 +6,9 @@
 #   scripts/default_head.sh                 # every stage, in order
 #   scripts/default_head.sh train bench     # some stages
 #   SMOKE=1 scripts/default_head.sh         # a tiny CPU run of the whole chain (minutes)
+#   DRAFTER=block scripts/default_head.sh vocab train bench
+#                                           # a block drafter on the same data, benched
+#                                           # against the shipped head
 #   PROMPT_SOURCES="mix writing code" CODE_PROMPTS=10000 scripts/default_head.sh prompts
 #                                           # with programming requests (CODE_PROMPTS, 0 by default)
 #   PROMPT_SOURCES="mix writing code math" CODE_PROMPTS=15000 MATH_PROMPTS=8000 ...  # and word problems
@@ -19,8 +22,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MODEL=${MODEL:-smollm2-135m-instruct}
+# eagle3: the EAGLE-3 head (configs/train/smollm2.yaml); block: a DFlash-style block drafter
+# (configs/train/smollm2-block.yaml) on the same data, benchmarked with --draft dflash.
+DRAFTER=${DRAFTER:-eagle3}
 DATA=${DATA:-data/smollm2}
-RUN=${RUN:-runs/smollm2-eagle3}
+RUN=${RUN:-runs/smollm2-$DRAFTER}
 NUM_PROMPTS=${NUM_PROMPTS:-70000}     # the recipe wants at least 50,000 answered prompts
 PROMPTS=${PROMPTS:-}                  # what regenerate answers (default $DATA/prompts), or a JSONL
 # data-gen prompts --source values (space-separated); the default is the general mix plus
@@ -55,7 +61,7 @@ MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}     # regeneration batch
 DRAFT_VOCAB=${DRAFT_VOCAB:-16384}    # the smallest size covering 99% of answer tokens (docs)
 STEPS=${STEPS:-20000}
 TIME_LIMIT=${TIME_LIMIT:-}            # seconds: stop with a checkpoint and the head; rerun continues
-ATTENTION=${ATTENTION:-auto}          # TTT attention: auto | flex | reference
+ATTENTION=${ATTENTION:-auto}          # training attention: auto | flex | reference
 BENCH_PROMPTS=${BENCH_PROMPTS:-80}
 BENCH_MAX_TOKENS=${BENCH_MAX_TOKENS:-256}
 EXTRA_TRAIN=${EXTRA_TRAIN:-}          # more train-draft overrides, e.g. "optim.lr=2e-4"
@@ -126,17 +132,26 @@ stage_train() {
     if [ -f "$DATA/documents-regen/manifest.json" ]; then
         paths="[$DATA/regen,$DATA/documents-regen]" seq_len=${MAX_SEQ_LEN:-$DOC_MAX_MODEL_LEN}
     fi
+    local config=configs/train/smollm2.yaml attention=ttt.attention
+    if [ "$DRAFTER" = block ]; then
+        config=configs/train/smollm2-block.yaml attention=block.attention
+    fi
     # shellcheck disable=SC2086  # EXTRA_TRAIN is a list of key=value overrides
-    specdec train-draft --config configs/train/smollm2.yaml \
+    specdec train-draft --config "$config" \
         model.target="$MODEL" "${vocab[@]}" \
         data.mode=online data.path="$paths" data.max_seq_len="$seq_len" \
-        optim.max_steps="$STEPS" run.output_dir="$RUN" ttt.attention="$ATTENTION" \
+        optim.max_steps="$STEPS" run.output_dir="$RUN" "$attention=$ATTENTION" \
         ${TIME_LIMIT:+run.time_limit_s=$TIME_LIMIT} $EXTRA_TRAIN
 }
 
 stage_bench() {
-    # τ and speedup on the three bench sets: chain K = 3 and the dynamic tree.
-    specdec bench --model "$MODEL" --draft eagle3 --draft-model "$RUN/head" \
+    # τ and speedup on the three bench sets: chain K = 3 and the dynamic tree; a block
+    # drafter beside the shipped EAGLE-3 head at the same shapes (one verify budget).
+    local draft=(--draft eagle3 --draft-model "$RUN/head")
+    if [ "$DRAFTER" = block ]; then
+        draft=(--draft eagle3 --compare-drafters "dflash:$RUN/head")
+    fi
+    specdec bench --model "$MODEL" "${draft[@]}" \
         --num-prompts "$BENCH_PROMPTS" --max-tokens "$BENCH_MAX_TOKENS" --batch-sizes 1,16 \
         --sweep-chain 3 --sweep-top-k 8 --sweep-depth 5 --sweep-total-tokens 64 \
         --analysis --json "$RUN/bench.json" "${DEVICE_ARGS[@]}"

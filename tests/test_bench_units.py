@@ -135,24 +135,36 @@ def test_bands_naming_shapes_parse_from_the_flag_and_label_by_shape():
     assert label(spec) == "eagle3-k3-b1t8d6n32@cuda-b4k5"
 
 
-def test_drafters_compare_at_the_sweeps_shapes():
-    """Each drafter runs every shape of the sweep (one verify budget for all), a block
-    drafter the chains only; two drafters of one method are told apart by directory."""
+def test_drafters_compare_at_the_sweeps_shapes(tmp_path):
+    """Each drafter runs every shape of the sweep it can draft (one verify budget for all):
+    n-gram the chains, a block drafter of block 4 shapes up to depth 3; two drafters of one
+    method are told apart by directory."""
     from specdec.bench.config import compare_drafters, labels_of
 
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "config.json").write_text(
+        json.dumps({"architectures": ["DFlashDraftModel"], "block_size": 4})
+    )
     base = SpeculativeConfig(method="eagle3", model="heads/a", top_k=8, total_tokens=16)
     shapes, _ = sweep(base, chain=[3], top_k=[8], depth=[4])
-    others, skipped = compare_drafters(shapes, ["dflash:runs/block", "eagle3:heads/b"])
+    others, skipped = compare_drafters(shapes, [f"dflash:{block}", "ngram", "eagle3:heads/b"])
     assert [(c.method, c.model, c.tree) for c in others] == [
-        ("dflash", "runs/block", "chain"),
+        ("dflash", str(block), "chain"),
+        ("ngram", None, "chain"),
         ("eagle3", "heads/b", "chain"),
         ("eagle3", "heads/b", "dynamic"),
     ]
-    assert skipped == ["dflash:runs/block eagle3-tree-t8-d4-n16: dflash drafts chains only"]
+    assert [s.split(": ")[0] for s in skipped] == [
+        f"dflash:{block} eagle3-tree-t8-d4-n16",
+        "ngram eagle3-tree-t8-d4-n16",
+    ]
+    assert "drafts 4 tokens deep" in skipped[0] and "chain" in skipped[1]
     assert labels_of(shapes + others) == [
         "eagle3[a]-k3",
         "eagle3[a]-tree-t8-d4-n16",
         "dflash-k3",
+        "ngram-k3",
         "eagle3[b]-k3",
         "eagle3[b]-tree-t8-d4-n16",
     ]

@@ -70,6 +70,7 @@ def _proposer(tiny_target, drafter_dir, **spec) -> BlockProposer:
         device=torch.device("cpu"), dtype=torch.float32, block_size=BS, num_blocks=num_blocks,
         model_config=config, model=load_model(str(tiny_target)), max_model_len=64,
         aux_layer_ids=(1,), aux_cache=torch.zeros(num_blocks * BS, aux_width),
+        runtime=SimpleNamespace(triton_kernels=False),
     )  # fmt: skip
     spec = {"num_speculative_tokens": 3, **spec}
     return BlockProposer(
@@ -143,11 +144,38 @@ def test_cached_context_equals_recomputed_and_blocks_equal_dense(tiny_target, ti
     assert tree.token_ids.tolist() == [62, *_dense_chain(proposer, a, fresh)]
 
 
-def test_shapes_the_drafter_cannot_draft_are_refused(tiny_target, tiny_drafter_dir):
-    with pytest.raises(ValueError, match=r"num_speculative_tokens=4 .* block_size - 1 = 3"):
+def test_shapes_deeper_than_the_block_are_refused(tiny_target, tiny_drafter_dir):
+    with pytest.raises(ValueError, match=r"drafts 4 tokens deep, past .* block_size - 1 = 3"):
         _proposer(tiny_target, tiny_drafter_dir, num_speculative_tokens=4)
-    with pytest.raises(ValueError, match=r"chains only"):
-        _proposer(tiny_target, tiny_drafter_dir, tree="dynamic", top_k=2, total_tokens=4)
+    with pytest.raises(ValueError, match=r"drafts 4 tokens deep"):
+        _proposer(tiny_target, tiny_drafter_dir, tree="dynamic", num_speculative_tokens=4,
+                  top_k=2, total_tokens=6)  # fmt: skip
+
+
+@torch.inference_mode()
+def test_trees_grow_from_the_slots_candidates(tiny_target, tiny_drafter_dir):
+    """A dynamic tree's depth-d nodes are slot d's top candidates, whatever their parent,
+    and the slots' argmax chain is one of its paths."""
+    proposer = _proposer(tiny_target, tiny_drafter_dir, tree="dynamic", num_speculative_tokens=3,
+                         top_k=2, total_tokens=10)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=16)
+    a = Request("a", list(range(20, 30)), params, block_ids=[5, 2, 9, 0, 7])
+    aux = torch.randn(10, 64, generator=torch.Generator().manual_seed(1))
+    proposer.observe(a, 0, aux)
+    a.num_computed_tokens = 10
+    a.output_token_ids.append(50)
+    (tree,) = proposer.propose([a], [10], proposer.shape_at(1))
+    chain = _dense_chain(proposer, a, aux)  # the slots' argmaxes
+    slots = proposer.block_logits([a], torch.tensor([50]))[0]  # [B - 1, draft_vocab]
+    top2 = [set(proposer.draft_ids[row.topk(2).indices].tolist()) for row in slots]
+    tokens, parents = tree.token_ids.tolist(), tree.parent_list()
+    assert tokens[0] == 50 and tree.num_nodes == 11  # every candidate: 2 + 4 + 4
+    for node in range(1, tree.num_nodes):
+        assert tokens[node] in top2[len(tree.path(node)) - 2], node
+    node = 0
+    for token in chain:
+        children = [c for c in range(1, tree.num_nodes) if parents[c] == node]
+        node = next(c for c in children if tokens[c] == token)
 
 
 def test_a_drafter_for_another_target_is_refused(smollm2_dir, tiny_drafter_dir):
@@ -251,15 +279,18 @@ def test_a_fitted_drafter_gets_drafts_accepted_and_stays_lossless(
     torch.manual_seed(0)
     drafter = _smollm2_drafter(smollm2_dir, vocab)
     _fit_to_continuations(drafter, smollm2_hf, sequences, [len(p) for p in prompts])
-    spec = SpeculativeConfig(method="dflash", model=_save(drafter, tmp_path / "d"),
-                             num_speculative_tokens=3)  # fmt: skip
-    llm = make_llm(smollm2_dir, speculative=spec)
-    # The fitted prompts and an unfitted one together: batches of 3, drafts mixed.
-    outs = llm.generate([*prompts, chats[PICKED[2]]], greedy(LOSSLESS_TOKENS), use_tqdm=False)
-    assert token_ids(outs) == [reference[0], reference[1], reference[2]]
-    stats = llm.engine.spec_stats
-    print(f"fitted block drafter: tau = {stats.tau:.2f} over {stats.steps} steps")
-    assert stats.tau > 1.8
+    drafter_dir = _save(drafter, tmp_path / "d")
+    # A chain of the slots' argmaxes, and a tree of their top-2 candidates (8 of the 10).
+    for shape in ({}, {"tree": "dynamic", "top_k": 2, "total_tokens": 8}):
+        spec = SpeculativeConfig(method="dflash", model=drafter_dir, num_speculative_tokens=3,
+                                 **shape)  # fmt: skip
+        llm = make_llm(smollm2_dir, speculative=spec)
+        # The fitted prompts and an unfitted one together: batches of 3, drafts mixed.
+        outs = llm.generate([*prompts, chats[PICKED[2]]], greedy(LOSSLESS_TOKENS), use_tqdm=False)
+        assert token_ids(outs) == [reference[0], reference[1], reference[2]], shape
+        stats = llm.engine.spec_stats
+        print(f"fitted block drafter {shape}: tau = {stats.tau:.2f} over {stats.steps} steps")
+        assert stats.tau > 1.8
 
 
 # ---------------------------------------------------------------------- sampling
@@ -315,9 +346,11 @@ def support_drafter_dir(tiny_target, exact_joint, tmp_path_factory) -> str:
     return _save(drafter, tmp_path_factory.mktemp("support_drafter"))
 
 
-def _sampling_llm(tiny_target, drafter_dir) -> LLM:
-    # Chains of 2: the second step verifies tokens 2 and 3 against drafts drawn from q_1, q_2.
-    spec = SpeculativeConfig(method="dflash", model=drafter_dir, num_speculative_tokens=2)
+def _sampling_llm(tiny_target, drafter_dir, shape: dict) -> LLM:
+    # Depth 2: the second step verifies tokens 2 and 3, drafts drawn from q_1, q_2 (a chain)
+    # or the slots' top candidates (a tree).
+    spec = SpeculativeConfig(method="dflash", model=drafter_dir, num_speculative_tokens=2,
+                             **shape)  # fmt: skip
     return LLM(str(tiny_target), device="cpu", dtype="float32", kv_cache_memory=256 << 20,
                max_model_len=64, max_num_seqs=1000, max_num_batched_tokens=1000 * len(PROMPT),
                speculative=spec, enable_prefix_caching=False)  # fmt: skip
@@ -334,9 +367,14 @@ def _chi_square_p(counts, joint) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def test_sampled_drafts_keep_the_target_distribution(tiny_target, support_drafter_dir, exact_joint):
+@pytest.mark.parametrize(
+    "shape", [{}, {"tree": "dynamic", "top_k": 2, "total_tokens": 4}], ids=["chain", "tree"]
+)
+def test_sampled_drafts_keep_the_target_distribution(
+    tiny_target, support_drafter_dir, exact_joint, shape
+):
     torch.manual_seed(0)
-    llm = _sampling_llm(tiny_target, support_drafter_dir)
+    llm = _sampling_llm(tiny_target, support_drafter_dir, shape)
     # max_tokens=4: the first verify step drafts 2 deep (tokens 2 and 3) after prefill.
     params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=4, ignore_eos=True)
     outs = llm.generate([PROMPT] * N, params, use_tqdm=False)
@@ -345,9 +383,11 @@ def test_sampled_drafts_keep_the_target_distribution(tiny_target, support_drafte
         key = tuple(o.outputs[0].token_ids[:3])
         counts[key] = counts.get(key, 0) + 1
     stats = llm.engine.spec_stats
-    # Sampled drafts really are accepted and rejected, at both depths.
+    # Drafts really are accepted and rejected; drawn chains at both depths (a tree's
+    # candidates are the same for every request here: the slots' top tokens).
     assert stats.steps >= N and 0 < stats.accepted_tokens < stats.drafted_tokens
-    assert len(stats.accepted_at_least) == 2 and stats.accepted_at_least[1] > 0
+    if not shape:
+        assert len(stats.accepted_at_least) == 2 and stats.accepted_at_least[1] > 0
     assert _chi_square_p(counts, exact_joint) > 0.01
     # Seeded requests reproduce, whatever else runs in the batch.
     seeded = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=s)

@@ -209,8 +209,8 @@ def compare_drafters(
     """``configs`` (the sweep's shapes) once more for each drafter in ``drafters``
     (``METHOD`` or ``METHOD:MODEL``, e.g. ``dflash:runs/block``): the same shapes, so every
     drafter is measured at the same verify budget (draft tokens the target checks per
-    step). A shape the drafter's proposer cannot draft (a tree for a block drafter) is
-    returned as a reason, not raised."""
+    step). A shape the drafter's proposer cannot draft (``Proposer.cannot_draft``: one
+    deeper than a block drafter's block) is returned as a reason, not raised."""
     from specdec.spec.proposer import proposer_class
 
     out: list[SpeculativeConfig] = []
@@ -219,8 +219,9 @@ def compare_drafters(
         method, _, model = entry.partition(":")
         for c in configs:
             spec = replace(c, method=method, model=model or None)
-            if not proposer_class(spec).drafts_trees and c.tree != "chain":
-                skipped.append(f"{entry} {label(c)}: {method} drafts chains only")
+            reason = proposer_class(spec).cannot_draft(spec)
+            if reason is not None:
+                skipped.append(f"{entry} {label(c)}: {reason}")
                 continue
             out.append(spec)
     return out, skipped

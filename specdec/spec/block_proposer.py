@@ -1,17 +1,24 @@
 """Block drafter proposer (``method="dflash"``, vLLM's name): one drafter forward drafts a
-whole chain (``specdec.models.block_drafter``).
+whole block (``specdec.models.block_drafter``), verified as a chain or as a tree of its
+per-slot candidates.
 
 At a step a request's committed tokens are ``x[0 .. r]``; the root ``x[r]`` has no
 target K/V yet, and the target's aux states of tokens ``0 .. r-1`` reached the proposer
 (``observe``, or ``defer`` to the runner's aux cache; ``AuxRows``). The drafter's context
 is its per-layer K/V of positions ``0 .. r-1`` (``context_kv`` of each position's aux
 row). The block ``[x[r], MASK x (B-1)]`` at positions ``r .. r+B-1`` attends to that
-context and to itself both ways; slot ``k`` predicts ``x[r+k]``. The step's chain is the
-first ``depth`` slots (the band's depth, cut by the request's limit):
+context and to itself both ways; slot ``k`` predicts ``x[r+k]`` whatever comes between,
+so one forward gives every depth's candidates. The step's draft uses the first ``depth``
+slots (the band's depth, cut by the request's limit):
 
-- greedy requests: each slot's argmax (deterministic candidates);
-- sampled requests: slot ``k``'s token drawn from ``q_k`` = softmax of the slot's draft
-  logits at the request's temperature; the tree carries ``q_k`` as node ``k``'s
+- a tree band (dynamic or static): ``grow_trees`` with slot ``d + 1``'s draft
+  log-probabilities as every depth-``d`` node's children scores, deterministic candidates
+  for every request (a dynamic shape keeps the nodes of highest summed log-probability,
+  as EAGLE-2 ranks the head's: here the product of the slots' marginals). Sampled
+  requests accept deterministic candidates losslessly (``spec.acceptance``);
+- a chain band, greedy requests: each slot's argmax (deterministic candidates);
+- a chain band, sampled requests: slot ``k``'s token drawn from ``q_k`` = softmax of the
+  slot's draft logits at the request's temperature; the tree carries ``q_k`` as node ``k``'s
   ``draft_probs`` row, so lossless rejection sampling applies. The request's top-k,
   top-p and min-p filter the target's distribution only: filtering ``q_k`` too could
   leave it no token in common with the target's, and no draft would ever be accepted.
@@ -45,13 +52,15 @@ import torch
 from specdec.config import SpeculativeConfig
 from specdec.device.staging import to_device
 from specdec.models.block_drafter import ContextKV
+from specdec.models.block_drafter_file import read_block_size
 from specdec.models.block_drafter_formats import load_block_drafter, read_block_config
 from specdec.models.config import ModelConfig
 from specdec.request import Request
 from specdec.sampling.seeded_stream import SeededStream, keys_tensor, row_exponentials
 from specdec.spec.aux_rows import AuxRows
 from specdec.spec.proposer import Proposer
-from specdec.spec.tree import DraftTree, TreeBatch
+from specdec.spec.topk import level_topk_for
+from specdec.spec.tree import DraftTree, TreeBatch, grow_trees
 from specdec.tree_shapes import ChainShape, TreeShape
 
 # A seeded request's draft draws come from SeededStream(seed ^ this): independent of the
@@ -61,7 +70,6 @@ DRAFT_STREAM_SALT = 0x9E6C63D0676A9A99
 
 class BlockProposer(Proposer):
     name = "dflash"
-    drafts_trees = False  # one block forward drafts one token per position
 
     def __init__(self, config: SpeculativeConfig, *, runner) -> None:
         super().__init__(config, runner=runner)
@@ -103,21 +111,17 @@ class BlockProposer(Proposer):
             torch.arange(c.draft_vocab_size, device=self.device)
         )
         self._streams: dict[str, SeededStream] = {}  # seeded requests' draft streams
+        self.level_topk = level_topk_for(runner.runtime.triton_kernels)
 
     def _check_shapes(self, block: int) -> None:
-        trees = [(m, s) for m, s in self.bands if not isinstance(s, ChainShape)]
-        if trees:
-            raise ValueError(
-                f"the block drafter drafts chains only, but bands {trees} are trees; use "
-                "tree='chain' and give bands a depth (num_speculative_tokens_by_batch_size "
-                "[max_batch, k])"
-            )
         if self.max_depth > block - 1:
-            raise ValueError(
-                f"num_speculative_tokens={self.max_depth} (the deepest band) exceeds the "
-                f"drafter's block_size - 1 = {block - 1} (one block drafts that many "
-                f"tokens); set num_speculative_tokens <= {block - 1}"
-            )
+            raise ValueError(_too_deep(self.max_depth, block))
+
+    @classmethod
+    def cannot_draft(cls, config: SpeculativeConfig) -> str | None:
+        block = read_block_size(_model_dir(config))
+        deepest = max(s.depth for _, s in config.bands)
+        return _too_deep(deepest, block) if deepest > block - 1 else None
 
     @classmethod
     def aux_layers_of(cls, config: SpeculativeConfig, target: ModelConfig) -> tuple[int, ...]:
@@ -150,22 +154,25 @@ class BlockProposer(Proposer):
             self.device,
         )  # [b]: each request's last committed token, at position r
         logits = self.block_logits(group, roots)  # [b, B - 1, draft_vocab]
-        # One batch per (depth, greedy): chains of one depth and kind stack.
-        batches: dict[tuple[int, bool], list[int]] = {}
+        # One batch per (shape, sampled chain): drafts of one shape and kind stack. Block
+        # positions are never cached, so a shape needs no room beyond the request's limit.
+        batches: dict[tuple[TreeShape, bool], list[int]] = {}
         for j, i in enumerate(rows):
-            depth = min(max_draft_tokens[i], shape.depth)
-            greedy = group[j].sampling_params.is_greedy
-            batches.setdefault((depth, greedy), []).append(j)
-        for (depth, greedy), members in batches.items():
+            grown = self.shape_for(shape, max_draft_tokens[i], room=shape.num_expanded)
+            drawn = isinstance(grown, ChainShape) and not group[j].sampling_params.is_greedy
+            batches.setdefault((grown, drawn), []).append(j)
+        for (grown, drawn), members in batches.items():
             index = to_device(np.array(members, dtype=np.int64), self.device)
-            slot_logits = logits.index_select(0, index)[:, :depth]  # [n, depth, draft_vocab]
-            if greedy:
-                chains = self._greedy_chains(roots[index], slot_logits)
-            else:
-                chains = self._sampled_chains(
+            slot_logits = logits.index_select(0, index)[:, : grown.depth]  # [n, depth, V]
+            if drawn:
+                drafts = self._sampled_chains(
                     roots[index], slot_logits, [group[j] for j in members]
                 )
-            for j, tree in zip(members, chains.unbind(), strict=True):
+            elif isinstance(grown, ChainShape):
+                drafts = self._greedy_chains(roots[index], slot_logits)
+            else:
+                drafts = self._candidate_trees(grown, roots[index], slot_logits)
+            for j, tree in zip(members, drafts.unbind(), strict=True):
                 trees[rows[j]] = tree
         return trees
 
@@ -217,6 +224,23 @@ class BlockProposer(Proposer):
         """Each slot's argmax: deterministic candidates."""
         return _chains(roots, self.draft_ids[logits.argmax(dim=-1)])
 
+    def _candidate_trees(
+        self,
+        shape: TreeShape,
+        roots: torch.Tensor,  # [n] int64
+        logits: torch.Tensor,  # [n, depth, draft_vocab]
+    ) -> TreeBatch:
+        """``shape`` grown from the slots' candidates: a depth-``d`` node's children are
+        ranked by slot ``d + 1``'s draft log-probabilities, the same for every node of a
+        depth (a block's slots do not see the tokens drafted before them)."""
+
+        def slot_scores(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int):
+            return logits[:, depth, None, :].expand(-1, tokens.shape[1], -1)  # [n, m, V]
+
+        return grow_trees(
+            shape, roots, slot_scores, token_map=self.draft_ids, level_topk=self.level_topk
+        )
+
     def _sampled_chains(
         self,
         roots: torch.Tensor,  # [n] int64
@@ -267,6 +291,14 @@ def _chains(
         parents=(nodes - 1).clamp_min(0).expand(n, -1),
         depths=nodes.expand(n, -1),
         is_chain=True,
+    )
+
+
+def _too_deep(depth: int, block: int) -> str:
+    return (
+        f"the deepest band drafts {depth} tokens deep, past the drafter's block_size - 1 = "
+        f"{block - 1} (one block drafts that many positions); set num_speculative_tokens "
+        f"(or a tree's depth) <= {block - 1}"
     )
 
 

@@ -29,21 +29,28 @@ class NgramProposer(Proposer):
 
     def __init__(self, config: SpeculativeConfig, *, runner=None, **_unused) -> None:
         super().__init__(config, runner=runner)
-        if config.tree != "chain":
-            raise ValueError(
-                f"the ngram proposer drafts the one continuation it finds (a chain); got "
-                f"tree={config.tree!r}, use tree='chain'"
-            )
-        trees = [(m, s) for m, s in self.bands if not isinstance(s, ChainShape)]
-        if trees:
-            raise ValueError(
-                f"the ngram proposer drafts chains only, but bands {trees} are trees; give "
-                "those bands a depth (num_speculative_tokens_by_batch_size [max_batch, k])"
-            )
+        reason = self.cannot_draft(config)
+        if reason is not None:
+            raise ValueError(reason)
         # Up to the deepest band's length; each step cuts to its own band's.
         self.ngram = NgramConfig(self.max_depth, config.ngram_min, config.ngram_max)
         # One incremental index per request: a step costs O(new tokens), not O(length).
         self._indexes: dict[str, NgramIndex] = {}
+
+    @classmethod
+    def cannot_draft(cls, config: SpeculativeConfig) -> str | None:
+        if config.tree != "chain":
+            return (
+                f"the ngram proposer drafts the one continuation it finds (a chain); got "
+                f"tree={config.tree!r}, use tree='chain'"
+            )
+        trees = [(m, s) for m, s in config.bands if not isinstance(s, ChainShape)]
+        if trees:
+            return (
+                f"the ngram proposer drafts chains only, but bands {trees} are trees; give "
+                "those bands a depth (num_speculative_tokens_by_batch_size [max_batch, k])"
+            )
+        return None
 
     def release(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)

@@ -46,6 +46,12 @@ class Proposer(ABC):
         self.bands: list[tuple[int | None, TreeShape]] = config.bands_on(device_type)
         self.shapes: list[TreeShape] = list(dict.fromkeys(s for _, s in self.bands))
 
+    @classmethod
+    def cannot_draft(cls, config: SpeculativeConfig) -> str | None:
+        """Why this proposer could not draft ``config``'s bands, found without building it
+        (the bench skips such a sweep point with the reason); None when it can."""
+        return None
+
     def shape_at(self, batch_size: int) -> TreeShape:
         """The shape a step of ``batch_size`` running requests drafts (the bands made
         once: this runs every step)."""
@@ -70,9 +76,6 @@ class Proposer(ABC):
         if max_draft_tokens >= shape.max_draft_tokens and room >= shape.num_expanded:
             return shape
         return ChainShape(min(max_draft_tokens, shape.depth))
-
-    # Whether the proposer grows trees; False: chains only (its bands must be chains).
-    drafts_trees: ClassVar[bool] = True
 
     # Target layers whose entering residual stream this proposer reads (EAGLE-3): the
     # engine then passes the aux states of the tokens each step that may speculate
