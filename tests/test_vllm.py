@@ -69,41 +69,52 @@ def task_prompts(tokenizer) -> list[str]:
     ]  # fmt: skip
 
 
-def specdec_greedy(head_dir: Path, prompts: list[str]) -> tuple[list, SpecStats]:
+def specdec_greedy(
+    head_dir: Path, prompts: list[str], method: str = "eagle3"
+) -> tuple[list, SpecStats]:
     """specdec's greedy outputs and speculation counters with ``head_dir``, K drafts."""
-    spec = SpeculativeConfig(method="eagle3", model=str(head_dir), num_speculative_tokens=K)
+    spec = SpeculativeConfig(method=method, model=str(head_dir), num_speculative_tokens=K)
     llm = LLM(SMOLLM2, **ENGINE, max_model_len=1024, speculative=spec)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), False)
     return outs, llm.engine.spec_stats
 
 
-def serve_exported(python: Path, smollm2_dir: Path, head_dir: Path, root: Path) -> VllmServer:
-    """``specdec export --to vllm`` of ``head_dir`` under ``root``, served by vLLM with K."""
+def serve_exported(
+    python: Path, smollm2_dir: Path, head_dir: Path, root: Path, method: str = "eagle3"
+) -> VllmServer:
+    """``specdec export --to vllm`` of ``head_dir`` under ``root``, served by vLLM with K
+    as ``method`` (``eagle3`` heads, ``dflash`` block drafters)."""
     exported = root / "vllm_head"
     assert main(["export", "--to", "vllm", str(head_dir), str(exported),
                  "--num-speculative-tokens", str(K)]) == 0  # fmt: skip
-    spec_config = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": K}
+    spec_config = {"method": method, "model": str(exported), "num_speculative_tokens": K}
     return start_vllm(python, smollm2_dir, ["--speculative-config", json.dumps(spec_config)])
 
 
 def vllm_drafts_as_specdec(
     python: Path, smollm2_dir: Path, head_dir: Path, prompts: list[str], root: Path,
-    outs: list, ours: SpecStats, tau_tolerance: float,
+    outs: list, ours: SpecStats, tau_tolerance: float, method: str = "eagle3",
+    aux_layers: tuple[int, ...] | None = None,
 ) -> dict:  # fmt: skip
-    """Serve ``head_dir``'s export in vLLM and check it against specdec's run of it
-    (``outs``, ``ours``): the same greedy tokens, τ within ``tau_tolerance`` (a share of
-    ours), each position's acceptance rate within 0.05 (ours lists positions up to the
-    deepest acceptance seen, vLLM all K). Returns vLLM's report."""
+    """Serve ``head_dir``'s export in vLLM as ``method`` and check it against specdec's
+    run of it (``outs``, ``ours``): the same greedy tokens, τ within ``tau_tolerance`` (a
+    share of ours), each position's acceptance rate within 0.05 (ours lists positions up
+    to the deepest acceptance seen, vLLM all K) and, given ``aux_layers`` (our
+    numbering), vLLM's log naming them as the target layers it reads. Returns vLLM's
+    report."""
     from specdec.serve.spec_metrics import read_counters
 
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
-    server = serve_exported(python, smollm2_dir, head_dir, root)
+    server = serve_exported(python, smollm2_dir, head_dir, root, method)
     try:
         server.wait_ready(timeout=600)
         assert completions(server.url, str(smollm2_dir), prompts) == token_ids
         source, counters = read_counters(httpx.get(f"{server.url}/metrics", timeout=10).text)
     finally:
         server.stop()
+    if aux_layers is not None:  # adjacent layers' states are alike: τ barely shows a shift
+        read = f"Using auxiliary layers from speculative config: {tuple(aux_layers)}"
+        assert read in server.log_tail(200_000), read
     theirs = counters.report(source)
     detail = f"vLLM {theirs}; specdec {ours.summary()}"
     assert abs(theirs["tau"] - ours.tau) <= tau_tolerance * ours.tau, detail
