@@ -11,6 +11,8 @@ generator (``specdec bench-serve``). Installed from the top-level ``serve/`` fol
 - ``serving.py``: completions and chat handlers, SSE streaming
 - ``tokenize.py``: vLLM's /tokenize and /detokenize
 - ``errors.py``, ``auth.py``, ``metrics.py``: error bodies, API keys, Prometheus
+- ``launch.py``: the start-up order: the engine core spawned first, the tokenizer on a
+  thread, before the HTTP stack is imported
 - ``app.py``: ``build_app`` (FastAPI) and ``run_server`` (uvicorn)
 - ``cli.py``, ``bench.py``: the two commands
 """

@@ -9,8 +9,6 @@ an API key every /v1 route needs ``Authorization: Bearer <key>``.
 from __future__ import annotations
 
 import logging
-import threading
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -25,6 +23,7 @@ from specdec.serve.async_engine import AsyncLLMEngine
 from specdec.serve.auth import APIKeyMiddleware
 from specdec.serve.config import ServeConfig
 from specdec.serve.errors import error_response, install_error_handlers
+from specdec.serve.launch import Launch, launch
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import (
     CHAT_EXAMPLES,
@@ -146,29 +145,36 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def run_server(config: ServeConfig) -> None:
-    """Start the engine core, then serve until interrupted (blocks)."""
+def run_server(config: ServeConfig, started: Launch | None = None) -> None:
+    """Serve until interrupted (blocks). ``started``: the start-up ``launch(config)``
+    began before this module was imported (default: begin it now)."""
     import uvicorn
 
-    from specdec.serve.core_client import InprocCoreClient, ProcCoreClient
+    from specdec.serve.core_client import InprocCoreClient
 
-    logger.info(
-        "starting the engine core for %s (%s)",
-        config.engine.model,
-        "its own process" if config.engine_process else "a thread of this process",
-    )
-    tokenizer: Future = Future()
-    if config.engine_process:
-        core = ProcCoreClient(config.core_engine, wait=False)
-        # The API side's tokenizer loads while the core loads weights and captures graphs.
-        core.wait_ready(on_resolved=lambda model: _load_in_background(tokenizer, model))
-    else:
-        from specdec.engine.llm_engine import LLMEngine
+    started = started or launch(config)
+    try:
+        if started.core is not None:
+            core = started.core
+            # The API side's tokenizer loads while the core loads weights and captures graphs.
+            core.wait_ready(on_resolved=started.tokenizer.resolve)
+        else:
+            from specdec.engine.llm_engine import LLMEngine
 
-        core = InprocCoreClient(LLMEngine(config.core_engine))
+            core = InprocCoreClient(LLMEngine(config.core_engine))
+    except BaseException:
+        started.abort()
+        raise
     info = core.info
+    started.tokenizer.resolve(info.model)  # no model came before "ready"
+    try:
+        engine = AsyncLLMEngine(core, config.max_in_flight, started.tokenizer.result())
+        app = build_app(engine, config)
+    except BaseException:
+        core.shutdown()
+        raise
     logger.info(
-        "serving %s as %s on %s %s (%s), max_model_len %d, %d KV blocks",
+        "serving %s as %s on %s %s (%s), max_model_len %d, %d KV blocks; ready %.1f s after launch",
         config.engine.model,
         config.model_names,
         info.device,
@@ -176,15 +182,8 @@ def run_server(config: ServeConfig) -> None:
         info.speculation,
         info.max_model_len,
         info.num_kv_blocks,
+        started.seconds(),
     )
-    if not (tokenizer.running() or tokenizer.done()):  # no model came before "ready"
-        _load_in_background(tokenizer, info.model)
-    try:
-        engine = AsyncLLMEngine(core, config.max_in_flight, tokenizer.result())
-        app = build_app(engine, config)
-    except BaseException:
-        core.shutdown()
-        raise
     uvicorn.run(
         app,
         host=config.host,
@@ -192,17 +191,3 @@ def run_server(config: ServeConfig) -> None:
         log_level=config.log_level,
         timeout_graceful_shutdown=5,
     )
-
-
-def _load_in_background(future: Future, model) -> None:
-    """Load ``model``'s tokenizer into ``future`` on a thread (running at once)."""
-    from specdec.models import load_tokenizer
-
-    def load() -> None:
-        try:
-            future.set_result(load_tokenizer(model))
-        except BaseException as e:
-            future.set_exception(e)
-
-    future.set_running_or_notify_cancel()
-    threading.Thread(target=load, name="specdec-tokenizer", daemon=True).start()

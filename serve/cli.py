@@ -226,18 +226,30 @@ def _load_spec_fields(value: str) -> dict[str, Any]:
 @command("serve", _serve_args)
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, SSE, /metrics)."""
+    from specdec.serve.launch import launch, missing_serve_module
+
     config = serve_config_from_args(args)
     level = config.log_level.upper()
     logging.getLogger().setLevel("DEBUG" if level == "TRACE" else level)
+    if missing := missing_serve_module():
+        raise SystemExit(_missing_extra(missing))
+    # The engine core starts before this process imports FastAPI (and, on the tokenizer's
+    # thread, torch): those imports then overlap the core's.
+    started = launch(config)
     try:
         from specdec.serve.app import run_server
     except ImportError as e:
-        raise SystemExit(
-            f"error: specdec serve needs the serve extra ({e.name} is missing); "
-            "install it with: pip install 'specdec[serve]'"
-        ) from None
-    run_server(config)
+        started.abort()
+        raise SystemExit(_missing_extra(e.name)) from None
+    run_server(config, started)
     return 0
+
+
+def _missing_extra(module: str | None) -> str:
+    return (
+        f"error: specdec serve needs the serve extra ({module} is missing); "
+        "install it with: pip install 'specdec[serve]'"
+    )
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from specdec.serve.engine_core import EngineCore, EngineInfo, engine_info, run_core_process
+from specdec.serve.engine_core import (
+    EngineCore,
+    EngineInfo,
+    build_llm_engine,
+    engine_info,
+    run_core_process,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +70,12 @@ class InprocCoreClient:
 class ProcCoreClient:
     """The core loop in a child process that builds its own engine.
 
-    ``build_engine(config)`` runs in the child (a picklable callable: ``LLMEngine`` by
-    default). The constructor returns once the engine is ready (``wait=False``: at once;
-    call ``wait_ready`` before ``start``); it raises ``EngineStartError`` if the child
-    fails or exits first.
+    ``build_engine(config)`` runs in the child (a picklable callable: ``build_llm_engine``
+    by default, which imports the engine there, not here); for an ``EngineConfig`` the
+    child resolves the model first and calls ``build_engine(config, resolved)``. The
+    constructor returns once the engine is ready (``wait=False``: at once; call
+    ``wait_ready`` before ``start``); it raises ``EngineStartError`` if the child fails or
+    exits first.
     """
 
     info: EngineInfo
@@ -79,10 +87,7 @@ class ProcCoreClient:
         start_timeout: float | None = None,
         wait: bool = True,
     ) -> None:
-        if build_engine is None:
-            from specdec.engine.llm_engine import LLMEngine
-
-            build_engine = LLMEngine
+        build_engine = build_engine or build_llm_engine
         # spawn, not fork: the child initialises CUDA, and this process may hold threads.
         ctx = multiprocessing.get_context("spawn")
         commands_out, commands_in = ctx.Pipe(duplex=False)  # (reader, writer)

@@ -228,7 +228,16 @@ class EngineCore:
 
 
 # ---- the core's own process --------------------------------------------------------------
-def run_core_process(build_engine: Callable[[Any], Any], config: Any, commands, messages,
+def build_llm_engine(config: Any, resolved: Any = None):
+    """The core process's default engine: ``LLMEngine(config, resolved)``. The engine
+    (torch, the model code) is imported here, in the core process only: the API process
+    spawns the core without importing torch first."""
+    from specdec.engine.llm_engine import LLMEngine
+
+    return LLMEngine(config, resolved)
+
+
+def run_core_process(build_engine: Callable[..., Any], config: Any, commands, messages,
                      log_level: int, launched: float | None = None) -> None:  # fmt: skip
     """Entry point of the engine core process (``multiprocessing`` spawn target).
 
@@ -242,25 +251,32 @@ def run_core_process(build_engine: Callable[[Any], Any], config: Any, commands, 
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     if launched is not None:
         logger.info(
-            "engine core process up %.1f s after launch (interpreter and imports); building "
-            "the engine",
+            "engine core process up %.1f s after its spawn; importing the engine and building it",
             time.monotonic() - launched,
         )
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     writer = threading.Thread(target=_write, args=(outbox, messages), daemon=True)
     writer.start()
     try:
+        start = time.perf_counter()
         if hasattr(config, "model") and hasattr(config, "cache_dir"):  # an EngineConfig
             from specdec.models import resolve_model
 
-            outbox.put(("resolved", resolve_model(config.model, cache_dir=config.cache_dir)))
-        engine = build_engine(config)
+            resolved = resolve_model(config.model, cache_dir=config.cache_dir)
+            logger.info("imported the model code (torch) and resolved %s to %s in %.1f s",
+                        config.model, resolved.hf_dir, time.perf_counter() - start)  # fmt: skip
+            outbox.put(("resolved", resolved))
+            start = time.perf_counter()
+            engine = build_engine(config, resolved)
+        else:
+            engine = build_engine(config)
     except BaseException as e:
         logger.exception("the engine could not be built")
         outbox.put(("dead", f"{type(e).__name__}: {e}"))
         outbox.put(None)
         writer.join(10)
         return
+    logger.info("built the engine in %.1f s", time.perf_counter() - start)
     outbox.put(("ready", engine_info(engine)))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     reader = threading.Thread(target=_read, args=(commands, inbox), daemon=True)

@@ -622,34 +622,6 @@ def test_model_errors_name_the_spec_and_the_fixes(tmp_path: Path, monkeypatch) -
         resolve_model("specdec-test/no-such-model")
 
 
-def test_gguf_cache_is_atomic_and_reused(tmp_path: Path, monkeypatch) -> None:
-    gguf = tmp_path / "fake.gguf"
-    gguf.write_bytes(b"GGUF")
-    cache = tmp_path / "cache"
-    calls = []
-
-    def killed(src: Path, out: Path) -> None:
-        (out / "model.safetensors").write_bytes(b"partial")
-        raise KeyboardInterrupt
-
-    def good(src: Path, out: Path) -> None:
-        calls.append(src)
-        (out / "config.json").write_text("{}")
-
-    with pytest.raises(KeyboardInterrupt):
-        gguf_module.gguf_to_hf_dir(gguf, cache, convert=killed)
-    assert list((cache / "gguf").iterdir()) == []  # neither an entry nor a temp dir
-
-    entry = gguf_module.gguf_to_hf_dir(gguf, cache, convert=good)
-    assert (entry / "config.json").is_file() and entry.parent == cache / "gguf"
-    assert gguf_module.gguf_to_hf_dir(gguf, cache, convert=good) == entry
-    monkeypatch.setattr(gguf_module, "convert_gguf", good)  # the default converter
-    resolved = resolve_model(str(gguf), cache_dir=cache)
-    assert (resolved.name, resolved.hf_dir, resolved.source) == ("fake", entry, "gguf")
-    assert len(calls) == 1
-    assert [p.name for p in (cache / "gguf").iterdir()] == [entry.name]
-
-
 # ------------------------------------------------------------------- SmolLM2
 
 

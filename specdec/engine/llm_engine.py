@@ -37,7 +37,7 @@ from specdec.engine.scheduler import Scheduler
 from specdec.engine.step_mode import StepMode, StepOutputs
 from specdec.engine.step_sampling import StepSampler
 from specdec.engine.sync_step import SyncStep
-from specdec.models import load_config, load_tokenizer, resolve_model
+from specdec.models import ResolvedModel, load_config, load_tokenizer, resolve_model
 from specdec.request import Request, RequestStatus
 from specdec.sampling.sampler import Sampler
 from specdec.sampling_params import SamplingParams
@@ -57,9 +57,12 @@ DEFERRED_CAPTURE_INTERVAL_S = 2.0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, resolved: ResolvedModel | None = None
+    ) -> None:
+        """``resolved``: ``config.model`` already resolved (default: resolve it here)."""
         self.config = config or EngineConfig()
-        self.resolved = resolve_model(self.config.model, cache_dir=self.config.cache_dir)
+        self.resolved = resolved or resolve_model(self.config.model, self.config.cache_dir)
         self._tokenizer = None  # loaded on first use (``tokenizer``)
         spec = self.config.speculative
         aux_layer_ids = ()  # what a model proposer reads, collected by every forward

@@ -66,6 +66,7 @@ from specdec.models.eagle3_formats import (
     fill_by_layout,
     hf_decoder_fields,
 )
+from specdec.models.materialize import materialize
 from specdec.models.weights import WeightLoadError
 
 BlockFormat = Literal["specdec", "dflash"]
@@ -199,7 +200,7 @@ def load_block_drafter(
     tensors = _read_tensors(path)
     with torch.device("meta"):
         drafter = BlockDrafter(config, max_positions=max_positions or target_config.max_context_len)
-    drafter = drafter.to(dtype=dtype).to_empty(device=device)
+    materialize(drafter, dtype, device)
     drafter.rotary.build_cache()
     _fill(drafter, tensors, path)
     return drafter

@@ -98,6 +98,7 @@ from safetensors.torch import save_file
 from specdec.attention.base import AttentionBackend, get_attention_backend
 from specdec.models.config import ModelConfig
 from specdec.models.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from specdec.models.materialize import materialize
 from specdec.models.rope import rope_from_hf
 from specdec.models.tree_defaults import TreeDefaults
 from specdec.models.weights import WeightLoadError
@@ -414,7 +415,7 @@ def load_eagle3(
             config, backend, max_positions=max_positions or target_config.max_context_len
         )
     # Materialize uninitialized, then fill every parameter and buffer from the checkpoint.
-    head = head.to(dtype=dtype).to_empty(device=device)
+    materialize(head, dtype, device)
     head.rotary.build_cache()
     _fill_head(head, tensors, path)
     head.bind_embedding(embed)

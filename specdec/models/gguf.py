@@ -7,9 +7,13 @@ exact in float32, so nothing is lost by caching at that precision.
 
 Cache entries live in ``<cache_dir>/gguf/<stem>-<key>``; the key hashes the GGUF's resolved
 path, size and mtime (and the cache format version), so replacing the file makes a new
-entry. An entry is written into a temporary directory and renamed into place: a killed
-conversion never leaves a partial entry, and concurrent conversions of the same file
-both succeed (the first rename wins, the loser discards its copy).
+entry, and the conversion then deletes the entries of the file's earlier versions. An
+entry is written into a temporary directory and renamed into place: a killed conversion
+never leaves a partial entry, and concurrent conversions of the same file both succeed
+(the first rename wins, the loser discards its copy). An entry damaged afterwards (a
+truncated or unreadable safetensors file, a missing shard or config) is found by reading
+its headers on every use, which costs milliseconds, and converted again. The log says at
+INFO which of the two happened.
 """
 
 from __future__ import annotations
@@ -79,10 +83,12 @@ def gguf_to_hf_dir(
     (default ``convert_gguf``)."""
     convert = convert or convert_gguf
     final = cache_entry_dir(gguf_path, cache_dir)
-    if (final / "config.json").is_file():
-        return final
-    if final.exists():  # not produced by us (renames are atomic): rebuild it
-        logger.warning("cache entry %s is incomplete; converting again", final)
+    if final.exists():
+        problem = entry_problem(final)
+        if problem is None:
+            logger.info("using the cached float32 conversion of %s: %s", gguf_path.name, final)
+            return final
+        logger.warning("cache entry %s is damaged (%s); converting again", final, problem)
         shutil.rmtree(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(final.parent)
@@ -106,7 +112,54 @@ def gguf_to_hf_dir(
         logger.info("converted in %.1f s", time.perf_counter() - start)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _remove_earlier_versions(final, gguf_path.resolve())
     return final
+
+
+def entry_problem(entry: Path) -> str | None:
+    """What makes cache entry ``entry`` unusable, or None: config.json missing or not JSON,
+    no safetensors file, a shard the index names missing, or a safetensors file whose
+    header does not parse or whose data the file does not hold in full (headers only are
+    read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        json.loads((entry / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"config.json: {type(e).__name__}"
+    shards = sorted(entry.glob("*.safetensors"))
+    if not shards:
+        return "no *.safetensors file"
+    index = entry / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            named = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            return f"{index.name}: {type(e).__name__}"
+        if missing := sorted(named - {s.name for s in shards}):
+            return f"missing shard {missing[0]}"
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt"):
+                pass
+        except (OSError, SafetensorError) as e:
+            return f"{shard.name}: {e}"
+    return None
+
+
+def _remove_earlier_versions(entry: Path, gguf_path: Path) -> None:
+    """Delete the other cache entries converted from the file at ``gguf_path``: they hold
+    an earlier version of it (another size or mtime), which no key will find again."""
+    for other in entry.parent.iterdir():
+        if other == entry or not other.name.startswith(f"{gguf_path.stem}-"):
+            continue
+        try:
+            source = json.loads((other / "specdec_source.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if source.get("gguf") == str(gguf_path):
+            logger.info("removing %s, the conversion of an earlier %s", other, gguf_path.name)
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _remove_stale_tmp_dirs(root: Path) -> None:

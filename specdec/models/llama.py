@@ -31,6 +31,17 @@ from specdec.ops.rope import apply_rotary
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, kv_heads, head_dim]
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose initialisation leaves a meta weight alone. A model built on
+    the meta device is filled from a checkpoint; initialising its meta embedding would run
+    ``normal_`` through ``torch._refs``, whose first call imports ``torch._dynamo`` (~0.7 s
+    of a CPU start-up) for values a meta tensor does not hold."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, cast back, then scaled (HF's order, so bf16 matches).
 
@@ -273,7 +284,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"max_positions must be positive; got {max_positions}")
         self.config = config
         self.attention = attention
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, attention) for _ in range(config.num_layers)
         )
@@ -286,7 +297,7 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config ties them. Call again after
-        anything that may replace parameters (``to_empty``)."""
+        anything that may replace parameters (``materialize``)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

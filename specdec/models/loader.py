@@ -30,6 +30,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.gguf import gguf_to_hf_dir
 from specdec.models.llama import CausalLM
 from specdec.models.lora import ADAPTER_CONFIG, merge_adapter, read_adapter_config
+from specdec.models.materialize import materialize
 from specdec.models.weights import load_safetensors_weights
 
 SourceKind = Literal["alias", "hf_dir", "gguf", "hub", "adapter"]
@@ -104,8 +105,8 @@ def load_model(
     backend = get_attention_backend(attention) if isinstance(attention, str) else attention
     with torch.device("meta"):
         lm = CausalLM(config, backend, max_positions=max_positions)
-    lm = lm.to(dtype=dtype).to_empty(device=device)
-    lm.tie_weights()  # to_empty may replace the shared parameter with two copies
+    materialize(lm, dtype, device)
+    lm.tie_weights()  # materialize gives the shared parameter two copies
     lm.rotary.build_cache()
     load_safetensors_weights(lm, resolved.hf_dir)
     if resolved.adapter is not None:

@@ -250,7 +250,7 @@ class RotaryEmbedding(nn.Module):
     """Holds the cos/sin table; ``forward`` gathers the rows for the given positions.
 
     The table is a non-persistent float32 buffer; after moving a meta-constructed model to
-    a real device with ``to_empty``, call ``build_cache`` to fill it. Positions must lie in
+    a real device (``materialize``), call ``build_cache`` to fill it. Positions must lie in
     ``[0, num_positions)``: the gather is unchecked on GPU, so the engine bounds them by
     ``ModelConfig.max_context_len``.
     """
@@ -261,7 +261,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.params = params
         self.num_positions = num_positions
-        self.register_buffer("cos_sin_cache", rope_cos_sin(params, num_positions), persistent=False)
+        table = torch.empty(num_positions, params.head_dim)  # on the default device
+        # Built on the meta device, the model fills its table in ``build_cache`` after
+        # ``to_empty``: computing one on meta would only cost time (the first torch._refs
+        # call there imports torch._dynamo, ~0.7 s).
+        if not table.is_meta:
+            table = rope_cos_sin(params, num_positions, table.device)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     @classmethod
     def for_config(cls, config: Any, num_positions: int) -> RotaryEmbedding:

@@ -28,6 +28,8 @@ last ``catch_up_width`` rows) — computed in the same capturable function as th
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +55,8 @@ from specdec.spec.tree_draft import (
     pack_catch_ups,
 )
 from specdec.tree_shapes import TreeShape
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -88,6 +92,7 @@ class Eagle3Proposer(PipelinedProposer):
         _check_model(config)
         self.device = runner.device
         self.block_size = runner.block_size
+        start = time.perf_counter()
         self.head = load_eagle3(
             config.model,
             target_config=runner.model_config,
@@ -98,6 +103,12 @@ class Eagle3Proposer(PipelinedProposer):
             max_positions=runner.max_model_len,
         )
         self.head.eval().requires_grad_(False)  # drafting only; see load_model
+        logger.info(
+            "loaded the EAGLE-3 head %s (%.0f MiB) in %.1f s",
+            config.model,
+            sum(p.numel() * p.element_size() for p in self.head.parameters()) / 2**20,
+            time.perf_counter() - start,
+        )
         use_triton_gemm(self.head, runner.triton_gemm_max_rows)  # as the target's
         self.level_topk = level_topk_for(runner.runtime.triton_kernels)
         self.aux_layer_ids = tuple(self.head.config.aux_layer_ids)
