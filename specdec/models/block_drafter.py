@@ -44,6 +44,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.models.config import ModelConfig, validate_decoder_shape
 from specdec.models.eagle3_head import DraftVocabulary, target_shaped_fields
@@ -53,6 +54,15 @@ from specdec.models.rope import RotaryEmbedding, max_context_len
 from specdec.ops.rope import apply_rotary
 
 Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids [...] -> embeddings [..., H]
+
+# The block forward's attention kernels. cuDNN's is left out: it builds an execution plan
+# for every new (blocks, context) shape, ~20 ms of host time per call on an H100, and a
+# drafting engine meets a new context width at nearly every step.
+BLOCK_SDPA_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 # Tokens a target's tokenizer reserves and chat never emits, tried in order when no
 # mask_token_id is given: DFlash's own added token, then SmolLM2's (StarCoder-family)
@@ -388,7 +398,8 @@ class BlockDrafter(DraftVocabulary, nn.Module):
             )  # fmt: skip
             return out.transpose(1, 2).reshape(b * block, *q.shape[1:])
 
-        hidden = self.block_hidden(embeds.reshape(b * block, -1), positions.reshape(-1), attend)
+        with sdpa_kernel(BLOCK_SDPA_BACKENDS):
+            hidden = self.block_hidden(embeds.reshape(b * block, -1), positions.reshape(-1), attend)
         return self.compute_logits(hidden.view(b, block, -1)[:, 1:])
 
     # -------------------------------------------------------------------------------- checkpoint

@@ -38,8 +38,9 @@ whatever its cache holds for the shared blocks (the EAGLE-3 proposer's rule): th
 of an earlier request over the same tokens, or stale ones (drafts may be worse, never
 wrong).
 
-The block forward gathers each request's cached context into a dense padded tensor and
-runs ``BlockDrafter.block_logits`` eagerly (no CUDA graphs, no pipelined step).
+The block forward gathers each request's cached context into a dense tensor padded to a
+power-of-two width (``context_width``) and runs ``BlockDrafter.block_logits`` eagerly (no
+CUDA graphs, no pipelined step).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ from specdec.tree_shapes import ChainShape, TreeShape
 # A seeded request's draft draws come from SeededStream(seed ^ this): independent of the
 # stream its acceptance and sampling draw from (the same keys would correlate the two).
 DRAFT_STREAM_SALT = 0x9E6C63D0676A9A99
+
+MIN_CONTEXT_WIDTH = 64  # context_width's floor
 
 
 class BlockProposer(Proposer):
@@ -199,7 +202,7 @@ class BlockProposer(Proposer):
         """Each request's block forward over its cached context (positions below its
         root ``r``); slot ``k`` predicts the token at ``r + k``."""
         lens = np.array([r.num_computed_tokens for r in group], dtype=np.int64)
-        width = max(int(lens.max()), 1)
+        width = context_width(int(lens.max()))
         # [b, width] slots of positions 0 .. r - 1, padded with slot 0 (masked by lens).
         index = np.zeros((len(group), width), dtype=np.int64)
         for b, request in enumerate(group):
@@ -277,6 +280,14 @@ class BlockProposer(Proposer):
         if request.request_id not in self._streams:
             self._streams[request.request_id] = SeededStream(seed ^ DRAFT_STREAM_SALT)
         return self._streams[request.request_id]
+
+
+def context_width(longest: int) -> int:
+    """The padded context width of a block forward whose longest context is ``longest``
+    positions: the next power of two, at least ``MIN_CONTEXT_WIDTH``. The forward's shapes
+    then change only when a context doubles, so kernels and plans chosen per shape are
+    reused step after step; padding rows are masked and cost at most the real ones."""
+    return max(MIN_CONTEXT_WIDTH, 1 << max(longest - 1, 0).bit_length())
 
 
 def _chains(
