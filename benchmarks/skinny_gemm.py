@@ -9,7 +9,17 @@ the host, as inside the engine's graphs), median of ``--repeats`` replays.
 (``--cold-mb``, default 256 MB), as a forward's 30 layers do; without it a projection's
 weight stays in L2 from call to call, which flatters the Triton kernel.
 ``--tune`` also times a grid of tile configs at ``--tune-rows`` rows and prints the best
-per shape (how ``choose_gemm_config``'s defaults are chosen). The gate/up rows compare
+per shape (how ``choose_gemm_config``'s defaults are chosen); with ``--check-bits`` each
+tile's output is compared bit for bit with the shape's decode tile (``gemm_tiles``) on the
+same rows, and the best tile with equal bits is reported too: the tiles deterministic mode
+may switch to above ``DECODE_ROWS`` rows.
+
+    SHAPES=add+norm+qkv,o_proj,add+norm+gate_up+silu,down,add+norm+lm_head
+    python benchmarks/skinny_gemm.py --rows 64,512,2048 --shapes $SHAPES --tune \
+        --tune-rows 2048 --tune-block-m 64,128 --tune-block-n 64,128 \
+        --tune-block-k decode --tune-warps 4,8 --tune-stages 1,3 --check-bits
+
+(``--tune-block-k decode``: only each shape's own decode-tile BLOCK_K.) The gate/up rows compare
 cuBLAS + SiLU + multiply (three kernels, as the eager module) against the fused kernel;
 the add+norm rows time the fused residual add + RMSNorm prologue against cuBLAS's
 projection alone (the compiled layer's add + norm kernel not counted on that side).
@@ -41,6 +51,7 @@ SHAPES = {
     "add+norm+gate_up+silu": (3072, 576, True, True),
     "down": (576, 1536, False, False),
     "lm_head": (49152, 576, False, False),
+    "add+norm+lm_head": (49152, 576, False, True),
     "head qkv": (960, 1152, False, False),
     "head fc": (576, 1728, False, False),
     "head lm_head": (16384, 576, False, False),
@@ -92,11 +103,14 @@ def cublas_fn(x, ws: Weights, fused: bool):
     return mlp_half
 
 
-def triton_fn(x, ws: Weights, fused: bool, config=None, norm: bool = False):
+def triton_fn(x, ws: Weights, fused: bool, config=None, norm: bool = False, res=None):
+    """The kernel on ``x``; with ``norm``, the add + RMSNorm prologue on ``x + res``
+    (``res`` random when not given)."""
     from specdec.kernels import skinny_gemm as sg
 
     if norm:
-        res, nw = torch.randn_like(x), torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
+        res = torch.randn_like(x) if res is None else res
+        nw = torch.ones(x.shape[1], device=x.device, dtype=x.dtype)
         if fused:
             return lambda: sg.add_rmsnorm_gate_up_silu(x, res, nw, 1e-5, ws(), config)
         return lambda: sg.add_rmsnorm_linear(x, res, nw, 1e-5, ws(), None, config)
@@ -121,8 +135,19 @@ def main() -> None:
         "count, so compare one tile's times across --tune-rows)",
     )
     p.add_argument("--tune-block-n", type=parse_int_list, default=[16, 32, 64])
-    p.add_argument("--tune-block-k", type=parse_int_list, default=[64, 128, 256])
+    p.add_argument(
+        "--tune-block-k",
+        type=lambda text: [0 if v == "decode" else int(v) for v in text.split(",") if v],
+        default=[64, 128, 256],
+        help="'decode': the shape's decode-tile BLOCK_K",
+    )
     p.add_argument("--tune-warps", type=parse_int_list, default=[2, 4])
+    p.add_argument("--tune-stages", type=parse_int_list, default=[3])
+    p.add_argument(
+        "--check-bits",
+        action="store_true",
+        help="compare each tuned tile's output bits with the shape's decode tile's",
+    )
     p.add_argument("--cold", action="store_true", help="weights from HBM, not L2")
     p.add_argument("--cold-mb", type=int, default=256)
     p.add_argument("--json", help="write the rows here")
@@ -130,7 +155,7 @@ def main() -> None:
         "--write-tiles", help="write the tuned tile per (N, K) here, for $SPECDEC_GEMM_TILES"
     )
     a = p.parse_args()
-    from specdec.kernels.skinny_gemm import GemmConfig, choose_gemm_config
+    from specdec.kernels.skinny_gemm import GemmConfig, choose_gemm_config, gemm_tiles
 
     torch.manual_seed(0)
     rows_out: list[dict] = []
@@ -161,36 +186,49 @@ def main() -> None:
                 "max_abs_diff": err,
             }
             if a.tune and m in a.tune_rows:
-                grid = itertools.product(a.tune_block_m, (16, 32, 64), (64, 128, 256), (2, 4), (3,))
-                best, timed = None, []
+                decode = gemm_tiles(n // 2 if fused else n, k).decode
+                block_ks = sorted({bk or decode.block_k for bk in a.tune_block_k})
+                grid = itertools.product(
+                    a.tune_block_m, a.tune_block_n, block_ks, a.tune_warps, a.tune_stages
+                )
+                res = torch.randn_like(x)
+                base = triton_fn(x, one, fused, decode, norm, res)()
+                best, best_equal, timed = None, None, []
                 for bm, bn, bk, warps, stages in grid:
                     cfg = GemmConfig(bm, bn, bk, warps, stages)
                     try:
                         us = time_graph(triton_fn(x, ws, fused, cfg, norm), calls, 5)
+                        out = triton_fn(x, one, fused, cfg, norm, res)()
                     except Exception as e:  # out of shared memory / registers
                         print(f"  {name} {cfg}: {type(e).__name__}", file=sys.stderr)
                         continue
-                    timed.append({"us": us, **vars(cfg)})
+                    same = _equal(out, base) if a.check_bits else None
+                    timed.append({"us": us, "same_bits": same, **vars(cfg)})
                     if best is None or us < best[0]:
                         best = (us, vars(cfg))
+                    if same and (best_equal is None or us < best_equal[0]):
+                        best_equal = (us, vars(cfg))
                 row["grid"] = timed
                 if best is not None:
                     row["tuned_us"], row["tuned_config"] = best
+                if best_equal is not None:
+                    row["equal_us"], row["equal_config"] = best_equal
+                    row["differing_tiles"] = sum(t["same_bits"] is False for t in timed)
             rows_out.append(row)
             print(json.dumps(row), flush=True)
-    print("| shape | rows | cuBLAS µs | Triton µs | speedup | tuned µs (config) |")
-    print("|---|---:|---:|---:|---:|---|")
+    print(
+        "| shape | rows | cuBLAS µs | Triton µs | speedup | tuned µs (config) "
+        "| equal bits: µs (config), tiles differing |"
+    )
+    print("|---|---:|---:|---:|---:|---|---|")
     for r in rows_out:
-        tuned = ""
-        if "tuned_us" in r:
-            c = r["tuned_config"]
-            tuned = (
-                f"{r['tuned_us']:.2f} (m{c['block_m']} n{c['block_n']} k{c['block_k']} "
-                f"w{c['num_warps']} s{c['num_stages']})"
-            )
+        tuned = f"{r['tuned_us']:.2f} ({_tile(r['tuned_config'])})" if "tuned_us" in r else ""
+        equal = ""
+        if "equal_us" in r:
+            equal = f"{r['equal_us']:.2f} ({_tile(r['equal_config'])}), {r['differing_tiles']}"
         print(
             f"| {r['shape']} | {r['rows']} | {r['cublas_us']:.2f} | {r['triton_us']:.2f} | "
-            f"{r['cublas_us'] / r['triton_us']:.2f}× | {tuned} |"
+            f"{r['cublas_us'] / r['triton_us']:.2f}× | {tuned} | {equal} |"
         )
     if a.json:
         Path(a.json).write_text(json.dumps(rows_out, indent=1))
@@ -204,6 +242,16 @@ def main() -> None:
             if key not in best or r["tuned_us"] < best[key][0]:
                 best[key] = (r["tuned_us"], r["tuned_config"])
         Path(a.write_tiles).write_text(json.dumps({k: c for k, (_, c) in best.items()}))
+
+
+def _tile(c: dict) -> str:
+    return f"m{c['block_m']} n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+
+
+def _equal(a, b) -> bool:
+    """Bitwise equality of a kernel's outputs (a tensor, or the (out, stream) pair)."""
+    a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ run on the GPU only; the bf16 norms run everywhere."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from itertools import accumulate
@@ -28,7 +29,11 @@ pytest.importorskip("triton")
 from specdec.attention.base import AttentionBackend
 from specdec.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from specdec.kernels.skinny_gemm import (
+    DECODE_ROWS,
     MEASURED_TILES,
+    TILES_ENV,
+    GemmConfig,
+    GemmTiles,
     add_rmsnorm_gate_up_silu,
     add_rmsnorm_gate_up_silu_ref,
     add_rmsnorm_linear,
@@ -36,6 +41,7 @@ from specdec.kernels.skinny_gemm import (
     choose_gemm_config,
     gate_up_silu,
     gate_up_silu_ref,
+    gemm_tiles,
     skinny_linear,
     skinny_linear_ref,
 )
@@ -186,7 +192,10 @@ def test_a_rows_bits_do_not_depend_on_the_batch(name: str, dtype: torch.dtype) -
     assert batch_variance(op, widths, dtype) == []
 
 
-@pytest.mark.parametrize("tile", sorted(set(MEASURED_TILES.values()), key=repr), ids=repr)
+MEASURED = sorted({t for ts in MEASURED_TILES.values() for t in (ts.decode, ts.prefill)}, key=repr)
+
+
+@pytest.mark.parametrize("tile", MEASURED, ids=repr)
 def test_every_measured_tile_keeps_rows_batch_invariant(tile) -> None:
     """The measured tiles (64-row tiles among them, where a probe row shares its tile with
     up to 63 others) on a small weight, with and without the norm prologue."""
@@ -200,11 +209,50 @@ def test_every_measured_tile_keeps_rows_batch_invariant(tile) -> None:
         assert batch_variance(op, widths, dtype, counts=(3, 70)) == []
 
 
+def test_a_rows_bits_survive_the_switch_to_the_prefill_tile(tmp_path, monkeypatch) -> None:
+    """Launches above DECODE_ROWS rows run another row and column tile with the same
+    BLOCK_K: a probe row's bits in a 70- or 300-row launch equal its bits alone."""
+    from specdec.kernels import skinny_gemm as sg
+
+    decode = GemmConfig(block_m=16, block_n=16, block_k=64, num_warps=2)
+    prefill = GemmConfig(block_m=64, block_n=32, block_k=64, num_warps=4)
+    path = tmp_path / "tiles.json"
+    path.write_text(
+        f'{{"{N},{K}": {{"decode": {json.dumps(vars(decode))}, '
+        f'"prefill": {json.dumps(vars(prefill))}}}}}'
+    )
+    monkeypatch.setenv(TILES_ENV, str(path))
+    sg._measured_tiles.cache_clear()
+    assert gemm_tiles(N, K) == GemmTiles(decode, prefill)
+    assert choose_gemm_config(DECODE_ROWS, N, K) == decode
+    assert choose_gemm_config(DECODE_ROWS + 1, N, K) == prefill
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    p = _weights(dtype)
+    ops = [
+        (lambda x: (skinny_linear(x, p["w"], p["bias"]),), (K,)),
+        (lambda x, r: add_rmsnorm_linear(x, r, p["norm"], EPS, p["w"]), (K, K)),
+    ]
+    for op, widths in ops:
+        assert batch_variance(op, widths, dtype, counts=(3, 70, 300)) == []
+    sg._measured_tiles.cache_clear()
+
+
+def test_tiles_of_one_shape_share_block_k() -> None:
+    """A decode and a prefill tile with different BLOCK_K would sum a row's products in
+    another grouping above DECODE_ROWS rows: refused, naming both."""
+    with pytest.raises(ValueError, match="block_k=128 and prefill tile block_k=64"):
+        GemmTiles(GemmConfig(block_k=128), GemmConfig(block_k=64))
+    for (n, k), tiles in MEASURED_TILES.items():
+        assert {choose_gemm_config(m, n, k).block_k for m in (1, 64, 65, 8192)} == {
+            tiles.decode.block_k
+        }
+
+
 def test_lm_head_sized_outputs_are_batch_invariant() -> None:
-    """SmolLM2's 49,152-column LM head takes the wide column tile; the tile is chosen
-    from the weight's shape alone, whatever the rows."""
+    """SmolLM2's 49,152-column LM head takes the wide column tile; the tile's BLOCK_K is
+    chosen from the weight's shape alone, whatever the rows."""
     n, k = 49152, 64
-    assert len({choose_gemm_config(m, n, k) for m in (1, 17, 300, 8192)}) == 1
+    assert len({choose_gemm_config(m, n, k).block_k for m in (1, 17, 300, 8192)}) == 1
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     w = (_randn(n, k, seed=6) / k**0.5).to(dtype)
     op = lambda x: (skinny_linear(x, w),)  # noqa: E731

@@ -31,13 +31,17 @@ synchronises (graph-safe).
 
 Batch invariance, for any number of rows (1 to a prefill's thousands): a row's output
 bits depend on that row and the weight only, never on how many rows the launch has, where
-the row sits among them or what the other rows hold. ``choose_gemm_config`` reads the
-weight's shape (N, K) only, so one compilation (``M`` is not specialised) with one tile
-``BLOCK_M x BLOCK_N x BLOCK_K`` and one ``num_warps`` serves every row count, and more
-rows only launch more row tiles. No split-K: each output element is one program's
-``BLOCK_K`` loop, in order, each ``tl.dot`` reducing its ``BLOCK_K`` slice in an order the
-tile shape fixes; rows sharing a tile never mix (masked rows load zeros and are not
-stored). The norm prologue reduces each row over the same ``BLOCK_K`` tiles, per row. The
+the row sits among them or what the other rows hold. No split-K: each output element is
+one program's ``BLOCK_K`` loop, in order; rows sharing a tile never mix (masked rows load
+zeros and are not stored). ``BLOCK_K`` is therefore the one tile field a row's bits depend
+on, and ``choose_gemm_config`` takes it from the weight's shape (N, K) alone: one per
+shape (``GemmTiles``). The row and column tiles, warps and stages only decide which
+program computes an element, not its bits (checked below), so launches of up to ``DECODE_ROWS``
+rows run a tile sized for decode steps and larger ones (prefill chunks, wide verify
+steps) a tile sized for many rows, with the same ``BLOCK_K``: a row's bits are those of
+every other launch. Checked bitwise on an H100 (bf16, SmolLM2's five projections, 2,048
+rows against one): 18 row x column x warp tiles per projection, every one equal. The
+norm prologue reduces each row over the same ``BLOCK_K`` tiles, per row. The
 engine's deterministic mode (``EngineConfig.deterministic``, ``models/invariant.py``)
 runs every target projection here for that reason.
 """
@@ -63,7 +67,9 @@ from specdec.kernels.launch import (
 )
 
 __all__ = [
+    "DECODE_ROWS",
     "GemmConfig",
+    "GemmTiles",
     "add_rmsnorm_gate_up_silu",
     "add_rmsnorm_gate_up_silu_ref",
     "add_rmsnorm_linear",
@@ -71,12 +77,13 @@ __all__ = [
     "choose_gemm_config",
     "gate_up_silu",
     "gate_up_silu_ref",
+    "gemm_tiles",
     "skinny_linear",
     "skinny_linear_ref",
 ]
 
 
-@triton.jit(do_not_specialize=["M"])  # one compilation for every row count
+@triton.jit(do_not_specialize=["M"])  # one compilation per tile, whatever the rows
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K]
     res_ptr,  # [M, K] (ADD) or a dummy
@@ -162,7 +169,7 @@ def _skinny_gemm_kernel(
 @dataclass(frozen=True)
 class GemmConfig:
     """Tile sizes of one launch. ``block_k`` depends on the weight's shape only, never on
-    the number of rows, so the rows' results do not either."""
+    the number of rows, so the rows' results do not either (``GemmTiles``)."""
 
     block_m: int = 16  # tl.dot's smallest tile; 1-16 rows are one row tile
     block_n: int = 16
@@ -171,54 +178,109 @@ class GemmConfig:
     num_stages: int = 3
 
 
+DECODE_ROWS = 64
+"""Launches of at most this many rows run a shape's decode tile, larger ones its prefill
+tile (``GemmTiles``)."""
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """The tiles of one weight shape: ``decode`` for launches of at most ``DECODE_ROWS``
+    rows, ``prefill`` above. Invariant: both have one ``block_k``, the only tile field a
+    row's bits depend on (module docstring), so switching between them changes no bit."""
+
+    decode: GemmConfig
+    prefill: GemmConfig
+
+    def __post_init__(self) -> None:
+        if self.decode.block_k != self.prefill.block_k:
+            raise ValueError(
+                f"decode tile block_k={self.decode.block_k} and prefill tile "
+                f"block_k={self.prefill.block_k} differ: a row's bits would depend on the "
+                "launch's row count; give both tiles one block_k"
+            )
+
+    @classmethod
+    def one(cls, tile: GemmConfig) -> GemmTiles:
+        """One tile for every row count."""
+        return cls(tile, tile)
+
+    def for_rows(self, num_rows: int) -> GemmConfig:
+        return self.decode if num_rows <= DECODE_ROWS else self.prefill
+
+
 TILES_ENV = "SPECDEC_GEMM_TILES"
-"""A JSON file of measured tiles, ``{"N,K": {GemmConfig fields}}`` (what
-``benchmarks/skinny_gemm.py --tune --write-tiles`` writes), consulted before the default
-rule: for tuning experiments on a GPU, never needed for correctness."""
+"""A JSON file of measured tiles, ``{"N,K": {GemmConfig fields}}`` (one tile for every
+row count, what ``benchmarks/skinny_gemm.py --tune --write-tiles`` writes) or
+``{"N,K": {"decode": {fields}, "prefill": {fields}}}``, consulted before the measured
+tiles: for tuning experiments on a GPU, never needed for correctness."""
 
 
 @functools.cache
-def _measured_tiles(path: str) -> dict[tuple[int, int], GemmConfig]:
+def _measured_tiles(path: str) -> dict[tuple[int, int], GemmTiles]:
     data = json.loads(Path(path).read_text())
     out = {}
     for key, fields in data.items():
         n, k = (int(v) for v in key.split(","))
-        out[n, k] = GemmConfig(**fields)
+        if set(fields) == {"decode", "prefill"}:
+            out[n, k] = GemmTiles(GemmConfig(**fields["decode"]), GemmConfig(**fields["prefill"]))
+        else:
+            out[n, k] = GemmTiles.one(GemmConfig(**fields))
     return out
 
 
-# Tiles measured per (N, K) on an H100 (bf16, weights streamed from HBM as in a forward:
-# ``benchmarks/skinny_gemm.py --cold --rows 1,64,2048 --tune --tune-rows 1,64,2048
-# --tune-block-m 16,64``, docs/benchmarks.md): SmolLM2-135M's projections, each the tile
-# with the least time at 1 + 64 rows plus 1/16 of its time at 2,048 rows, since
-# deterministic mode runs every row count, prefill included, on one tile.
-MEASURED_TILES: dict[tuple[int, int], GemmConfig] = {
-    (960, 576): GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4),  # qkv
-    (576, 576): GemmConfig(block_m=64, block_n=16, block_k=128, num_warps=4),  # o_proj
-    (1536, 576): GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=2),  # gate/up
-    (576, 1536): GemmConfig(block_m=16, block_n=16, block_k=256, num_warps=2),  # down
-    (49152, 576): GemmConfig(block_m=64, block_n=32, block_k=64, num_warps=4),  # LM head
+# Tiles measured per (N, K) on an H100 (bf16): SmolLM2-135M's projections. Decode tiles:
+# weights streamed from HBM as in a forward (``benchmarks/skinny_gemm.py --cold --rows
+# 1,64,2048 --tune --tune-rows 1,64,2048 --tune-block-m 16,64``, docs/benchmarks.md), the
+# least time at 1 + 64 rows. Prefill tiles: the same BLOCK_K, among the fastest at 512
+# and 2,048 rows with bits equal to the decode tile's (``--tune --check-bits``, the
+# command and table in docs/benchmarks.md); a stage count of 1 where 3 does not fit in
+# shared memory.
+MEASURED_TILES: dict[tuple[int, int], GemmTiles] = {
+    (960, 576): GemmTiles(  # qkv
+        GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4),
+        GemmConfig(block_m=64, block_n=128, block_k=256, num_warps=8, num_stages=1),
+    ),
+    (576, 576): GemmTiles(  # o_proj
+        GemmConfig(block_m=64, block_n=16, block_k=128, num_warps=4),
+        GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4),
+    ),
+    (1536, 576): GemmTiles(  # gate/up
+        GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=2),
+        GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=1),
+    ),
+    (576, 1536): GemmTiles(  # down
+        GemmConfig(block_m=16, block_n=16, block_k=256, num_warps=2),
+        GemmConfig(block_m=64, block_n=64, block_k=256, num_warps=4),
+    ),
+    (49152, 576): GemmTiles(  # LM head
+        GemmConfig(block_m=64, block_n=32, block_k=64, num_warps=4),
+        GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8),
+    ),
 }
 
 
-def choose_gemm_config(num_rows: int, n: int, k: int) -> GemmConfig:
-    """A tile from ``$SPECDEC_GEMM_TILES`` first, then a measured one
-    (``MEASURED_TILES``), else the rule: narrow column tiles for narrow projections
-    (enough programs to fill the SMs with a 576-column output), wider ones for wide
-    outputs (an LM head: fewer, longer programs). The tile is a function of ``(n, k)``
-    alone (batch invariance, module docstring); ``num_rows`` sets only how many row tiles
-    run."""
-    del num_rows  # the row tile is fixed
+def gemm_tiles(n: int, k: int) -> GemmTiles:
+    """The tiles of an ``[n, k]`` weight: ``$SPECDEC_GEMM_TILES`` first, then
+    ``MEASURED_TILES``, else the rule (one tile): narrow column tiles for narrow
+    projections (enough programs to fill the SMs with a 576-column output), wider ones for
+    wide outputs (an LM head: fewer, longer programs)."""
     path = os.environ.get(TILES_ENV)
     if path:
-        tile = _measured_tiles(path).get((n, k))
-        if tile is not None:
-            return tile
-    tile = MEASURED_TILES.get((n, k))
-    if tile is not None:
-        return tile
-    block_n = 16 if n <= 4096 else 64
-    return GemmConfig(block_n=block_n)
+        tiles = _measured_tiles(path).get((n, k))
+        if tiles is not None:
+            return tiles
+    tiles = MEASURED_TILES.get((n, k))
+    if tiles is not None:
+        return tiles
+    return GemmTiles.one(GemmConfig(block_n=16 if n <= 4096 else 64))
+
+
+def choose_gemm_config(num_rows: int, n: int, k: int) -> GemmConfig:
+    """The tile of a launch of ``num_rows`` rows against an ``[n, k]`` weight
+    (``gemm_tiles(n, k).for_rows``): its ``block_k`` depends on ``(n, k)`` alone (batch
+    invariance, module docstring)."""
+    return gemm_tiles(n, k).for_rows(num_rows)
 
 
 @dataclass(frozen=True)
