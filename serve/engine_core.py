@@ -38,6 +38,7 @@ from typing import Any
 
 from specdec.outputs import TokenDelta
 from specdec.sampling_params import RequestOutputKind, SamplingParams
+from specdec.spec.spec_exit_runtime import SpecExitRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class EngineInfo:
 def engine_info(engine) -> EngineInfo:
     runtime = engine.runner.runtime
     spec = engine.config.speculative
-    runtime_exit = engine.spec_exit
+    runtime_exit = engine.hook(SpecExitRuntime)
     return EngineInfo(
         model=engine.resolved,
         max_model_len=engine.max_model_len,
@@ -115,7 +116,8 @@ def engine_info(engine) -> EngineInfo:
 def take_snapshot(engine) -> EngineSnapshot:
     pool = engine.kv_manager.pool
     spec = engine.spec_stats
-    exits = engine.spec_exit.stats if engine.spec_exit is not None else None
+    runtime_exit = engine.hook(SpecExitRuntime)
+    exits = runtime_exit.stats if runtime_exit is not None else None
     return EngineSnapshot(
         num_running=engine.scheduler.num_running,
         num_waiting=engine.scheduler.num_waiting,

@@ -35,7 +35,7 @@ def _add(processor, params: SamplingParams, prompt=(1, 2, 3), request_id="r") ->
     max_tokens = params.max_tokens or MAX_MODEL_LEN - len(prompt)
     request = Request(request_id, list(prompt), params, (EOS,), max_tokens)
     processor.scheduler.add_request(request)
-    processor.add(request, None, None)
+    processor.add(request, None)
     return request
 
 

@@ -45,7 +45,6 @@ class ScriptedEngine:
         self.idle_checks = 0
         self.spec_stats = SpecStats()
         self.proposer = None
-        self.spec_exit = None  # no SpecExit channels (LLMEngine's attribute)
         self.has_pending_graphs = False  # no deferred graphs (LLMEngine's properties)
         self.speculation_graphs_pending = False
         self.resolved = "scripted"
@@ -56,6 +55,9 @@ class ScriptedEngine:
         pool.prefix_hits = 0
         self.kv_manager = SimpleNamespace(pool=pool)
         self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
+
+    def hook(self, kind):
+        return None  # no step hooks: no SpecExit channels (LLMEngine.hook)
 
     def _touch(self, name: str, request_id: str = "") -> None:
         self.threads.add(threading.get_ident())

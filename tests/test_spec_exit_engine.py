@@ -142,14 +142,14 @@ def oracle_llm(target_dir: Path, k_draft: int = 4) -> LLM:
     llm = make_llm(target_dir, speculative=spec)
     engine = llm.engine
     engine.proposer.exit_signals = SIGNALS
-    engine.spec_exit = SpecExitRuntime(engine.tokenizer, SIGNALS)
+    engine.step_hooks[:] = [SpecExitRuntime(engine.tokenizer, SIGNALS)]  # shared in place
     propose = engine.proposer.propose
 
     def propose_with_signals(requests, limits, shape):
         trees = propose(requests, limits, shape)
         for tree in trees:
             if tree is not None:
-                tree.exit_signals = torch.tensor(SIGNAL_VALUES)
+                tree.signals = torch.tensor(SIGNAL_VALUES)
         return trees
 
     engine.proposer.propose = propose_with_signals
@@ -174,7 +174,7 @@ def test_head_channels_force_the_think_end(target_dir, exit_head_dir, plain):
     assert out.metrics.spec_exits == 1
     assert out.metrics.spec_exit_tokens_saved == pytest.approx(10)  # the channels' remaining
     assert out.metrics.spec_steps > 0
-    stats = llm.engine.spec_exit.stats
+    stats = llm.engine.hook(SpecExitRuntime).stats
     assert (stats.requests, stats.exits, stats.tokens_saved) == (1, 1, pytest.approx(10))
     assert_pool_free(llm)
 
@@ -199,7 +199,7 @@ def test_cut_inside_accepted_drafts_rolls_back_their_kv(target_dir, plain):
     assert [o.metrics.spec_exits for o in outs] == [1, 0, None]
     m = outs[0].metrics
     assert m.spec_accepted_tokens == m.spec_drafted_tokens >= m.spec_steps  # an oracle
-    assert engine.spec_exit.stats.exits == 1
+    assert engine.hook(SpecExitRuntime).stats.exits == 1
     assert_pool_free(llm)
 
 

@@ -33,6 +33,7 @@ from specdec.models.eagle3_head import Eagle3Head
 from specdec.ops.accept import Acceptance, AcceptedRow, accepted_path_moves
 from specdec.ops.attention_metadata import cache_slots
 from specdec.spec.acceptance import greedy_accept_batch
+from specdec.spec.spec_exit_runtime import SpecExitRuntime
 from specdec.spec.tree import DraftTree
 from specdec.spec_exit_params import SpecExitParams
 from specdec.tree_shapes import ChainShape, StaticTreeShape
@@ -514,7 +515,7 @@ def test_pipelined_spec_exit_cuts_as_the_synchronous_step(
         llm = make_llm(smollm2_dir, speculative=spec)
         outputs[pipelined] = token_ids(llm.generate(prompts, params, use_tqdm=False))
         engine = llm.engine
-        assert engine.spec_exit.stats.exits == 2
+        assert engine.hook(SpecExitRuntime).stats.exits == 2
         assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
         if pipelined:
             assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0

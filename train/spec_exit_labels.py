@@ -20,7 +20,7 @@ read the whole start marker, the end marker is still to come):
   (after the last probe: the last probe's label).
 
 Why hold at all: serving averages each signal over the tokens of a step (the catch-up
-rows, ``DraftTree.exit_signals``), and a step's tokens are mostly not probe positions. A
+rows, ``DraftTree.signals``), and a step's tokens are mostly not probe positions. A
 channel trained only at probes is unconstrained between them: on the reasoning target
 such a head reads 0.6-0.98 at settled boundaries but 0.03-0.25 averaged over a step's
 tokens, and fires no exit at the default thresholds (docs/spec_exit.md).

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from specdec.data_gen.reasoning.format import parse
 from specdec.data_gen.reasoning.tasks import Scorer
+from specdec.spec.spec_exit_runtime import SpecExitRuntime
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def run_eval(config: EvalConfig, llm=None) -> dict[str, Any]:
         from specdec.engine.llm import LLM
 
         llm = LLM(config.model, **config.engine)
-    runtime = llm.engine.spec_exit  # the draft head's recorded setting is the base
+    runtime = llm.engine.hook(SpecExitRuntime)  # the draft head's recorded setting is the base
     params = sampling_params(config, runtime.head_defaults if runtime is not None else None)
     prompts = [
         llm.apply_chat_template([{"role": "user", "content": r["conversations"][0]["content"]}])
@@ -232,7 +233,7 @@ def run_eval(config: EvalConfig, llm=None) -> dict[str, Any]:
     if llm.engine.proposer is not None:
         report["speculation"] = llm.engine.spec_stats.summary()
     if params.spec_exit is not None:  # exits and the head's own estimate of tokens saved
-        stats = llm.engine.spec_exit.stats
+        stats = llm.engine.hook(SpecExitRuntime).stats
         report["spec_exit"] = {"exits": stats.exits, "tokens_saved_estimate": stats.tokens_saved}
     if config.output:
         write_report(report, config.output)

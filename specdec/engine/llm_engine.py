@@ -43,12 +43,18 @@ from specdec.sampling.sampler import Sampler
 from specdec.sampling_params import SamplingParams
 from specdec.spec.metrics import SpecStats
 from specdec.spec.pipeline import SpecPipeline
-from specdec.spec.proposer import PipelinedProposer, make_proposer, proposer_class
-from specdec.spec.spec_exit_runtime import SpecExitRuntime
+from specdec.spec.proposer import (
+    PipelinedProposer,
+    make_proposer,
+    make_step_hooks,
+    proposer_class,
+)
+from specdec.step_hook import StepHook
 from specdec.tree_shapes import TreeShape
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=StepMode)
+H = TypeVar("H")
 
 # With deferred graphs (EngineConfig.defer_graphs), a step under load captures one at most
 # this often (counted from the last capture's end), so requests keep being served while
@@ -78,21 +84,18 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator(self.runner.device).manual_seed(self.config.seed))
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self.proposer = make_proposer(spec, runner=self.runner) if spec is not None else None
+        # Hooks on the update step (specdec/step_hook.py), in the order they judge a verify
+        # row; fixed here: every step mode applies their cuts (hook_cuts.py).
+        self.step_hooks: list[StepHook] = make_step_hooks(self.proposer, lambda: self.tokenizer)
         self.outputs = OutputProcessor(
             lambda: self.tokenizer,
             self.scheduler,
             self.max_model_len,
             self.proposer.release if self.proposer is not None else lambda request_id: None,
+            self.step_hooks,
         )
         self.step_sampler = StepSampler(self.sampler, self.runner.device)
         self.lookahead = self.proposer.lookahead_slots if self.proposer is not None else 0
-        # SpecExit (docs/spec_exit.md) needs a proposer whose trees carry exit signals.
-        signals = self.proposer.exit_signals if self.proposer is not None else ()
-        self.spec_exit = (
-            SpecExitRuntime(self.tokenizer, signals, self.proposer.spec_exit_defaults)
-            if signals
-            else None
-        )
         self.runner.warm_up_kernels(trees=self.proposer is not None)
         # Pipelined speculative steps (spec/pipeline.py), on by default where steps replay
         # CUDA graphs.
@@ -254,14 +257,6 @@ class LLMEngine:
         else:
             text, token_ids = None, [int(t) for t in prompt]
         self._validate(token_ids, params)
-        spec_exit = None
-        if params.spec_exit is not None:
-            if self.spec_exit is None:
-                raise ValueError(
-                    "spec_exit needs an EAGLE-3 draft head with SpecExit channels; this "
-                    "engine's speculation has none (leave spec_exit out)"
-                )
-            spec_exit = self.spec_exit.start(params.spec_exit, token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:  # until the context runs out
             max_tokens = self.max_model_len - len(token_ids)
@@ -272,7 +267,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_tokens=max_tokens,
         )
-        self.outputs.add(request, text, spec_exit)
+        self.outputs.add(request, text)  # the step hooks admit it (or refuse: ValueError)
         self.scheduler.add_request(request)
         return request_id
 
@@ -346,6 +341,10 @@ class LLMEngine:
     def mode(self, kind: type[M]) -> M | None:
         """This engine's step mode of class ``kind``, if it runs one."""
         return next((m for m in self.modes if isinstance(m, kind)), None)
+
+    def hook(self, kind: type[H]) -> H | None:
+        """This engine's step hook of class ``kind``, if it has one."""
+        return next((h for h in self.step_hooks if isinstance(h, kind)), None)
 
     def decodes_plainly_at(self, batch_size: int) -> bool:
         """Whether a step of ``batch_size`` requests drafts nothing: it is above the

@@ -1,7 +1,8 @@
 """Engine-side request state and the outputs built from it.
 
 ``OutputProcessor`` keeps a ``RequestState`` per live request (the torch-free ``Request``
-plus its detokenizer, seeded sampling stream, logprobs and SpecExit state). Every step mode
+plus its detokenizer, seeded sampling stream and logprobs) and tells the engine's step
+hooks (specdec/step_hook.py) when a request arrives and leaves. Every step mode
 appends the tokens it emitted here (``append_token``: stop checks on EOS, stop ids, stop
 strings, ``max_tokens`` and the context) and reports here (``report``: one output per
 request and step, by its ``output_kind``), so a token is kept and reported the same way
@@ -10,7 +11,7 @@ whichever path computed it. A request is forgotten once its finishing output is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from specdec.request import Request, RequestStatus
 from specdec.sampling.seeded_stream import SeededStream
 from specdec.sampling_params import RequestOutputKind
 from specdec.spec.metrics import SpecStats
-from specdec.spec.spec_exit import SpecExitState
+from specdec.step_hook import StepHook
 
 if TYPE_CHECKING:
     from specdec.spec.pipeline import SpecLaunch
@@ -47,16 +48,16 @@ class RequestState:
     pending_delta: list[str] = field(default_factory=list)
     num_sent_tokens: int = 0  # output tokens already carried by a DELTA output
     spec_stats: SpecStats = field(default_factory=SpecStats)
-    spec_exit: SpecExitState | None = None  # the request opted into SpecExit
-    # A pipelined step launched from an outcome that SpecExit then cut: its row for this
-    # request is stale and dropped when read.
+    # A pipelined step launched from an outcome that a step hook then cut: its row for
+    # this request is stale and dropped when read.
     stale_launch: SpecLaunch | None = None
 
 
 class OutputProcessor:
     """The live requests' states, token appending and output building (module docstring).
     ``release(request_id)`` is called when a request is forgotten (a proposer's
-    per-request state)."""
+    per-request state); ``hooks`` is the engine's list of step hooks (shared: hooks added
+    to it later are told too)."""
 
     def __init__(
         self,
@@ -64,15 +65,26 @@ class OutputProcessor:
         scheduler: Scheduler,
         max_model_len: int,
         release: Callable[[str], None] = lambda request_id: None,
+        hooks: Sequence[StepHook] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.states: dict[str, RequestState] = {}
         self._release = release
+        self.hooks = hooks
 
-    def add(self, request: Request, text: str | None, spec_exit: SpecExitState | None) -> None:
-        """Track a new request: ``text`` is its prompt as given (None for token ids)."""
+    def add(self, request: Request, text: str | None) -> None:
+        """Track a new request: ``text`` is its prompt as given (None for token ids). Each
+        step hook admits it first; one that refuses it raises ValueError, and nothing of
+        the request is kept."""
+        try:
+            for hook in self.hooks:
+                hook.admit(request)
+        except ValueError:
+            for hook in self.hooks:
+                hook.release(request.request_id)
+            raise
         params = request.sampling_params
         seeded = params.seed is not None and not params.is_greedy
         self.states[request.request_id] = RequestState(
@@ -86,13 +98,14 @@ class OutputProcessor:
             ),
             stream=SeededStream(params.seed) if seeded else None,
             logprobs=[] if params.logprobs is not None else None,
-            spec_exit=spec_exit,
         )
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished or aborted request (and the proposer's state of it)."""
+        """Drop a finished or aborted request (and the proposer's and hooks' state of it)."""
         del self.states[request_id]
         self._release(request_id)
+        for hook in self.hooks:
+            hook.release(request_id)
 
     def report(self, state: RequestState, outputs: list[RequestOutput | TokenDelta]) -> None:
         """Add the request's output if its kind reports this step; forget it once done."""
@@ -204,10 +217,9 @@ class OutputProcessor:
             self._metrics(state) if finished else None,
         )
 
-    @staticmethod
-    def _metrics(state: RequestState) -> RequestMetrics:
-        request, spec, exits = state.request, state.spec_stats, state.spec_exit
-        return RequestMetrics(
+    def _metrics(self, state: RequestState) -> RequestMetrics:
+        request, spec = state.request, state.spec_stats
+        metrics = RequestMetrics(
             arrival_time=request.arrival_time,
             first_token_time=request.first_token_time,
             finished_time=request.finished_time,
@@ -216,6 +228,7 @@ class OutputProcessor:
             spec_steps=spec.steps,
             spec_drafted_tokens=spec.drafted_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
-            spec_exits=exits.num_exits if exits else None,
-            spec_exit_tokens_saved=exits.tokens_saved if exits else None,
         )
+        for hook in self.hooks:
+            hook.report(request, metrics)
+        return metrics

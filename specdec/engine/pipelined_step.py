@@ -5,7 +5,7 @@ N's device outcome, then read step N.
 device; this mode decides when a step can run that way, admits arrivals beside it (their
 prompts prefilled, their first token picked on the device), and applies what the host
 reads one step later: the emitted tokens, each request's computed tokens past the step's
-root and accepted nodes, the proposer's resumed state, SpecExit's cut. Greedy requests
+root and accepted nodes, the proposer's resumed state, the step hooks' cuts. Greedy requests
 of a ``PipelinedProposer`` only; everything else runs the synchronous step after the
 launches in flight are read.
 """
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import time
 
+from specdec.engine.hook_cuts import RowCut, cut_rows
 from specdec.engine.kv_cache_manager import cdiv
+from specdec.engine.output_processor import RequestState
 from specdec.engine.scheduler import ScheduledRequest
 from specdec.engine.step_mode import StepMode, StepOutputs
 from specdec.engine.step_sampling import decodes_plainly
@@ -103,13 +105,15 @@ class PipelinedStep(StepMode):
     def joins(self, request: Request) -> bool:
         """Whether a waiting request can be admitted as a pipelined arrival
         (``SpecPipeline.arrive``): new (not recomputed after preemption), greedy with
-        drafts from its first token, and not opted into SpecExit (whose cut is judged per
-        read step with the tree's signals)."""
+        drafts from its first token, and followed by no step hook: such a request's first
+        verify step runs synchronously after its prefill, so the signals its hooks judge
+        it by are the synchronous step's (an arrival's first pipelined step reads them
+        from the prompt's last token alone)."""
         return (
             request.status is RequestStatus.WAITING
             and request.sampling_params.is_greedy
             and not decodes_plainly(request)
-            and self.engine.outputs.states[request.request_id].spec_exit is None
+            and not any(hook.follows(request) for hook in self.engine.step_hooks)
         )
 
     def step(self, deferring: bool) -> StepOutputs:
@@ -160,13 +164,13 @@ class PipelinedStep(StepMode):
     def _finish(self, done: SpecLaunch) -> StepOutputs:
         """Append a pipelined step's tokens (its host sync); each request's computed tokens
         move past the step's root and accepted nodes, and the proposer resumes from them.
-        SpecExit judges the step here; a cut also marks the request's row of the step in
-        flight stale (module docstring of spec/pipeline.py)."""
+        The step hooks cut the step here (``hook_cuts.cut_rows``, with the signals the
+        read-back carries); a cut also marks the request's row of the step in flight
+        stale (module docstring of spec/pipeline.py)."""
         engine = self.engine
         processor = engine.outputs
         emitted = done.read()
-        now = time.monotonic()
-        outputs: StepOutputs = []
+        live: list[tuple[int, RequestState]] = []  # rows whose requests take their tokens
         for row, (request, tokens) in enumerate(zip(done.requests, emitted, strict=True)):
             state = processor.states.get(request.request_id)
             if state is None or request.status.is_finished or state.stale_launch is done:
@@ -174,6 +178,20 @@ class PipelinedStep(StepMode):
                 if state is not None and state.stale_launch is done:
                     state.stale_launch = None
                 continue
+            live.append((row, state))
+        cuts: dict[int, RowCut] = {}
+        if engine.step_hooks and done.num_draft_tokens:  # an arrival's prefill is no step
+            cuts = cut_rows(
+                engine.step_hooks,
+                [done.requests[row] for row, _ in live],
+                [emitted[row] for row, _ in live],
+                [len(emitted[row]) - 1 for row, _ in live],
+                lambda js: [done.signals(live[j][0]) for j in js],
+            )
+        now = time.monotonic()
+        outputs: StepOutputs = []
+        for j, (row, state) in enumerate(live):
+            request, tokens = done.requests[row], emitted[row]
             num_accepted = len(tokens) - 1
             counted = None
             if done.num_draft_tokens:  # an arrival's prefill drafted nothing: not a step
@@ -183,14 +201,8 @@ class PipelinedStep(StepMode):
             if counted is not None:
                 engine.spec_stats.record(*counted)
                 state.spec_stats.record(*counted)
-            cut = None
-            if state.spec_exit is not None:
-                cut = engine.spec_exit.judge(
-                    state.spec_exit, request.output_token_ids, tokens, done.exit_signals(row)
-                )
-            if cut is not None:
-                tokens = [*tokens[: cut.keep], *cut.tokens]
-                num_accepted = min(num_accepted, cut.keep)  # the bonus has no K/V yet
+            if (cut := cuts.get(j)) is not None:
+                tokens, num_accepted = cut.tokens, cut.num_accepted
                 # The launch since, which holds the request's next row (none when the
                 # launches in flight are being drained).
                 state.stale_launch = next(

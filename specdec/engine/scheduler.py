@@ -200,7 +200,7 @@ class Scheduler:
     @staticmethod
     def roll_back(request: Request, num_tokens: int) -> None:
         """Un-compute ``request``'s last ``num_tokens`` computed tokens: their K/V is stale
-        (SpecExit cut the tokens after them) or is recomputed by the next step (a pipelined
+        (a step hook cut the tokens after them) or is recomputed by the next step (a pipelined
         request held one step behind, at its root)."""
         if not 0 <= num_tokens <= request.num_computed_tokens:
             raise ValueError(

@@ -2,11 +2,12 @@
 
 Every step has the same shape: the scheduler picks each request's tokens, the runner
 computes them (and the proposer drafts, the target verifies), and the outcome updates the
-requests (tokens appended, computed-token counts advanced or rolled back to what
-acceptance kept, stops, frees). The modes differ in when the host reads the outcome:
+requests (the step hooks' cuts of verify rows, ``hook_cuts.py``; tokens appended,
+computed-token counts advanced or rolled back to what acceptance and the cuts kept,
+stops, frees). The modes differ in when the host reads the outcome:
 
 - ``SyncStep`` reads it before returning (every step can do this: plain and speculative,
-  sampled or greedy, prefill chunks, SpecExit);
+  sampled or greedy, prefill chunks, a step hook's forced tokens);
 - ``AsyncStep`` launches step N+1 before reading step N (plain steps above the
   speculation bands, and every step of an engine without a proposer);
 - ``PipelinedStep`` does the same for speculative steps of greedy requests, drafting

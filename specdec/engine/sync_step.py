@@ -5,9 +5,10 @@ Schedule (with lookahead slots for drafts) → draft (``Proposer.propose``, for 
 rows inside the speculation bands) → prepare and run the target over every row's new
 tokens (a verify step: each tree's nodes, root included) → sample plain rows, accept tree
 rows (greedy or sampled acceptance) and move the accepted path's K/V next to its root →
-SpecExit's cut → the proposer observes what the target computed → append, trim and
-report. The scheduler then counts the computed tokens (``Scheduler.update``): a tree
-row's advance by what acceptance kept, other rows' by all of theirs.
+the scheduler counts the computed tokens (``Scheduler.update``: a tree row's advance by
+what acceptance kept, other rows' by all of theirs) → the step hooks' cuts of tree rows
+(hook_cuts.py) → the proposer observes what the target computed → append, trim and
+report.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from specdec.device.staging import to_device
+from specdec.engine.hook_cuts import cut_rows, tree_signals
 from specdec.engine.output_processor import RequestState
 from specdec.engine.step_mode import StepMode, StepOutputs
 from specdec.engine.step_sampling import decodes_plainly, samples_per_token
@@ -86,8 +88,8 @@ class SyncStep(StepMode):
         # Tree rows keep their root and accepted nodes; other rows all they computed.
         rejected = {row: trees[row].num_nodes - 1 - len(nodes) for row, nodes in accepted.items()}
         engine.scheduler.update(scheduled, rejected)
-        if spec and engine.spec_exit is not None:
-            self._apply_spec_exit(inputs, states, trees, spec, emitted, accepted)
+        if spec and engine.step_hooks:
+            self._cut(inputs, states, trees, spec, emitted, accepted)
         if observing:
             observe(engine.proposer, scheduled, inputs, starts, accepted, aux)
         now = time.monotonic()
@@ -202,38 +204,35 @@ class SyncStep(StepMode):
         slot_mapping = inputs.meta.slot_mapping
         return slot_mapping[to_device(index, slot_mapping.device)]
 
-    def _apply_spec_exit(self, inputs, states, trees, spec, emitted, accepted) -> None:
-        """SpecExit after acceptance (docs/spec_exit.md): an opted-in request whose step
-        emitted a step delimiter inside its think span while its signals passed keeps the
-        tokens through the delimiter and gets the think-end marker's k tokens next. Rolled
-        back with the cut: the later emitted tokens, their accepted nodes (``observe``
-        then reports only kept tokens) and the computed tokens past them (their K/V is
-        stale).
+    def _cut(self, inputs, states, trees, spec, emitted, accepted) -> None:
+        """The step hooks' cuts of the tree rows (``hook_cuts.cut_rows``), after the
+        scheduler counted them: a cut row emits its kept and forced tokens, and rolls
+        back its accepted nodes past the kept tokens (``observe`` then reports only kept
+        ones) with the computed tokens there (their K/V is stale).
 
         The forced tokens are emitted like sampled ones: ``step`` appends them one by one
         and stops at max_tokens, the context limit or a stop condition, so a request with
-        fewer than k tokens of budget left gets the marker's first ones and ends there
-        (force what fits). Their K/V is computed next step: the request then has more
-        than one uncomputed token, which the scheduler runs as a chunk without drafts,
-        sampled at its last token (the proposer observes every token of it and catches
-        up on them before drafting again, as after a prefill)."""
-        runtime = self.engine.spec_exit
-        rows = [i for i in spec if states[i].spec_exit is not None]
-        if not rows:
-            return
-        values = runtime.read_signals([trees[inputs.sampled_rows[i]] for i in rows])
-        for i, step_values in zip(rows, values, strict=True):
-            state = states[i]
-            request, row = state.request, inputs.sampled_rows[i]
-            cut = runtime.judge(state.spec_exit, request.output_token_ids, emitted[i], step_values)
-            if cut is None:
-                continue
-            emitted[i] = [*emitted[i][: cut.keep], *cut.tokens]
+        too little budget left gets the forced tokens that fit and ends there. Their K/V
+        is computed next step: the request then has more than one uncomputed token, which
+        the scheduler runs as a chunk without drafts, sampled at its last token (the
+        proposer observes every token of it and catches up on them before drafting
+        again, as after a prefill)."""
+        engine = self.engine
+        rows = [inputs.sampled_rows[i] for i in spec]
+        cuts = cut_rows(
+            engine.step_hooks,
+            [states[i].request for i in spec],
+            [emitted[i] for i in spec],
+            [len(accepted[row]) for row in rows],
+            lambda js: tree_signals([trees[rows[j]] for j in js]),
+        )
+        for j, cut in cuts.items():
+            i, row = spec[j], rows[j]
+            emitted[i] = cut.tokens
             # A cut at the bonus token keeps every accepted node: the bonus and the forced
             # tokens are then all uncomputed, and the next step computes them together.
-            kept = accepted[row][: cut.keep]
-            self.engine.scheduler.roll_back(request, len(accepted[row]) - len(kept))
-            accepted[row] = kept
+            engine.scheduler.roll_back(states[i].request, len(accepted[row]) - cut.num_accepted)
+            accepted[row] = accepted[row][: cut.num_accepted]
 
 
 def observe(proposer, scheduled, inputs, starts, accepted, aux: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ computed tokens count as done. Aux states for prefix-cache hits are never observ
 head then relies on what the shared blocks hold (drafts may be worse, never wrong).
 
 A head with SpecExit channels also reads its signals from the catch-up's aux states: each
-tree carries (``exit_signals``) their mean over the catch-up rows — the tokens the target
+tree carries (``DraftTree.signals``) their mean over the catch-up rows — the tokens the target
 verified in the request's previous step (after a prefill or another long catch-up, its
 last ``catch_up_width`` rows) — computed in the same capturable function as the tree.
 """
@@ -241,9 +241,7 @@ class Eagle3Proposer(PipelinedProposer):
         inputs = GrowInputs.build(group, [end for _, end in spans], (), self.device)
         grown = self._grow_tree(shape, inputs, out, logits, None)
         if self.exit_signals:  # [batch, k]: each request's last `width` catch-up rows
-            grown.exit_signals = torch.stack(
-                [self.head.exit_signals(a[-width:]).mean(0) for a in aux]
-            )
+            grown.signals = torch.stack([self.head.exit_signals(a[-width:]).mean(0) for a in aux])
         return grown
 
     def _forward_all_but(
@@ -429,7 +427,7 @@ class Eagle3Proposer(PipelinedProposer):
         root_out = out.index_select(0, x.last_rows)  # [batch, hidden]
         grown = self._grow_tree(shape, inputs, root_out, logits, max_seq_len, compiled)
         if self.exit_signals:
-            grown.exit_signals = self._mean_exit_signals(aux, last)
+            grown.signals = self._mean_exit_signals(aux, last)
         return grown
 
     def _mean_exit_signals(

@@ -118,7 +118,7 @@ class SpecLaunch:
     drafted) whose outcome the host has not read. Host row ``b`` is ``requests[b]``; the
     pipeline's ``CatchUpState`` row ``state_rows[b]`` holds its device outcome until the
     row is written again (``state.aux[state_rows[b], : accepted + 1]``: the aux rows the
-    proposer resumes from), the host copy feeds ``read`` and ``exit_signals``."""
+    proposer resumes from), the host copy feeds ``read`` and ``signals``."""
 
     requests: list[Request]
     num_draft_tokens: int  # per tree (all trees have one shape: the step's band)
@@ -145,10 +145,10 @@ class SpecLaunch:
         step only (its copy was queued behind it)."""
         return [row[1 : row[0] + 2] for row in self._read()]
 
-    def exit_signals(self, row: int) -> list[float] | None:
-        """Row ``row``'s SpecExit signals, those the step's proposal read (the mean over the
-        catch-up rows, as a synchronous step's ``DraftTree.exit_signals``); None when the
-        head has no exit channels. Decoded per row: only opted-in requests ask."""
+    def signals(self, row: int) -> list[float] | None:
+        """Row ``row``'s signals, those the step's proposal read (the mean over the
+        catch-up rows, as a synchronous step's ``DraftTree.signals``); None when the
+        proposer reads none. Decoded per row: only rows a step hook follows ask."""
         if not self.num_signals:
             return None
         bits = np.array(self._read()[row][-self.num_signals :], dtype=np.int64)
@@ -160,7 +160,7 @@ def pack_signals(
     signals: torch.Tensor | None,  # [batch, k] float: a tree's exit signals
 ) -> torch.Tensor:  # [batch, depth + 2 (+ k)] int64
     """Append the signals' float32 bit patterns (sign-extended to int64) to the read-back
-    row, so one device-to-host copy per step carries them (``SpecLaunch.exit_signals``
+    row, so one device-to-host copy per step carries them (``SpecLaunch.signals``
     narrows them back, exactly)."""
     if signals is None:
         return packed
@@ -383,7 +383,7 @@ class SpecPipeline:
         )
         if not tree.is_chain:  # a chain's accepted nodes already sit next to the root
             runner.move_kv(*accepted_path_moves(acceptance, slots))
-        return pack_signals(packed, tree.exit_signals)
+        return pack_signals(packed, tree.signals)
 
     def _draft(
         self,

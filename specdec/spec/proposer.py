@@ -13,7 +13,7 @@ limit or room is short of it (``shape_for``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -21,7 +21,9 @@ import torch
 from specdec.config import SpeculativeConfig, band_shape
 from specdec.models.config import ModelConfig
 from specdec.request import Request
+from specdec.spec.spec_exit_runtime import SpecExitRuntime, SpecExitUnavailable
 from specdec.spec.tree import DraftTree, TreeBatch
+from specdec.step_hook import StepHook
 from specdec.tree_shapes import ChainShape, TreeShape
 
 if TYPE_CHECKING:
@@ -81,8 +83,9 @@ class Proposer(ABC):
     # engine then passes the aux states of the tokens each step that may speculate
     # computes to ``observe``, and ``defer``s the rest (``ModelRunner.aux_cache``).
     aux_layer_ids: tuple[int, ...] = ()
-    # SpecExit signals its trees carry in ``DraftTree.exit_signals`` (an EAGLE-3 head with
-    # exit channels; specdec.spec.spec_exit); empty: none, and requests cannot opt in.
+    # SpecExit signals its trees carry in ``DraftTree.signals`` (an EAGLE-3 head with
+    # exit channels; specdec.spec.spec_exit); empty: none, and requests cannot opt in
+    # (``make_step_hooks``).
     exit_signals: tuple[str, ...] = ()
     # The SpecExit setting the head records as measured best for it (some SpecExitParams
     # fields, ``Eagle3Config.spec_exit_defaults``): the base requests' settings override.
@@ -178,6 +181,17 @@ def proposer_class(config: SpeculativeConfig) -> type[Proposer]:
 
 def make_proposer(config: SpeculativeConfig, **kwargs) -> Proposer:
     return proposer_class(config)(config, **kwargs)
+
+
+def make_step_hooks(proposer: Proposer | None, tokenizer: Callable[[], Any]) -> list[StepHook]:
+    """The hooks on the update step (specdec/step_hook.py) of an engine drafting with
+    ``proposer`` (None: speculation off), in the order they judge a verify row: SpecExit's,
+    which follows the requests that opt in where the proposer's trees carry exit signals
+    and refuses them elsewhere. ``tokenizer`` returns the target's tokenizer (loaded only
+    when a hook needs it)."""
+    if proposer is None or not proposer.exit_signals:
+        return [SpecExitUnavailable()]
+    return [SpecExitRuntime(tokenizer(), proposer.exit_signals, proposer.spec_exit_defaults)]
 
 
 class PipelinedProposer(Proposer):

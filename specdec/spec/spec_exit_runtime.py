@@ -1,8 +1,11 @@
-"""The engine's side of SpecExit: resolving a request's settings against the served model
-and the draft head, reading the signals trees carry, and counting exits.
+"""The engine's side of SpecExit: a step hook (specdec/step_hook.py) that resolves an
+opted-in request's settings against the served model and the draft head, judges each of
+its verify steps by the signals the step's tree carries, and counts exits.
 
-``SpecExitRuntime`` exists only when the proposer's trees carry exit signals (an EAGLE-3
-head with SpecExit channels). The policy itself is ``specdec.spec.spec_exit``.
+``SpecExitRuntime`` is registered only when the proposer's trees carry exit signals (an
+EAGLE-3 head with SpecExit channels); elsewhere ``SpecExitUnavailable`` stands in its place
+and refuses the requests that opt in (``proposer.make_step_hooks``). The policy itself is
+``specdec.spec.spec_exit``.
 """
 
 from __future__ import annotations
@@ -11,11 +14,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from specdec.spec.spec_exit import ExitCut, SpecExitState, SpecExitStats
-from specdec.spec.tree import DraftTree
+from specdec.outputs import RequestMetrics
+from specdec.request import Request
+from specdec.spec.spec_exit import SpecExitState, SpecExitStats
 from specdec.spec_exit_params import SpecExitParams
+from specdec.step_hook import StepCut, VerifiedRow
 from specdec.think_markers import Marker, context_mismatch, resolve_marker
 
 logger = logging.getLogger(__name__)
@@ -25,7 +28,8 @@ _MAX_CACHED_MARKERS = 64
 class SpecExitRuntime:
     """Per engine: the tokenizer (think markers resolved to ids and token texts, both
     cached), the head's signal names, its recorded setting (``head_defaults``, the lowest
-    layer of every request's settings; None: none) and ``stats``."""
+    layer of every request's settings; None: none), ``stats``, and the state of every
+    live request that opted in (a ``StepHook``: admitted to released)."""
 
     def __init__(
         self,
@@ -41,6 +45,7 @@ class SpecExitRuntime:
         self.stats = SpecExitStats()
         self._texts: dict[int, str] = {}
         self._markers: dict[tuple[str, str | Marker], Marker] = {}
+        self._states: dict[str, SpecExitState] = {}  # by request id
 
     def start(self, params: SpecExitParams, prompt_ids: Sequence[int]) -> SpecExitState:
         """A request's state; raises ValueError (the request is refused) when no enabled
@@ -81,19 +86,41 @@ class SpecExitRuntime:
             self._markers[key] = marker
         return marker
 
-    def judge(
-        self,
-        state: SpecExitState,  # the opted-in request's
-        output_token_ids: Sequence[int],  # its output before this step's tokens
-        emitted: list[int],  # the step's tokens, bonus included
-        values: list[float] | None,  # the step's tree's exit signals
-    ) -> ExitCut | None:
-        """The SpecExit policy's verdict on one step (None: keep every token), counted
-        when it cuts: what to keep of ``emitted`` and which marker tokens to force."""
-        cut = state.step(output_token_ids, emitted, values)
-        if cut is not None:
-            self.stats.record(cut)
-        return cut
+    # ---- the step hook (specdec/step_hook.py) ------------------------------------------
+    def admit(self, request: Request) -> None:
+        """Follow a request that opted in (``SamplingParams.spec_exit``); ``start``'s
+        ValueError refuses it."""
+        params = request.sampling_params.spec_exit
+        if params is not None:
+            self._states[request.request_id] = self.start(params, request.prompt_token_ids)
+
+    def follows(self, request: Request) -> bool:
+        return request.request_id in self._states
+
+    def cut(self, rows: Sequence[VerifiedRow]) -> list[StepCut | None]:
+        """The SpecExit policy's verdict on each row's step (``SpecExitState.step``),
+        counted when it exits: keep the tokens through the delimiter, force the think-end
+        marker."""
+        cuts: list[StepCut | None] = []
+        for row in rows:
+            state = self._states[row.request.request_id]
+            exit_cut = state.step(row.request.output_token_ids, row.emitted, row.signals)
+            if exit_cut is None:
+                cuts.append(None)
+                continue
+            self.stats.record(exit_cut)
+            cuts.append(StepCut(exit_cut.keep, exit_cut.tokens))
+        return cuts
+
+    def report(self, request: Request, metrics: RequestMetrics) -> None:
+        """A request that opted in reports its exits and the think tokens they saved."""
+        state = self._states.get(request.request_id)
+        if state is not None:
+            metrics.spec_exits = state.num_exits
+            metrics.spec_exit_tokens_saved = state.tokens_saved
+
+    def release(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
 
     def text_of(self, token: int) -> str:
         text = self._texts.get(token)
@@ -101,14 +128,27 @@ class SpecExitRuntime:
             text = self._texts[token] = self.tokenizer.decode([token])
         return text
 
-    @staticmethod
-    def read_signals(trees: Sequence[DraftTree]) -> list[list[float] | None]:
-        """Each tree's exit signals on the host (one device-to-host copy for all; None for
-        a tree without them, e.g. a root-only tree)."""
-        rows = [i for i, t in enumerate(trees) if t.exit_signals is not None]
-        out: list[list[float] | None] = [None] * len(trees)
-        if rows:
-            values = torch.stack([trees[i].exit_signals for i in rows]).tolist()
-            for i, v in zip(rows, values, strict=True):
-                out[i] = v
-        return out
+
+class SpecExitUnavailable:
+    """SpecExit's step hook where the proposer's trees carry no exit signals (no EAGLE-3
+    head with SpecExit channels, or speculation off): it refuses every request that opts
+    in and follows none."""
+
+    def admit(self, request: Request) -> None:
+        if request.sampling_params.spec_exit is not None:
+            raise ValueError(
+                "spec_exit needs an EAGLE-3 draft head with SpecExit channels; this "
+                "engine's speculation has none (leave spec_exit out)"
+            )
+
+    def follows(self, request: Request) -> bool:
+        return False
+
+    def cut(self, rows: Sequence[VerifiedRow]) -> list[StepCut | None]:
+        return [None] * len(rows)
+
+    def report(self, request: Request, metrics: RequestMetrics) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass

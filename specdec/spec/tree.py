@@ -84,9 +84,10 @@ class DraftTree:
     # [num_nodes, num_nodes] bool, optional: row i marks node i and its ancestors (what
     # verification's tree mask holds; growth computes it on device so steps need not).
     ancestor_mask: torch.Tensor | None = None
-    # [num_signals] float32, optional: SpecExit signals the proposer read while drafting
-    # (an EAGLE-3 head with exit channels; specdec.spec.spec_exit), left on the device.
-    exit_signals: torch.Tensor | None = None
+    # [num_signals] float32, optional: signals the proposer read while drafting, for the
+    # engine's step hooks (specdec/step_hook.py), in ``Proposer.exit_signals`` order (an
+    # EAGLE-3 head's SpecExit channels), left on the device.
+    signals: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.token_ids.shape[0] if self.token_ids.dim() == 1 else -1
@@ -261,7 +262,7 @@ class TreeBatch:
     sampled: bool = False
     is_chain: bool = False
     ancestor_mask: torch.Tensor | None = None  # [batch, num_nodes, num_nodes] bool
-    exit_signals: torch.Tensor | None = None  # [batch, num_signals] float32 (DraftTree's)
+    signals: torch.Tensor | None = None  # [batch, num_signals] float32 (DraftTree's)
 
     def unbind(self) -> list[DraftTree]:
         """One ``DraftTree`` per row (views; no copies, no sync)."""
@@ -274,7 +275,7 @@ class TreeBatch:
                 sampled=self.sampled,
                 is_chain=self.is_chain,
                 ancestor_mask=self.ancestor_mask[b] if self.ancestor_mask is not None else None,
-                exit_signals=self.exit_signals[b] if self.exit_signals is not None else None,
+                signals=self.signals[b] if self.signals is not None else None,
             )
             for b in range(self.token_ids.shape[0])
         ]

@@ -364,7 +364,7 @@ class GrowGraphs:
             depths=out.depths[:b].clone(),
             is_chain=out.is_chain,
             ancestor_mask=out.ancestor_mask[:b].clone() if out.ancestor_mask is not None else None,
-            exit_signals=out.exit_signals[:b].clone() if out.exit_signals is not None else None,
+            signals=out.signals[:b].clone() if out.signals is not None else None,
         )
 
 
