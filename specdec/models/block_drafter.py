@@ -56,8 +56,8 @@ from specdec.ops.rope import apply_rotary
 Embedding = Callable[[torch.Tensor], torch.Tensor]  # token ids [...] -> embeddings [..., H]
 
 # The block forward's attention kernels. cuDNN's is left out: it builds an execution plan
-# for every new (blocks, context) shape, ~20 ms of host time per call on an H100, and a
-# drafting engine meets a new context width at nearly every step.
+# for every new (blocks, context) shape (~20 ms of host time per call on an H100), and a
+# drafting engine meets new context widths as its requests grow.
 BLOCK_SDPA_BACKENDS = [
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
