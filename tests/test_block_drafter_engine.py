@@ -16,6 +16,7 @@ specdec/spec/block_proposer.py).
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +33,12 @@ from specdec.models.block_drafter_formats import save_block_drafter
 from specdec.models.weights import WeightLoadError
 from specdec.request import Request
 from specdec.spec.block_proposer import BlockProposer
+
+# The Triton path's kernels run compiled on CUDA or in the interpreter.
+NEEDS_TRITON = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1",
+)
 
 SMOLLM2 = "smollm2-135m-instruct"
 MASK = 16  # SmolLM2's <empty_output>: never emitted by chat
@@ -63,15 +70,16 @@ def tiny_drafter_dir(tiny_target, tmp_path_factory) -> str:
     return _save(BlockDrafter(config), tmp_path_factory.mktemp("tiny_drafter"))
 
 
-def _proposer(tiny_target, drafter_dir, **spec) -> BlockProposer:
-    """The proposer on a stand-in runner: the tiny target's weights, a 16-block cache."""
+def _proposer(tiny_target, drafter_dir, paged: bool = False, **spec) -> BlockProposer:
+    """The proposer on a stand-in runner: the tiny target's weights, a 16-block cache;
+    ``paged``: the Triton path (the block forward's attention reads the cache in place)."""
     config = load_config(str(tiny_target))
     num_blocks, aux_width = 16, config.hidden_size
     runner = SimpleNamespace(
         device=torch.device("cpu"), dtype=torch.float32, block_size=BS, num_blocks=num_blocks,
         model_config=config, model=load_model(str(tiny_target)), max_model_len=64,
         aux_layer_ids=(1,), aux_cache=torch.zeros(num_blocks * BS, aux_width),
-        runtime=SimpleNamespace(triton_kernels=False),
+        runtime=SimpleNamespace(triton_kernels=paged),
     )  # fmt: skip
     spec = {"num_speculative_tokens": 3, **spec}
     return BlockProposer(
@@ -104,8 +112,13 @@ def _assert_cached(proposer: BlockProposer, request: Request, aux: torch.Tensor)
 
 
 @torch.inference_mode()
-def test_cached_context_equals_recomputed_and_blocks_equal_dense(tiny_target, tiny_drafter_dir):
-    proposer = _proposer(tiny_target, tiny_drafter_dir)
+@pytest.mark.parametrize("paged", [False, pytest.param(True, marks=NEEDS_TRITON)])
+def test_cached_context_equals_recomputed_and_blocks_equal_dense(
+    tiny_target, tiny_drafter_dir, paged
+):
+    """Context K/V is computed once per position, and drafts from the cache equal drafts
+    from K/V recomputed densely: through the dense gather and through the paged kernel."""
+    proposer = _proposer(tiny_target, tiny_drafter_dir, paged=paged)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=16)
     a = Request("a", list(range(20, 30)), params, block_ids=[5, 2, 9, 0, 7])

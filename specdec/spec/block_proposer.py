@@ -38,9 +38,11 @@ whatever its cache holds for the shared blocks (the EAGLE-3 proposer's rule): th
 of an earlier request over the same tokens, or stale ones (drafts may be worse, never
 wrong).
 
-The block forward gathers each request's cached context into a dense tensor padded to a
-power-of-two width (``context_width``) and runs ``BlockDrafter.block_logits`` eagerly (no
-CUDA graphs, no pipelined step).
+On the Triton path each layer's attention reads the cached context in place through the
+requests' block tables (``kernels.block_attention``); elsewhere the block forward gathers
+each request's cached context into a dense tensor padded to a power-of-two width
+(``context_width``) for ``BlockDrafter.block_logits``. Both run eagerly (no CUDA graphs,
+no pipelined step).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import torch
 
 from specdec.config import SpeculativeConfig
 from specdec.device.staging import to_device
+from specdec.kernels.block_attention import block_attention
 from specdec.models.block_drafter import ContextKV
 from specdec.models.block_drafter_file import read_block_size
 from specdec.models.block_drafter_formats import load_block_drafter, read_block_config
@@ -115,6 +118,9 @@ class BlockProposer(Proposer):
         )
         self._streams: dict[str, SeededStream] = {}  # seeded requests' draft streams
         self.level_topk = level_topk_for(runner.runtime.triton_kernels)
+        # The block forward reads the cached context through the Triton kernel on the
+        # Triton path (paged, no gather); elsewhere a dense gather and SDPA.
+        self.paged = runner.runtime.triton_kernels
 
     def _check_shapes(self, block: int) -> None:
         if self.max_depth > block - 1:
@@ -201,6 +207,8 @@ class BlockProposer(Proposer):
     ) -> torch.Tensor:  # [b, B - 1, draft_vocab] float32
         """Each request's block forward over its cached context (positions below its
         root ``r``); slot ``k`` predicts the token at ``r + k``."""
+        if self.paged:
+            return self._paged_block_logits(group, roots)
         lens = np.array([r.num_computed_tokens for r in group], dtype=np.int64)
         width = context_width(int(lens.max()))
         # [b, width] slots of positions 0 .. r - 1, padded with slot 0 (masked by lens).
@@ -214,6 +222,39 @@ class BlockProposer(Proposer):
         context = [ContextKV(c.k[index_t], c.v[index_t]) for c in self.kv_cache]  # [b, C, kv, d]
         embeds = self.drafter.embed(self.drafter.block_inputs(roots))  # [b, B, hidden]
         return self.drafter.block_logits(embeds, positions_t, context, lens_t[:, 0])
+
+    def _paged_block_logits(
+        self,
+        group: Sequence[Request],
+        roots: torch.Tensor,  # [b] int64
+    ) -> torch.Tensor:  # [b, B - 1, draft_vocab] float32
+        """``block_logits`` with each layer's attention reading the context K/V in place
+        (``kernels.block_attention``): the requests' block tables, nothing gathered."""
+        lens = np.array([r.num_computed_tokens for r in group], dtype=np.int64)
+        bs, block = self.block_size, self.drafter.config.block_size
+        pages = max(1, -(-int(lens.max()) // bs))
+        tables = np.zeros((len(group), pages), dtype=np.int64)  # [b, pages]
+        for b, request in enumerate(group):
+            used = -(-int(lens[b]) // bs)
+            tables[b, :used] = request.block_ids[:used]
+        positions = lens[:, None] + np.arange(block)  # [b, B]
+        packed = to_device(np.concatenate([tables, positions, lens[:, None]], axis=1), self.device)
+        tables_t, positions_t, lens_t = packed.split([pages, block, 1], dim=1)
+        lens_t = lens_t[:, 0].contiguous()
+        scale = self.drafter.layers[0].self_attn.scale
+
+        def attend(layer: int, q, k, v):  # [b*B, heads | kv_heads, d] -> [b*B, heads, d]
+            cache = self.kv_cache[layer]
+            return block_attention(
+                q, k, v, cache.k, cache.v, tables_t, lens_t,
+                block_size=block, page_size=bs, scale=scale,
+            )  # fmt: skip
+
+        embeds = self.drafter.embed(self.drafter.block_inputs(roots))  # [b, B, hidden]
+        hidden = self.drafter.block_hidden(
+            embeds.reshape(len(group) * block, -1), positions_t.reshape(-1), attend
+        )
+        return self.drafter.compute_logits(hidden.view(len(group), block, -1)[:, 1:])
 
     def _slots(self, request: Request, positions: np.ndarray) -> np.ndarray:
         bs = self.block_size
