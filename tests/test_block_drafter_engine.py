@@ -32,6 +32,7 @@ from specdec.models.block_drafter import BlockDrafter, BlockDrafterConfig, Conte
 from specdec.models.block_drafter_formats import save_block_drafter
 from specdec.models.weights import WeightLoadError
 from specdec.request import Request
+from specdec.spec.block_graphs import BlockGraphs
 from specdec.spec.block_proposer import BlockProposer
 
 # The Triton path's kernels run compiled on CUDA or in the interpreter.
@@ -164,6 +165,58 @@ def test_shapes_deeper_than_the_block_are_refused(tiny_target, tiny_drafter_dir)
     with pytest.raises(ValueError, match=r"drafts 4 tokens deep"):
         _proposer(tiny_target, tiny_drafter_dir, tree="dynamic", num_speculative_tokens=4,
                   top_k=2, total_tokens=6)  # fmt: skip
+
+
+class EagerBlockGraphs(BlockGraphs):
+    """A stand-in for captured block-forward graphs: "replay" reruns the forward on the
+    static buffers and writes the captured logits in place, as a real replay does."""
+
+    def _capture(self, bs):
+        return self._forward(self.roots[:bs], self.tables[:bs], self.lens[:bs])
+
+    def _replay(self, bs) -> None:
+        self.outputs[bs].copy_(self._forward(self.roots[:bs], self.tables[:bs], self.lens[:bs]))
+
+
+@NEEDS_TRITON
+@torch.inference_mode()
+def test_graphs_of_the_block_forward_keep_the_drafts(tiny_target, tiny_drafter_dir, monkeypatch):
+    """The GPU path's captured block forward (static buffers at the cache's full table
+    width, batches padded to their bucket with empty-context rows) drafts what the eager
+    forward drafts; a batch past the largest bucket runs eagerly."""
+    from specdec.spec import block_proposer
+
+    monkeypatch.setattr(block_proposer, "BlockGraphs", EagerBlockGraphs)
+    eager = _proposer(tiny_target, tiny_drafter_dir, paged=True)
+    graphed = _proposer(tiny_target, tiny_drafter_dir, paged=True)
+    shape = graphed.shape_at(1)
+    assert list(graphed.capture_graphs({shape: [2]}, 16, 64)) == ["block drafter forward, batch 2"]
+    g = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    requests = {}
+    for proposer in (eager, graphed):
+        reqs = [
+            Request("a", list(range(20, 33)), params, block_ids=[5, 2, 9, 0]),
+            Request("b", list(range(40, 46)), params, block_ids=[11, 3]),
+            Request("c", list(range(60, 69)), params, block_ids=[1, 4, 6]),
+        ]
+        g.manual_seed(3)
+        for r in reqs:
+            proposer.observe(r, 0, torch.randn(r.num_prompt_tokens, 64, generator=g))
+            r.num_computed_tokens = r.num_prompt_tokens
+            r.output_token_ids.append(50)
+        requests[proposer] = reqs
+    for batch in ([0], [0, 1], [0, 1, 2]):  # padded to 2, exactly 2, eager past the bucket
+        drafts = [
+            p.propose([requests[p][i] for i in batch], [3] * len(batch), shape)
+            for p in (eager, graphed)
+        ]
+        for want, got in zip(*drafts, strict=True):
+            assert got.token_ids.tolist() == want.token_ids.tolist()
+    assert graphed.graphs.num_replays == 2
+    with pytest.raises(ValueError, match="does not fit the captured graphs"):
+        graphed.graphs.run(torch.zeros(3, dtype=torch.int64), torch.zeros(3, 1, dtype=torch.int64),
+                           torch.zeros(3, dtype=torch.int64))  # fmt: skip
 
 
 @torch.inference_mode()

@@ -41,13 +41,14 @@ wrong).
 On the Triton path each layer's attention reads the cached context in place through the
 requests' block tables (``kernels.block_attention``); elsewhere the block forward gathers
 each request's cached context into a dense tensor padded to a power-of-two width
-(``context_width``) for ``BlockDrafter.block_logits``. Both run eagerly (no CUDA graphs,
-no pipelined step).
+(``context_width``) for ``BlockDrafter.block_logits``. On the GPU path the Triton forward
+replays a CUDA graph per bucketed batch size (``spec.block_graphs``; the catch-up and
+the trees built from the logits stay eager); steps are synchronous (no pipelined step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -62,6 +63,7 @@ from specdec.models.config import ModelConfig
 from specdec.request import Request
 from specdec.sampling.seeded_stream import SeededStream, keys_tensor, row_exponentials
 from specdec.spec.aux_rows import AuxRows
+from specdec.spec.block_graphs import BlockGraphs
 from specdec.spec.proposer import Proposer
 from specdec.spec.topk import level_topk_for
 from specdec.spec.tree import DraftTree, TreeBatch, grow_trees
@@ -121,6 +123,7 @@ class BlockProposer(Proposer):
         # The block forward reads the cached context through the Triton kernel on the
         # Triton path (paged, no gather); elsewhere a dense gather and SDPA.
         self.paged = runner.runtime.triton_kernels
+        self.graphs: BlockGraphs | None = None  # capture_graphs, on the GPU path
 
     def _check_shapes(self, block: int) -> None:
         if self.max_depth > block - 1:
@@ -229,32 +232,60 @@ class BlockProposer(Proposer):
         roots: torch.Tensor,  # [b] int64
     ) -> torch.Tensor:  # [b, B - 1, draft_vocab] float32
         """``block_logits`` with each layer's attention reading the context K/V in place
-        (``kernels.block_attention``): the requests' block tables, nothing gathered."""
+        (``kernels.block_attention``): the requests' block tables, nothing gathered. A
+        captured graph of the batch's bucket runs it when there is one."""
         lens = np.array([r.num_computed_tokens for r in group], dtype=np.int64)
-        bs, block = self.block_size, self.drafter.config.block_size
+        bs = self.block_size
         pages = max(1, -(-int(lens.max()) // bs))
         tables = np.zeros((len(group), pages), dtype=np.int64)  # [b, pages]
         for b, request in enumerate(group):
             used = -(-int(lens[b]) // bs)
             tables[b, :used] = request.block_ids[:used]
-        positions = lens[:, None] + np.arange(block)  # [b, B]
-        packed = to_device(np.concatenate([tables, positions, lens[:, None]], axis=1), self.device)
-        tables_t, positions_t, lens_t = packed.split([pages, block, 1], dim=1)
+        packed = to_device(np.concatenate([tables, lens[:, None]], axis=1), self.device)
+        tables_t, lens_t = packed.split([pages, 1], dim=1)
         lens_t = lens_t[:, 0].contiguous()
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket(len(group)) and pages <= graphs.width:
+            return graphs.run(roots, tables_t, lens_t)
+        return self._block_forward(roots, tables_t, lens_t)
+
+    def _block_forward(
+        self,
+        roots: torch.Tensor,  # [b] int64
+        tables: torch.Tensor,  # [b, pages] int64: each request's pages
+        lens: torch.Tensor,  # [b] int64: context positions 0 .. r - 1
+    ) -> torch.Tensor:  # [b, B - 1, draft_vocab] float32
+        """The block forward on device tensors only (what ``BlockGraphs`` captures)."""
+        b, block = roots.shape[0], self.drafter.config.block_size
+        positions = lens[:, None] + torch.arange(block, device=lens.device)  # [b, B]
         scale = self.drafter.layers[0].self_attn.scale
 
         def attend(layer: int, q, k, v):  # [b*B, heads | kv_heads, d] -> [b*B, heads, d]
             cache = self.kv_cache[layer]
             return block_attention(
-                q, k, v, cache.k, cache.v, tables_t, lens_t,
-                block_size=block, page_size=bs, scale=scale,
+                q, k, v, cache.k, cache.v, tables, lens,
+                block_size=block, page_size=self.block_size, scale=scale,
             )  # fmt: skip
 
         embeds = self.drafter.embed(self.drafter.block_inputs(roots))  # [b, B, hidden]
         hidden = self.drafter.block_hidden(
-            embeds.reshape(len(group) * block, -1), positions_t.reshape(-1), attend
+            embeds.reshape(b * block, -1), positions.reshape(-1), attend
         )
-        return self.drafter.compute_logits(hidden.view(len(group), block, -1)[:, 1:])
+        return self.drafter.compute_logits(hidden.view(b, block, -1)[:, 1:])
+
+    def capture_graphs(
+        self, batch_sizes: dict[TreeShape, list[int]], block_table_width: int, max_seq_len: int
+    ) -> Iterator[str]:
+        """Graphs of the block forward for every band's batch sizes (the forward is the
+        same whatever the band's shape: each shape reads the slots it needs), on the
+        Triton path; they serve once all are captured."""
+        if not self.paged or not batch_sizes:
+            return
+        sizes = sorted({bs for buckets in batch_sizes.values() for bs in buckets})
+        graphs = BlockGraphs(self._block_forward, sizes, block_table_width, self.device)
+        for bs in graphs.capture():
+            yield f"block drafter forward, batch {bs}"
+        self.graphs = graphs
 
     def _slots(self, request: Request, positions: np.ndarray) -> np.ndarray:
         bs = self.block_size
