@@ -167,6 +167,24 @@ def test_shapes_deeper_than_the_block_are_refused(tiny_target, tiny_drafter_dir)
                   top_k=2, total_tokens=6)  # fmt: skip
 
 
+@NEEDS_TRITON
+def test_the_triton_path_drafts_losslessly(tiny_target, tiny_drafter_dir):
+    """The engine on the Triton attention backend (its block forward reading the context
+    cache through kernels.block_attention): greedy output equals plain decoding."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 60))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for spec in (None, SpeculativeConfig(method="dflash", model=tiny_drafter_dir,
+                                         num_speculative_tokens=3)):  # fmt: skip
+        llm = LLM(str(tiny_target), device="cpu" if not torch.cuda.is_available() else "cuda",
+                  dtype="float32", kv_cache_memory=16 << 20, max_model_len=256,
+                  attention_backend="triton", speculative=spec)  # fmt: skip
+        outs.append(token_ids(llm.generate(prompts, params, use_tqdm=False)))
+        if spec is not None:
+            assert llm.engine.proposer.paged and llm.engine.spec_stats.steps > 0
+    assert outs[1] == outs[0]
+
+
 class EagerBlockGraphs(BlockGraphs):
     """A stand-in for captured block-forward graphs: "replay" reruns the forward on the
     static buffers and writes the captured logits in place, as a real replay does."""
