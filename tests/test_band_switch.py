@@ -103,7 +103,8 @@ def test_plain_steps_above_the_bands_defer_the_head_exactly(
         if not first:
             # Nothing was handed over while the batch ran plain: no rows are pending.
             assert events == ["defer"] * len(PROMPTS)
-            assert all(not s.pending and s.deferred is not None for s in proposer._states.values())
+            states = proposer.rows._states.values()
+            assert all(not s.pending and s.deferred is not None for s in states)
             events.append(f"propose after {engine.num_steps} steps")
         trees = propose(requests, limits, shape)
         for request, tree in zip(requests, trees, strict=True):

@@ -174,7 +174,7 @@ def test_pipelined_steps_keep_greedy_outputs(
     assert engine.pipeline.num_launches > 0.8 * stats.steps / len(PICKED)  # mostly pipelined
     assert stats.accepted_tokens / stats.steps > 0.25  # drafts accepted: moves, catch-ups
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
-    assert not engine.proposer._states and not engine.mode(PipelinedStep).in_flight
+    assert len(engine.proposer.rows) == 0 and not engine.mode(PipelinedStep).in_flight
 
 
 def test_pipelined_stops_and_arrivals_keep_outputs(
@@ -519,7 +519,7 @@ def test_pipelined_spec_exit_cuts_as_the_synchronous_step(
         assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
         if pipelined:
             assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0
-            assert not engine.proposer._states and not engine.mode(PipelinedStep).in_flight
+            assert len(engine.proposer.rows) == 0 and not engine.mode(PipelinedStep).in_flight
     assert outputs[True] == outputs[False]
     for i, k in enumerate(cuts):
         check_exit(plain, prompts[i], outputs[True][i], expected[i], k, end=CLOSE_IDS)
@@ -527,17 +527,23 @@ def test_pipelined_spec_exit_cuts_as_the_synchronous_step(
 
 
 def test_resumed_aux_rows_read_what_a_view_would() -> None:
-    """``Eagle3Proposer.resume`` keeps (buffer, row, count) and slices only when a
-    synchronous step takes the catch-up: the rows equal a view taken at resume time
-    (memory written in between included), followed by the rows observed since."""
-    from specdec.spec.eagle3 import _HeadState
+    """``AuxRows.resume`` (the EAGLE-3 proposer's after a pipelined step) keeps (buffer,
+    row, count) and slices only when a synchronous step takes the catch-up: the rows equal
+    a view taken at resume time (memory written in between included), followed by the rows
+    observed since."""
+    from specdec.request import Request
+    from specdec.spec.aux_rows import AuxRows
 
+    rows = AuxRows(None, block_size=16, device=torch.device("cpu"))
+    request = Request("r", list(range(10)), SamplingParams(max_tokens=8), block_ids=[0])
     aux = torch.randn(4, 5, 6)  # [rows, catch_up_width, aux width]
-    state = _HeadState(0, 10, [], (aux, 2, 3))
+    rows.resume(request, 10, aux, 2, 3)
     view = aux[2, :3]
     observed = torch.randn(2, 6)
-    state.pending.append(observed)
-    assert state.num_pending == 5
+    rows.observe(request, 13, observed)
     aux[2, 1] += 1.0  # e.g. a device write before the read: a view sees it too
-    assert torch.equal(torch.cat(state.take_rows()), torch.cat([view, observed]))
-    assert _HeadState(0, 10, [observed]).take_rows() == [observed]
+    request.num_computed_tokens = 15
+    assert rows.pending_len(request) == 5
+    (span,), (taken,) = rows.take([request])
+    assert span == (10, 15) and torch.equal(taken, torch.cat([view, observed]))
+    assert rows.pending_len(request) == 0

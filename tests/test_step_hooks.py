@@ -206,7 +206,7 @@ def test_cuts_apply_alike_in_every_step_mode_and_recompute_kv(smollm2_dir, train
         assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
         if pipelined:
             assert engine.pipeline.num_launches > 0 and engine.num_dropped_tokens > 0
-            assert not engine.proposer._states and not engine.mode(PipelinedStep).in_flight
+            assert len(engine.proposer.rows) == 0 and not engine.mode(PipelinedStep).in_flight
     assert cuts[False] == cuts[True]
     assert set(cuts[False]) == set(at)
     assert all(keep < accepted for accepted, keep in cuts[False].values())

@@ -8,6 +8,12 @@ do not speculate, leaves them in the runner's aux cache at each token's slot (``
 rows below it are consumed) and the rows from there to the request's computed tokens,
 and hands them out in one piece (``take``).
 
+A pipelined proposer's steps bypass ``observe``: after the engine reads a pipelined step,
+``resume`` restarts the request's state at the step's first catch-up index with the rows
+the launch left on the device (sliced only when a synchronous step takes them), and
+``rewind`` hands back the last rows a proposer took but leaves to the device (an
+arrival's last prompt position, caught up by its first pipelined step).
+
 A request that was preempted (its blocks freed, its tokens recomputed) starts afresh at
 the first row observed after: ``num_preemptions`` tells the states apart. That row is
 not 0 after a prefix-cache hit: the rows of shared blocks are never observed, and the
@@ -31,13 +37,24 @@ class _RowState:
     num_preemptions: int  # the request's count when this state started
     done: int  # cache indices below this are consumed by the proposer
     pending: list[torch.Tensor] = field(default_factory=list)  # rows from ``done`` on
+    # ``resume``: a pipelined launch's rows as (buffer, row, count), sliced only when
+    # taken; they precede ``pending`` (the rows observed since).
+    resumed: tuple[torch.Tensor, int, int] | None = None
     # ``defer``: the rows from this cache index (right after the pending ones) to the
     # request's computed tokens are in the runner's aux cache, read when next needed.
     deferred: int | None = None
 
     @property
     def num_pending(self) -> int:
-        return sum(p.shape[0] for p in self.pending)
+        n = self.resumed[2] if self.resumed is not None else 0
+        return n + sum(p.shape[0] for p in self.pending)
+
+    def rows(self) -> list[torch.Tensor]:
+        """Every pending row block, in order (the resumed rows first)."""
+        if self.resumed is None:
+            return self.pending
+        aux, row, count = self.resumed
+        return [aux[row, :count], *self.pending]
 
 
 class AuxRows:
@@ -56,6 +73,10 @@ class AuxRows:
         self.device = device
         self._states: dict[str, _RowState] = {}
 
+    def __len__(self) -> int:
+        """Requests with a state (observed or deferred, not yet released)."""
+        return len(self._states)
+
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
@@ -64,6 +85,13 @@ class AuxRows:
         since it was last admitted); a proposer drafts only for those."""
         state = self._states.get(request.request_id)
         return state is not None and state.num_preemptions == request.num_preemptions
+
+    def pending_len(self, request: Request) -> int:
+        """Cache indices ``request`` has computed past the proposer's (``take`` would hand
+        out that many rows); 0 for a request without a current state."""
+        if not self.is_current(request):
+            return 0
+        return request.num_computed_tokens - self._states[request.request_id].done
 
     def observe(
         self,
@@ -109,9 +137,32 @@ class AuxRows:
                     "engine must report every computed token once, in order (observe or "
                     "defer)"
                 )
-            aux.append(torch.cat(st.pending) if st.pending else None)
-            st.done, st.pending, st.deferred = end, [], None
+            rows = st.rows()
+            aux.append(torch.cat(rows) if rows else None)
+            st.done, st.pending, st.resumed, st.deferred = end, [], None, None
         return spans, aux
+
+    def rewind(self, request: Request, done: int) -> None:
+        """After ``take``: the proposer consumed ``request``'s rows below ``done`` only;
+        the rest are the caller's to deliver (a pipelined launch's catch-up, then
+        ``resume``)."""
+        self._states[request.request_id].done = done
+
+    def resume(
+        self,
+        request: Request,
+        start: int,
+        aux: torch.Tensor,  # [rows, width, aux width]: a pipelined launch's catch-up rows
+        row: int,
+        num_rows: int,
+    ) -> None:
+        """After the engine read a pipelined step: ``request``'s next rows start at cache
+        index ``start`` with ``aux[row, :num_rows]`` (valid until the next launch; the
+        engine reads the step in flight before any synchronous step), exactly what
+        ``observe`` would have collected."""
+        self._states[request.request_id] = _RowState(
+            request.num_preemptions, start, [], (aux, row, num_rows)
+        )
 
     def _state_at(self, request: Request, start: int) -> _RowState:
         """``request``'s state, whose next row (observed or deferred) is at cache index

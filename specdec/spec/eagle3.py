@@ -6,7 +6,7 @@ previous step's output: pre-norm, or post-norm for EAGLE-3.1's ``norm_output``).
 a request whose last committed token (the root) sits at index ``r`` and whose
 target-computed tokens are ``0 .. r-1``:
 
-- catch-up: positions ``head_computed .. r-1`` from the aux states of every computed
+- catch-up: positions ``done .. r-1`` (``AuxRows``) from the aux states of every computed
   token, which the engine handed to ``observe`` or, for steps that do not speculate,
   ``defer``red to the runner's aux cache; the last one predicts ``x[r+1]``, draft depth 1;
 - tree level ``d >= 1`` feeds its depth-``d`` draft nodes at position ``r + d - 1``, each
@@ -31,7 +31,6 @@ import functools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +42,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
 from specdec.models.linear import use_triton_gemm
 from specdec.request import Request
+from specdec.spec.aux_rows import AuxRows
 from specdec.spec.chunk_inputs import Chunk, build_chunk_inputs
 from specdec.spec.proposer import PipelinedProposer
 from specdec.spec.topk import level_topk_for
@@ -57,31 +57,6 @@ from specdec.spec.tree_draft import (
 from specdec.tree_shapes import TreeShape
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _HeadState:
-    num_preemptions: int
-    head_computed: int  # head positions < this hold catch-up (real) entries
-    pending: list[torch.Tensor] = field(default_factory=list)  # aux rows from head_computed
-    # After a pipelined step (``resume``): its aux rows as (buffer, row, count), sliced
-    # only when read. They precede ``pending`` (the rows observed since).
-    resumed: tuple[torch.Tensor, int, int] | None = None
-    # ``defer``: the aux rows from this cache index (right after the pending ones) to the
-    # request's computed tokens are in the runner's aux cache, read when next needed.
-    deferred: int | None = None
-
-    @property
-    def num_pending(self) -> int:
-        n = self.resumed[2] if self.resumed is not None else 0
-        return n + sum(p.shape[0] for p in self.pending)
-
-    def take_rows(self) -> list[torch.Tensor]:
-        """Every pending aux row block, in order (the resumed rows first)."""
-        if self.resumed is None:
-            return self.pending
-        aux, row, count = self.resumed
-        return [aux[row, :count], *self.pending]
 
 
 class Eagle3Proposer(PipelinedProposer):
@@ -118,7 +93,8 @@ class Eagle3Proposer(PipelinedProposer):
                 f"but the head reads layers {list(self.aux_layer_ids)}; build the runner "
                 "with aux_layer_ids=Eagle3Proposer.aux_layers_of(config, target)"
             )
-        self.aux_cache = runner.aux_cache  # [slots, aux width]: where deferred rows are
+        # The target's aux rows handed over and not consumed yet, per request.
+        self.rows = AuxRows(runner.aux_cache, self.block_size, self.device)
         self.exit_signals = self.head.config.exit_signals
         self.spec_exit_defaults = self.head.config.spec_exit_defaults
         c = self.head.config
@@ -131,7 +107,6 @@ class Eagle3Proposer(PipelinedProposer):
             )
             for _ in range(c.num_layers)
         )
-        self._states: dict[str, _HeadState] = {}
         self.grower = TreeGrower(self._grow)
         self._graph_grow = self._grow  # what CUDA graphs capture (capture_graphs)
         self.max_positions = runner.max_model_len
@@ -149,56 +124,13 @@ class Eagle3Proposer(PipelinedProposer):
         return tuple(read_eagle3_config(config.model, target).aux_layer_ids)
 
     def release(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        self.rows.release(request_id)
 
     def observe(self, request: Request, start: int, aux: torch.Tensor) -> None:
-        state = self._state_at(request, start)
-        if state.deferred is not None:  # the rows up to `start` are in the aux cache
-            if start > state.deferred:
-                state.pending += self._read_deferred([request], [(state.deferred, start)])
-            state.deferred = None
-        state.pending.append(aux)
+        self.rows.observe(request, start, aux)
 
     def defer(self, request: Request) -> None:
-        state = self._state_at(request, request.num_computed_tokens)
-        if state.deferred is None:
-            state.deferred = request.num_computed_tokens
-
-    def _state_at(self, request: Request, start: int) -> _HeadState:
-        """``request``'s state, whose next aux row (observed or deferred) is at cache
-        index ``start``; a new one there for a new or preempted request."""
-        state = self._states.get(request.request_id)
-        if state is None or state.num_preemptions != request.num_preemptions:
-            # New, or recomputed after preemption (maybe from a prefix-cache hit).
-            state = _HeadState(request.num_preemptions, head_computed=start)
-            self._states[request.request_id] = state
-        expected = state.head_computed + state.num_pending
-        if state.deferred is not None:
-            if state.deferred != expected or start < expected:
-                raise RuntimeError(
-                    f"request {request.request_id}: aux states deferred from "
-                    f"{state.deferred} resume at {start}, expected {expected} or later"
-                )
-        elif start != expected:
-            raise RuntimeError(
-                f"request {request.request_id}: aux states start at {start}, expected "
-                f"{expected}; the engine must report every computed token once, in order"
-            )
-        return state
-
-    def _read_deferred(
-        self, group: Sequence[Request], spans: Sequence[tuple[int, int]]
-    ) -> list[torch.Tensor]:  # [end - start, aux width] each
-        """The aux rows of cache indices [start, end) of each request, from the aux cache
-        (one gather; ``defer``)."""
-        bs = self.block_size
-        slots = []
-        for request, (start, end) in zip(group, spans, strict=True):
-            index = np.arange(start, end)
-            slots.append(np.asarray(request.block_ids)[index // bs] * bs + index % bs)
-        index = to_device(np.concatenate(slots).astype(np.int64), self.device)
-        rows = self.aux_cache.index_select(0, index)
-        return list(rows.split([end - start for start, end in spans]))
+        self.rows.defer(request)
 
     @torch.inference_mode()
     def propose(
@@ -269,27 +201,14 @@ class Eagle3Proposer(PipelinedProposer):
     def _take_catch_ups(
         self, group: list[Request]
     ) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
-        """Each request's catch-up span [head_computed, num_computed_tokens) and its aux
-        rows; the head then counts them as computed (the caller runs them)."""
-        states = [self._states[r.request_id] for r in group]
-        spans = [
-            (st.head_computed, r.num_computed_tokens) for st, r in zip(states, group, strict=True)
-        ]
-        deferred = [
-            i
-            for i, st in enumerate(states)
-            if st.deferred is not None and st.deferred < spans[i][1]
-        ]
-        if deferred:
-            tails = [(states[i].deferred, spans[i][1]) for i in deferred]
-            rows = self._read_deferred([group[i] for i in deferred], tails)
-            for i, tail in zip(deferred, rows, strict=True):
-                states[i].pending.append(tail)
-        # Exactly end - start rows each (observe, resume, defer).
-        aux = [torch.cat(st.take_rows()) for st in states]
-        for st, (_, end) in zip(states, spans, strict=True):
-            st.head_computed, st.pending, st.resumed, st.deferred = end, [], None, None
-        return spans, aux
+        """Each request's catch-up span [done, num_computed_tokens) (never empty
+        here) and its aux rows (``AuxRows.take``); the head then counts them as computed
+        (the caller runs them)."""
+        spans, aux = self.rows.take(group)
+        rows = [a for a in aux if a is not None]
+        if len(rows) != len(aux):
+            raise RuntimeError("an EAGLE-3 catch-up was asked for a request with none pending")
+        return spans, rows
 
     # ---- the pipelined step (spec/pipeline.py) ----------------------------------
     def pipeline_ready(self, request: Request) -> bool:
@@ -309,7 +228,7 @@ class Eagle3Proposer(PipelinedProposer):
     def start_pipelined(self, requests: Sequence[Request]) -> torch.Tensor:
         """Arrivals joining the pipeline (``SpecPipeline.arrive``), right after the prefill
         that ``observe``d each prompt through its last index ``r`` (``num_computed_tokens``
-        is still ``r + 1``): the head's K/V at positions ``head_computed .. r - 1`` (their
+        is still ``r + 1``): the head's K/V at positions ``done .. r - 1`` (their
         tokens are the prompt's), leaving position ``r`` to the first pipelined step's
         catch-up, whose token (the first output) is still on the device. Returns the aux
         rows at each ``r`` [n, aux width]; the head counts positions below ``r`` as
@@ -318,7 +237,7 @@ class Eagle3Proposer(PipelinedProposer):
         spans, aux = self._take_catch_ups(group)
         self._forward_all_but(group, spans, aux, keep=1)
         for request, (_, end) in zip(group, spans, strict=True):
-            self._states[request.request_id].head_computed = end - 1
+            self.rows.rewind(request, end - 1)
         return torch.cat(aux)
 
     def grow_pipelined(
@@ -348,9 +267,7 @@ class Eagle3Proposer(PipelinedProposer):
         step in flight before any synchronous step), exactly what ``observe`` would have
         collected. Sliced only when a synchronous step reads them (a view would read the
         same memory then), so a run of pipelined steps never pays for it."""
-        self._states[request.request_id] = _HeadState(
-            request.num_preemptions, start, [], (aux, row, num_rows)
-        )
+        self.rows.resume(request, start, aux, row, num_rows)
 
     def _padded_inputs(
         self, group: list[Request], spans: list[tuple[int, int]], aux: list[torch.Tensor]
@@ -480,10 +397,7 @@ class Eagle3Proposer(PipelinedProposer):
         )
 
     def _catch_up_len(self, request: Request) -> int:
-        state = self._states.get(request.request_id)
-        if state is None or state.num_preemptions != request.num_preemptions:
-            return 0
-        return request.num_computed_tokens - state.head_computed
+        return self.rows.pending_len(request)
 
     def _forward(
         self, chunks: list[Chunk], hidden: torch.Tensor
