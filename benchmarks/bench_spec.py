@@ -239,7 +239,7 @@ def random_head(
     model: str, out_dir: Path, draft_vocab: int = 4096, aux_layer_ids: list[int] | None = None
 ) -> Path:
     """A randomly initialised EAGLE-3 head for ``model`` (a 4,096-token draft vocabulary
-    and EAGLE-3's aux layers unless given), built as tests/test_engine.py's
+    and EAGLE-3's aux layers unless given), built as tests/engine/test_engine.py's
     ``random_head_dir`` fixture builds it."""
     from specdec.attention import get_attention_backend
     from specdec.models import load_config

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the separate virtual environment that runs vLLM's CPU build (tests/test_vllm*.py,
+# Build the separate virtual environment that runs vLLM's CPU build (tests/interop/test_vllm*.py,
 # the README's vLLM recipes). vLLM pins its own torch and friends, so it never shares
 # specdec's environment. Idempotent: a venv whose vLLM already imports at the pinned version
 # is kept as is. Prints the venv's python on its last line.

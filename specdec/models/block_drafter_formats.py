@@ -34,7 +34,7 @@ Formats here:
 - ``"dflash"``: one ``model.safetensors``, what vLLM's and z-lab's loaders read. Serve it
   with ``--speculative-config '{"method": "dflash", "model": DIR,
   "num_speculative_tokens": block_size - 1}'``; vLLM 0.32's CPU build drafts with it as
-  specdec does (tests/test_vllm_dflash.py).
+  specdec does (tests/interop/test_vllm_dflash.py).
 
 Loading reads both (and z-lab's published drafters of supported shape), checks every
 field against the target, every key's shape, and refuses what the drafter does not

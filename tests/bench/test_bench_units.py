@@ -325,7 +325,7 @@ def test_vocab_cut_steps_counts_out_of_vocabulary_stops():
     conditional rates measured on in-vocabulary tries."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from vocab_bench_coverage import cut_steps
 
     outputs = [[10, 11, 12, 13, 14, 15, 16]]

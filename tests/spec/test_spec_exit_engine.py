@@ -370,7 +370,7 @@ def test_offline_replay_judges_settings_and_chooses(target_dir, exit_head_dir, t
     from specdec.data_gen.reasoning.confidence import step_boundaries
     from specdec.models.loader import load_tokenizer
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import spec_exit_offline
 
     tok = load_tokenizer(str(target_dir))

@@ -4,7 +4,7 @@ signals, and what a cut leaves), a hook's request lifetime in ``OutputProcessor`
 toy hook that cuts and forces tokens in real runs (SmolLM2, a trained EAGLE-3 head, fp32,
 CPU): the synchronous and the pipelined step apply its cuts alike, and the output after a
 cut is plain decoding of the cut sequence, so the cut drafts' K/V was recomputed. SpecExit's
-hook: tests/test_spec_exit_engine.py and tests/test_spec_pipeline.py.
+hook: tests/spec/test_spec_exit_engine.py and tests/spec/test_spec_pipeline.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from specdec.models.packaged_heads import packaged_head
 from specdec.serve.cli import serve_config_from_args
 from specdec.serve.config import DEFAULT_DRAFT_CUTOFF, DEFAULT_DRAFT_METHOD, ServeConfig
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs" / "serve").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "serve").glob("*.yaml"))
 
 
 def _config(*argv: str) -> ServeConfig:
