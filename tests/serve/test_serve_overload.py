@@ -15,9 +15,10 @@ import pytest
 from serve_server import CPU_ARGS, running_server, scrape
 
 MAX_NUM_SEQS, MAX_WAITING = 2, 4
-# Arrivals this far apart keep their order at the server even on a loaded machine; each
-# request decodes long enough (MAX_TOKENS) that none finishes before the last arrives.
-SPACING_S, MAX_TOKENS = 0.2, 32
+# Arrivals this far apart keep their order at the server on a loaded machine; each
+# request decodes long enough (MAX_TOKENS steps, over a second on any CPU) that none
+# finishes before the last one arrives (9 x SPACING_S).
+SPACING_S, MAX_TOKENS = 0.1, 128
 
 
 @pytest.fixture(scope="module")
