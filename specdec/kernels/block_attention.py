@@ -44,6 +44,30 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _online_softmax_step(
+    q,  # [ROWS, BLOCK_D]
+    k,  # [KEYS, BLOCK_D]: zeros where not valid
+    v,  # [KEYS, BLOCK_D]
+    valid,  # [KEYS]: the keys every row attends to
+    m,  # [ROWS] running max, log2 units (finite start)
+    l_i,  # [ROWS] running sum
+    acc,  # [ROWS, BLOCK_D] running weighted sum of V
+    scale_log2,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One tile of keys folded into every row's online softmax (each tile holds at least
+    one valid key, so the new max is finite)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))  # [ROWS, KEYS]
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _block_attention_kernel(
     q_ptr,  # [num_blocks * B, num_heads, head_dim]
@@ -92,7 +116,7 @@ def _block_attention_kernel(
         other=0.0,
     )  # [ROWS, BLOCK_D]
     m = tl.full([ROWS], _NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([ROWS], dtype=tl.float32)  # noqa: E741
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
 
     context_len = tl.load(context_lens_ptr + req)
@@ -104,15 +128,8 @@ def _block_attention_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         at = slot[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
         k = tl.load(k_cache_ptr + at, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))  # [ROWS, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)  # noqa: E741
         v = tl.load(v_cache_ptr + at, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l_i, acc = _online_softmax_step(q, k, v, n_mask, m, l_i, acc, scale_log2, DOT_PRECISION)
 
     # The block's own keys: one tile, every one visible to every block token.
     offs_b = tl.arange(0, BLOCK_B)
@@ -124,20 +141,14 @@ def _block_attention_kernel(
         mask=kv_mask,
         other=0.0,
     )  # [BLOCK_B, BLOCK_D]
-    s = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(b_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)  # noqa: E741
     vb = tl.load(
         v_ptr + brow[:, None] * stride_vm + kvh * stride_vh + offs_d[None, :],
         mask=kv_mask,
         other=0.0,
     )
-    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=DOT_PRECISION)
+    m, l_i, acc = _online_softmax_step(q, kb, vb, b_mask, m, l_i, acc, scale_log2, DOT_PRECISION)
 
-    out = acc / l[:, None]
+    out = acc / l_i[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_om + head[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),

@@ -136,7 +136,7 @@ class Eagle3Proposer(PipelinedProposer):
     def propose(
         self, requests: Sequence[Request], max_draft_tokens: Sequence[int], step_shape: TreeShape
     ):
-        rows = [i for i, r in enumerate(requests) if self._catch_up_len(r) > 0]
+        rows = [i for i, r in enumerate(requests) if self.rows.pending_len(r) > 0]
         trees: list[DraftTree | None] = [None] * len(requests)
         # Fed nodes start at the root's cache index.
         rooms = [len(r.block_ids) * self.block_size - r.num_computed_tokens for r in requests]
@@ -215,7 +215,7 @@ class Eagle3Proposer(PipelinedProposer):
         """Whether ``request`` can start a pipelined step from the host: it has been
         observed and catches up on 1 .. ``catch_up_width`` positions (a verify step or a
         plain decode came last, not a prefill)."""
-        return 0 < self._catch_up_len(request) <= self.catch_up_width
+        return 0 < self.rows.pending_len(request) <= self.catch_up_width
 
     def pipeline_inputs(self, requests: Sequence[Request]) -> GrowInputs:
         """``grow_pipelined``'s inputs from the host state (``pipeline_ready`` requests;
@@ -395,9 +395,6 @@ class Eagle3Proposer(PipelinedProposer):
         return grow_trees(
             shape, inputs.roots, step, token_map=self.draft_ids, level_topk=self.level_topk
         )
-
-    def _catch_up_len(self, request: Request) -> int:
-        return self.rows.pending_len(request)
 
     def _forward(
         self, chunks: list[Chunk], hidden: torch.Tensor

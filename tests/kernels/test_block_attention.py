@@ -73,11 +73,11 @@ def test_a_blocks_output_depends_only_on_its_own_context_and_block() -> None:
     and keys change nothing), and the cache past its context is never read."""
     tensors, kw = _case(4, 9, 3, 64, [70, 9, 40], 4, torch.float32, seed=2)
     together = block_attention(**tensors, **kw)
-    alone = {
-        name: t[4:8] if name in ("q", "k", "v") else t[1:2] if t.dim() and name in
-        ("block_tables", "context_lens") else t
-        for name, t in tensors.items()
-    }  # fmt: skip
+    alone = dict(tensors)  # the second block (rows 4..7) alone; the same caches
+    for name in ("q", "k", "v"):
+        alone[name] = tensors[name][4:8]
+    for name in ("block_tables", "context_lens"):
+        alone[name] = tensors[name][1:2]
     garbage = alone["k_cache"].clone()
     pos = torch.arange(9, device=DEVICE)
     slots = alone["block_tables"][0, pos // 4].long() * 4 + pos % 4
