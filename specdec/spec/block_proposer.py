@@ -25,8 +25,8 @@ slots (the band's depth, cut by the request's limit):
   ``q_k`` does not depend on the earlier draft tokens, which is allowed: given the
   accepted prefix, node ``k``'s token is still distributed as ``q_k`` (it was drawn
   independently of the coins and tokens that accepted the prefix).
-  Seeded requests draw from a stream of their own (``DRAFT_STREAM_SALT``), so their
-  drafts do not depend on the batch; the others from torch's default RNG.
+  Seeded requests draw from a stream of their own, so their drafts do not depend on
+  the batch; the others from torch's default RNG (``spec.block_drafts`` builds them all).
 
 Context K/V cache. Each position's context K/V depends only on its aux row and position,
 so it is computed once, when the position is first caught up on, and written into paged
@@ -73,18 +73,14 @@ from specdec.models.block_drafter_formats import load_block_drafter, read_block_
 from specdec.models.config import ModelConfig
 from specdec.ops.attention_metadata import cache_slots
 from specdec.request import Request
-from specdec.sampling.seeded_stream import SeededStream, keys_tensor, row_exponentials
 from specdec.spec.aux_rows import AuxRows
+from specdec.spec.block_drafts import SlotDrafts
 from specdec.spec.block_graphs import BlockGraphs
 from specdec.spec.proposer import PipelinedProposer
 from specdec.spec.topk import level_topk_for
-from specdec.spec.tree import DraftTree, TreeBatch, grow_trees
+from specdec.spec.tree import DraftTree, TreeBatch
 from specdec.spec.tree_draft import GrowInputs, padded_catch_up_inputs
 from specdec.tree_shapes import ChainShape, TreeShape
-
-# A seeded request's draft draws come from SeededStream(seed ^ this): independent of the
-# stream its acceptance and sampling draw from (the same keys would correlate the two).
-DRAFT_STREAM_SALT = 0x9E6C63D0676A9A99
 
 MIN_CONTEXT_WIDTH = 64  # context_width's floor
 
@@ -131,8 +127,9 @@ class BlockProposer(PipelinedProposer):
         self.draft_ids = self.drafter.draft_to_target(
             torch.arange(c.draft_vocab_size, device=self.device)
         )
-        self._streams: dict[str, SeededStream] = {}  # seeded requests' draft streams
-        self.level_topk = level_topk_for(runner.runtime.triton_kernels)
+        self.drafts = SlotDrafts(
+            self.draft_ids, c.vocab_size, level_topk_for(runner.runtime.triton_kernels)
+        )
         # The block forward reads the cached context through the Triton kernel on the
         # Triton path (paged, no gather); elsewhere a dense gather and SDPA.
         self.paged = runner.runtime.triton_kernels
@@ -161,7 +158,7 @@ class BlockProposer(PipelinedProposer):
 
     def release(self, request_id: str) -> None:
         self.rows.release(request_id)
-        self._streams.pop(request_id, None)
+        self.drafts.release(request_id)
 
     # ---- drafting -------------------------------------------------------------------
     @torch.inference_mode()
@@ -190,11 +187,11 @@ class BlockProposer(PipelinedProposer):
             index = to_device(np.array(members, dtype=np.int64), self.device)
             slot_logits = logits.index_select(0, index)[:, : grown.depth]  # [n, depth, V]
             if drawn:
-                drafts = self._sampled_chains(
+                drafts = self.drafts.sampled_chains(
                     roots[index], slot_logits, [group[j] for j in members]
                 )
             else:
-                drafts = self._deterministic(grown, roots[index], slot_logits)
+                drafts = self.drafts.deterministic(grown, roots[index], slot_logits)
             for j, tree in zip(members, drafts.unbind(), strict=True):
                 trees[rows[j]] = tree
         return trees
@@ -211,6 +208,7 @@ class BlockProposer(PipelinedProposer):
         spans: Sequence[tuple[int, int]],  # per request: [start, end) cache indices
         aux: Sequence[torch.Tensor | None],  # per request: [end - start, aux width]
     ) -> None:
+        """Context K/V of each span's positions from its aux rows (empty spans: none)."""
         kept = [k for k, rows in enumerate(aux) if rows is not None and rows.shape[0]]
         if not kept:
             return
@@ -382,7 +380,7 @@ class BlockProposer(PipelinedProposer):
         longest = max(host) if host is not None else max_seq_len
         # inputs.start is each tree root's cache index: the context is every position below.
         logits = self._logits(inputs.roots, inputs.block_tables, inputs.start, longest, captured)
-        return self._deterministic(shape, inputs.roots, logits[:, : shape.depth])
+        return self.drafts.deterministic(shape, inputs.roots, logits[:, : shape.depth])
 
     def resume(
         self,
@@ -414,80 +412,6 @@ class BlockProposer(PipelinedProposer):
         bs = self.block_size
         return np.asarray(request.block_ids)[positions // bs] * bs + positions % bs
 
-    def _deterministic(
-        self,
-        shape: TreeShape,
-        roots: torch.Tensor,  # [n] int64
-        logits: torch.Tensor,  # [n, depth, draft_vocab]
-    ) -> TreeBatch:
-        """Deterministic candidates of ``shape`` (greedy requests' drafts, any request's
-        trees): the slots' argmax chain, or the tree of their best tokens."""
-        if isinstance(shape, ChainShape):
-            return self._greedy_chains(roots, logits)
-        return self._candidate_trees(shape, roots, logits)
-
-    def _greedy_chains(
-        self,
-        roots: torch.Tensor,  # [n] int64
-        logits: torch.Tensor,  # [n, depth, draft_vocab]
-    ) -> TreeBatch:
-        """Each slot's argmax: deterministic candidates."""
-        return _chains(roots, self.draft_ids[logits.argmax(dim=-1)])
-
-    def _candidate_trees(
-        self,
-        shape: TreeShape,
-        roots: torch.Tensor,  # [n] int64
-        logits: torch.Tensor,  # [n, depth, draft_vocab]
-    ) -> TreeBatch:
-        """``shape`` grown from the slots' candidates: a depth-``d`` node's children are
-        ranked by slot ``d + 1``'s draft log-probabilities, the same for every node of a
-        depth (a block's slots do not see the tokens drafted before them)."""
-
-        def slot_scores(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int):
-            return logits[:, depth, None, :].expand(-1, tokens.shape[1], -1)  # [n, m, V]
-
-        return grow_trees(
-            shape, roots, slot_scores, token_map=self.draft_ids, level_topk=self.level_topk
-        )
-
-    def _sampled_chains(
-        self,
-        roots: torch.Tensor,  # [n] int64
-        logits: torch.Tensor,  # [n, depth, draft_vocab]
-        group: Sequence[Request],
-    ) -> TreeBatch:
-        """Slot ``k``'s token drawn from ``q_k`` (softmax of the slot's logits at the
-        request's temperature), by an exponential race; ``draft_probs`` rows 1..depth hold
-        ``q_k`` over the target's vocabulary (row 0, the root's, is unused)."""
-        n, depth, vocab = logits.shape
-        streams = [self._stream(r) for r in group]
-        temperature = to_device(
-            np.array([r.sampling_params.temperature for r in group], dtype=np.float32),
-            self.device,
-        )
-        q = (logits / temperature[:, None, None]).softmax(dim=-1)  # [n, depth, draft_vocab]
-        race = torch.empty_like(q).exponential_()  # [n, depth, vocab]
-        seeded = [b for b, s in enumerate(streams) if s is not None]
-        if seeded:
-            keys = keys_tensor([streams[b] for b in seeded], self.device)
-            rows = to_device(np.array(seeded, dtype=np.int64), self.device)
-            race.index_copy_(0, rows, row_exponentials(keys, depth * vocab).view(-1, depth, vocab))
-        drawn = (q / race).argmax(dim=-1)  # [n, depth] draft columns
-        chains = _chains(roots, self.draft_ids[drawn])
-        probs = q.new_zeros(n, depth + 1, self.drafter.config.vocab_size)
-        probs[:, 1:].index_copy_(2, self.draft_ids, q)
-        chains.draft_probs, chains.sampled = probs, True
-        return chains
-
-    def _stream(self, request: Request) -> SeededStream | None:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return None
-        if request.request_id not in self._streams:
-            self._streams[request.request_id] = SeededStream(seed ^ DRAFT_STREAM_SALT)
-        return self._streams[request.request_id]
-
 
 def context_width(longest: int) -> int:
     """The padded context width of a block forward whose longest context is ``longest``
@@ -495,21 +419,6 @@ def context_width(longest: int) -> int:
     then change only when a context doubles, so kernels and plans chosen per shape are
     reused step after step; padding rows are masked and cost at most the real ones."""
     return max(MIN_CONTEXT_WIDTH, 1 << max(longest - 1, 0).bit_length())
-
-
-def _chains(
-    roots: torch.Tensor,  # [n] int64
-    tokens: torch.Tensor,  # [n, depth] int64 target ids
-) -> TreeBatch:
-    """Chains ``root, tokens[b, 0], tokens[b, 1], ...``: node i's parent is node i - 1."""
-    n, depth = tokens.shape
-    nodes = torch.arange(depth + 1, device=roots.device)
-    return TreeBatch(
-        token_ids=torch.cat([roots[:, None], tokens], dim=1),
-        parents=(nodes - 1).clamp_min(0).expand(n, -1),
-        depths=nodes.expand(n, -1),
-        is_chain=True,
-    )
 
 
 def _too_deep(depth: int, block: int) -> str:
