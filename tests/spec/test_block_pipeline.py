@@ -102,19 +102,22 @@ def test_pipelined_block_stops_aborts_and_arrivals(smollm2_dir, drafter_dir, cha
     """Requests stop mid-step (max_tokens, stop strings: the step in flight's work for
     them is dropped), one is aborted while its steps are in flight, and new requests
     arrive while others decode (prefilled beside the step in flight, no drain): each
-    finished output equals plain decoding's with the same params, the aborted one's
-    tokens are a prefix of plain's."""
+    finished output equals plain decoding's with the same params and the synchronous
+    step's drafts and counts, the aborted one's tokens are a prefix of plain's."""
     prompts = [chats[i] for i in PICKED]
     params = [
         SamplingParams(temperature=0, max_tokens=n, stop=stop)
         for n, stop in [(32, None), (7, None), (40, ["\n"]), (29, None), (40, [". "]), (21, None)]
     ]
     expected = token_ids(make_llm(smollm2_dir).generate(prompts, params, use_tqdm=False))
+    synchronous = _run(_llm(smollm2_dir, drafter_dir, TREE, pipelined=False), prompts, params)
+    assert synchronous[0] == expected
     llm = _llm(smollm2_dir, drafter_dir, TREE, pipelined=True)
     engine = llm.engine
     ids = [engine.add_request(p, s) for p, s in zip(prompts[:3], params[:3], strict=True)]
     aborted = engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=64))
     got: dict[str, list[int]] = {}
+    counts: dict[str, tuple[int, int, int]] = {}
     partial: list[int] = []
     step = 0
     while engine.has_unfinished_requests() or len(ids) < len(prompts):
@@ -129,7 +132,14 @@ def test_pipelined_block_stops_aborts_and_arrivals(smollm2_dir, drafter_dir, cha
                 partial = out.outputs[0].token_ids
             elif out.finished:
                 got[out.request_id] = out.outputs[0].token_ids
+                m = out.metrics
+                counts[out.request_id] = (
+                    m.spec_steps,
+                    m.spec_drafted_tokens,
+                    m.spec_accepted_tokens,
+                )
     assert [got[i] for i in ids] == expected
+    assert [counts[i] for i in ids] == synchronous[1]  # the same drafts
     plain_long = token_ids(make_llm(smollm2_dir).generate([prompts[0]], greedy(64), use_tqdm=False))
     assert 0 < len(partial) < 64 and partial == plain_long[0][: len(partial)]
     assert engine.pipeline.num_arrivals == 7  # every request arrived into the pipeline
