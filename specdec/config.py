@@ -231,7 +231,8 @@ class SpeculativeConfig:
     # num_speculative_tokens at every batch size.
     num_speculative_tokens_by_batch_size: list[Band] | None = None
     # Pipelined speculative steps (spec/pipeline.py: the next step launches before
-    # the host reads this one) for greedy requests of proposers that support it (eagle3).
+    # the host reads this one) for greedy requests of proposers that support it (eagle3,
+    # dflash).
     # None: on where the device runs ahead of the host (the GPU path with CUDA graphs).
     pipelined: bool | None = None
     # torch.compile the EAGLE-3 head's layer and logits inside its captured graphs (the

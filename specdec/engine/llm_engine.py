@@ -3,11 +3,12 @@
 Every step has one shape, schedule → execute → update (step_mode.py); the engine holds
 the shared parts (scheduler, KV cache manager, model runner, proposer, request state and
 outputs in ``OutputProcessor``) and asks its step modes, in order of preference, which
-runs the next step: pipelined speculative steps (greedy rows of an EAGLE-3 head,
-pipelined_step.py), async plain steps (async_step.py: step N+1 launched before step N is
-read), else the synchronous step (sync_step.py), after any other mode's step in flight is
-read. With a proposer, plain steps run while the batch is above ``disable_by_batch_size``
-(or speculation's deferred graphs, deferred_graphs.py, are still being captured).
+runs the next step: pipelined speculative steps (greedy rows of a ``PipelinedProposer``,
+an EAGLE-3 head or a block drafter; pipelined_step.py), async plain steps (async_step.py:
+step N+1 launched before step N is read), else the synchronous step (sync_step.py), after
+any other mode's step in flight is read. With a proposer, plain steps run while the batch
+is above ``disable_by_batch_size`` (or speculation's deferred graphs, deferred_graphs.py,
+are still being captured).
 
 Steps above ``disable_by_batch_size`` do no proposer work: an EAGLE-3 head is not handed
 their aux states per request (``Proposer.defer``); the forward leaves them in the runner's

@@ -11,7 +11,7 @@ stops, frees). The modes differ in when the host reads the outcome:
 - ``AsyncStep`` launches step N+1 before reading step N (plain steps above the
   speculation bands, and every step of an engine without a proposer);
 - ``PipelinedStep`` does the same for speculative steps of greedy requests, drafting
-  step N+1 from step N's device outcome (an EAGLE-3 head).
+  step N+1 from step N's device outcome (an EAGLE-3 head, a block drafter).
 
 ``LLMEngine.step`` asks the modes in that order of preference (pipelined, async, sync)
 whether they can run the next step; before one runs, any other mode's step still in

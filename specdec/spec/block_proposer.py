@@ -25,8 +25,8 @@ slots (the band's depth, cut by the request's limit):
   ``q_k`` does not depend on the earlier draft tokens, which is allowed: given the
   accepted prefix, node ``k``'s token is still distributed as ``q_k`` (it was drawn
   independently of the coins and tokens that accepted the prefix).
-  Seeded requests draw from a stream of their own (``DRAFT_STREAM_SALT``), so their
-  drafts do not depend on the batch; the others from torch's default RNG.
+  Seeded requests draw from a stream of their own, so their drafts do not depend on
+  the batch; the others from torch's default RNG (``spec.block_drafts`` builds them all).
 
 Context K/V cache. Each position's context K/V depends only on its aux row and position,
 so it is computed once, when the position is first caught up on, and written into paged
@@ -43,7 +43,18 @@ requests' block tables (``kernels.block_attention``); elsewhere the block forwar
 each request's cached context into a dense tensor padded to a power-of-two width
 (``context_width``) for ``BlockDrafter.block_logits``. On the GPU path the Triton forward
 replays a CUDA graph per bucketed batch size (``spec.block_graphs``; the catch-up and
-the trees built from the logits stay eager); steps are synchronous (no pipelined step).
+the trees built from the logits stay eager).
+
+Pipelined steps (``spec.pipeline``, greedy requests): the catch-up state a launch leaves
+on the device (``CatchUpState``: the aux rows of the step's root and accepted nodes, the
+root's cache index) is all the next draft needs, since block positions are never cached
+and the emitted tokens reach the block only as its root (the bonus token). So
+``grow_pipelined`` writes the context K/V of the catch-up rows at their slots, runs the
+block forward with context length = the new root's cache index, and builds the chain or
+tree from the logits: device ops only, captured in the whole step's CUDA graph on the GPU
+path. The catch-up is right-padded to ``catch_up_width`` rows; the padding writes the
+context of positions from the new root on, which no block reads before a later catch-up
+rewrites them with the target's rows (a block reads its context below its root only).
 """
 
 from __future__ import annotations
@@ -60,23 +71,21 @@ from specdec.models.block_drafter import ContextKV
 from specdec.models.block_drafter_file import read_block_size
 from specdec.models.block_drafter_formats import load_block_drafter, read_block_config
 from specdec.models.config import ModelConfig
+from specdec.ops.attention_metadata import cache_slots
 from specdec.request import Request
-from specdec.sampling.seeded_stream import SeededStream, keys_tensor, row_exponentials
 from specdec.spec.aux_rows import AuxRows
+from specdec.spec.block_drafts import SlotDrafts
 from specdec.spec.block_graphs import BlockGraphs
-from specdec.spec.proposer import Proposer
+from specdec.spec.proposer import PipelinedProposer
 from specdec.spec.topk import level_topk_for
-from specdec.spec.tree import DraftTree, TreeBatch, grow_trees
+from specdec.spec.tree import DraftTree, TreeBatch
+from specdec.spec.tree_draft import GrowInputs, padded_catch_up_inputs
 from specdec.tree_shapes import ChainShape, TreeShape
-
-# A seeded request's draft draws come from SeededStream(seed ^ this): independent of the
-# stream its acceptance and sampling draw from (the same keys would correlate the two).
-DRAFT_STREAM_SALT = 0x9E6C63D0676A9A99
 
 MIN_CONTEXT_WIDTH = 64  # context_width's floor
 
 
-class BlockProposer(Proposer):
+class BlockProposer(PipelinedProposer):
     name = "dflash"
 
     def __init__(self, config: SpeculativeConfig, *, runner) -> None:
@@ -118,8 +127,9 @@ class BlockProposer(Proposer):
         self.draft_ids = self.drafter.draft_to_target(
             torch.arange(c.draft_vocab_size, device=self.device)
         )
-        self._streams: dict[str, SeededStream] = {}  # seeded requests' draft streams
-        self.level_topk = level_topk_for(runner.runtime.triton_kernels)
+        self.drafts = SlotDrafts(
+            self.draft_ids, c.vocab_size, level_topk_for(runner.runtime.triton_kernels)
+        )
         # The block forward reads the cached context through the Triton kernel on the
         # Triton path (paged, no gather); elsewhere a dense gather and SDPA.
         self.paged = runner.runtime.triton_kernels
@@ -148,7 +158,7 @@ class BlockProposer(Proposer):
 
     def release(self, request_id: str) -> None:
         self.rows.release(request_id)
-        self._streams.pop(request_id, None)
+        self.drafts.release(request_id)
 
     # ---- drafting -------------------------------------------------------------------
     @torch.inference_mode()
@@ -177,13 +187,11 @@ class BlockProposer(Proposer):
             index = to_device(np.array(members, dtype=np.int64), self.device)
             slot_logits = logits.index_select(0, index)[:, : grown.depth]  # [n, depth, V]
             if drawn:
-                drafts = self._sampled_chains(
+                drafts = self.drafts.sampled_chains(
                     roots[index], slot_logits, [group[j] for j in members]
                 )
-            elif isinstance(grown, ChainShape):
-                drafts = self._greedy_chains(roots[index], slot_logits)
             else:
-                drafts = self._candidate_trees(grown, roots[index], slot_logits)
+                drafts = self.drafts.deterministic(grown, roots[index], slot_logits)
             for j, tree in zip(members, drafts.unbind(), strict=True):
                 trees[rows[j]] = tree
         return trees
@@ -192,16 +200,34 @@ class BlockProposer(Proposer):
         """Context K/V of every position each request's target computed since the last
         catch-up (``AuxRows.take``), written at the positions' cache slots."""
         spans, aux = self.rows.take(group)
-        kept = [k for k, rows in enumerate(aux) if rows is not None]
+        self._write_context(group, spans, aux)
+
+    def _write_context(
+        self,
+        group: Sequence[Request],
+        spans: Sequence[tuple[int, int]],  # per request: [start, end) cache indices
+        aux: Sequence[torch.Tensor | None],  # per request: [end - start, aux width]
+    ) -> None:
+        """Context K/V of each span's positions from its aux rows (empty spans: none)."""
+        kept = [k for k, rows in enumerate(aux) if rows is not None and rows.shape[0]]
         if not kept:
             return
         positions = np.concatenate([np.arange(*spans[k]) for k in kept])
         slots = np.concatenate([self._slots(group[k], np.arange(*spans[k])) for k in kept])
         packed = to_device(np.stack([positions, slots]), self.device)  # one copy
-        context = self.drafter.context_kv(torch.cat([aux[k] for k in kept]), packed[0])
+        self._store_context(torch.cat([aux[k] for k in kept]), packed[0], packed[1])
+
+    def _store_context(
+        self,
+        aux: torch.Tensor,  # [n, aux width]: the target's aux rows
+        positions: torch.Tensor,  # [n] int64: their cache indices
+        slots: torch.Tensor,  # [n] int64: their cache slots
+    ) -> None:
+        """Each row's context K/V, written at its slot (device ops only)."""
+        context = self.drafter.context_kv(aux, positions)
         for cache, layer in zip(self.kv_cache, context, strict=True):
-            cache.k.index_copy_(0, packed[1], layer.k.to(cache.k.dtype))
-            cache.v.index_copy_(0, packed[1], layer.v.to(cache.v.dtype))
+            cache.k.index_copy_(0, slots, layer.k.to(cache.k.dtype))
+            cache.v.index_copy_(0, slots, layer.v.to(cache.v.dtype))
 
     def block_logits(
         self,
@@ -210,30 +236,6 @@ class BlockProposer(Proposer):
     ) -> torch.Tensor:  # [b, B - 1, draft_vocab] float32
         """Each request's block forward over its cached context (positions below its
         root ``r``); slot ``k`` predicts the token at ``r + k``."""
-        if self.paged:
-            return self._paged_block_logits(group, roots)
-        lens = np.array([r.num_computed_tokens for r in group], dtype=np.int64)
-        width = context_width(int(lens.max()))
-        # [b, width] slots of positions 0 .. r - 1, padded with slot 0 (masked by lens).
-        index = np.zeros((len(group), width), dtype=np.int64)
-        for b, request in enumerate(group):
-            index[b, : lens[b]] = self._slots(request, np.arange(lens[b]))
-        block = self.drafter.config.block_size
-        positions = lens[:, None] + np.arange(block)  # [b, B]
-        packed = to_device(np.concatenate([index, positions, lens[:, None]], axis=1), self.device)
-        index_t, positions_t, lens_t = packed.split([width, block, 1], dim=1)
-        context = [ContextKV(c.k[index_t], c.v[index_t]) for c in self.kv_cache]  # [b, C, kv, d]
-        embeds = self.drafter.embed(self.drafter.block_inputs(roots))  # [b, B, hidden]
-        return self.drafter.block_logits(embeds, positions_t, context, lens_t[:, 0])
-
-    def _paged_block_logits(
-        self,
-        group: Sequence[Request],
-        roots: torch.Tensor,  # [b] int64
-    ) -> torch.Tensor:  # [b, B - 1, draft_vocab] float32
-        """``block_logits`` with each layer's attention reading the context K/V in place
-        (``kernels.block_attention``): the requests' block tables, nothing gathered. A
-        captured graph of the batch's bucket runs it when there is one."""
         lens = np.array([r.num_computed_tokens for r in group], dtype=np.int64)
         bs = self.block_size
         pages = max(1, -(-int(lens.max()) // bs))
@@ -243,19 +245,58 @@ class BlockProposer(Proposer):
             tables[b, :used] = request.block_ids[:used]
         packed = to_device(np.concatenate([tables, lens[:, None]], axis=1), self.device)
         tables_t, lens_t = packed.split([pages, 1], dim=1)
-        lens_t = lens_t[:, 0].contiguous()
+        return self._logits(roots, tables_t, lens_t[:, 0].contiguous(), int(lens.max()))
+
+    def _logits(
+        self,
+        roots: torch.Tensor,  # [b] int64
+        tables: torch.Tensor,  # [b, pages] int: each request's pages
+        lens: torch.Tensor,  # [b] int64: context positions 0 .. r - 1
+        longest: int,  # a bound on ``lens`` (the dense context's padded width)
+        captured: bool = False,  # inside a CUDA graph's capture: run, never replay
+    ) -> torch.Tensor:  # [b, B - 1, draft_vocab] float32
+        """The block forward, device ops only. On the Triton path each layer's attention
+        reads the context K/V in place (``kernels.block_attention``), from a captured
+        graph of the batch's bucket when there is one; elsewhere each request's context
+        is gathered into a dense tensor ``context_width(longest)`` wide."""
+        if not self.paged:
+            return self._dense_block_forward(roots, tables, lens, context_width(longest))
         graphs = self.graphs
-        if graphs is not None and graphs.bucket(len(group)) and pages <= graphs.width:
-            return graphs.run(roots, tables_t, lens_t)
-        return self._block_forward(roots, tables_t, lens_t)
+        if (
+            not captured
+            and graphs is not None
+            and graphs.bucket(roots.shape[0])
+            and tables.shape[1] <= graphs.width
+        ):
+            return graphs.run(roots, tables, lens)
+        return self._block_forward(roots, tables, lens)
+
+    def _dense_block_forward(
+        self,
+        roots: torch.Tensor,  # [b] int64
+        tables: torch.Tensor,  # [b, pages] int
+        lens: torch.Tensor,  # [b] int64
+        width: int,  # the dense context's width, >= every length
+    ) -> torch.Tensor:  # [b, B - 1, draft_vocab] float32
+        """The block forward over each request's context gathered densely (the CPU path):
+        positions past a request's length read slot 0, masked by ``lens``."""
+        bs, block = self.block_size, self.drafter.config.block_size
+        index = torch.arange(width, device=lens.device)  # [width]
+        pages = tables[:, (index // bs).clamp(max=tables.shape[1] - 1)].long()  # [b, width]
+        slots = torch.where(index < lens[:, None], pages * bs + index % bs, 0)  # [b, width]
+        context = [ContextKV(c.k[slots], c.v[slots]) for c in self.kv_cache]  # [b, C, kv, d]
+        positions = lens[:, None] + torch.arange(block, device=lens.device)  # [b, B]
+        embeds = self.drafter.embed(self.drafter.block_inputs(roots))  # [b, B, hidden]
+        return self.drafter.block_logits(embeds, positions, context, lens)
 
     def _block_forward(
         self,
         roots: torch.Tensor,  # [b] int64
-        tables: torch.Tensor,  # [b, pages] int64: each request's pages
+        tables: torch.Tensor,  # [b, pages] int: each request's pages
         lens: torch.Tensor,  # [b] int64: context positions 0 .. r - 1
     ) -> torch.Tensor:  # [b, B - 1, draft_vocab] float32
-        """The block forward on device tensors only (what ``BlockGraphs`` captures)."""
+        """The block forward through the paged kernel, device ops only (what
+        ``BlockGraphs`` captures)."""
         b, block = roots.shape[0], self.drafter.config.block_size
         positions = lens[:, None] + torch.arange(block, device=lens.device)  # [b, B]
         scale = self.drafter.layers[0].self_attn.scale
@@ -272,6 +313,86 @@ class BlockProposer(Proposer):
             embeds.reshape(b * block, -1), positions.reshape(-1), attend
         )
         return self.drafter.compute_logits(hidden.view(b, block, -1)[:, 1:])
+
+    # ---- the pipelined step (spec/pipeline.py) ----------------------------------
+    def pipeline_ready(self, request: Request) -> bool:
+        """Whether ``request`` can start a pipelined step from the host: it has aux rows
+        pending (a catch-up of any length: all but its last ``catch_up_width`` rows are
+        written by ``pipeline_inputs``, the rest by the launch)."""
+        return self.rows.pending_len(request) > 0
+
+    @torch.inference_mode()
+    def pipeline_inputs(self, requests: Sequence[Request]) -> GrowInputs:
+        """``grow_pipelined``'s inputs from the host state (``pipeline_ready`` requests;
+        the engine reserved their slots): each catch-up's last ``catch_up_width`` rows,
+        the context K/V of the rows before them written here."""
+        group = list(requests)
+        spans, aux = self._take_all_but(group, self.catch_up_width)
+        return padded_catch_up_inputs(group, spans, aux, self.catch_up_width, self.device)
+
+    @torch.inference_mode()
+    def start_pipelined(self, requests: Sequence[Request]) -> torch.Tensor:
+        """Arrivals joining the pipeline (``SpecPipeline.arrive``), right after the prefill
+        that ``observe``d each prompt through its last index ``r``: the context K/V of
+        positions below ``r``, leaving ``r`` to the first pipelined step's catch-up.
+        Returns the aux rows at each ``r`` [n, aux width]; positions below ``r`` count as
+        computed, as the engine then counts them until it reads the first token
+        (``resume``)."""
+        group = list(requests)
+        spans, aux = self._take_all_but(group, keep=1)
+        for request, (start, _) in zip(group, spans, strict=True):
+            self.rows.rewind(request, start)
+        return torch.cat(aux)
+
+    def _take_all_but(
+        self, group: list[Request], keep: int
+    ) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+        """Take each request's catch-up (``AuxRows.take``; never empty here), write the
+        context K/V of all but its last ``keep`` rows, and return the rest: their spans
+        and aux rows [<= keep, aux width], for the caller to deliver."""
+        spans, taken = self.rows.take(group)
+        heads, head_rows, tails, tail_rows = [], [], [], []
+        for (start, end), rows in zip(spans, taken, strict=True):
+            if rows is None:
+                raise RuntimeError("a pipelined catch-up was asked for a request with none pending")
+            mid = max(start, end - keep)
+            heads.append((start, mid))
+            head_rows.append(rows[: mid - start])
+            tails.append((mid, end))
+            tail_rows.append(rows[mid - start :])
+        self._write_context(group, heads, head_rows)
+        return tails, tail_rows
+
+    def grow_pipelined(
+        self, shape: TreeShape, inputs: GrowInputs, max_seq_len: int, captured: bool = False
+    ) -> TreeBatch:
+        """Catch-up and block draft of ``shape`` (the step's band) from the catch-up state
+        (``CatchUpState.fields``), device ops only (module docstring). ``captured``: the
+        caller is being captured into a CUDA graph: run the block forward instead of
+        replaying its graphs."""
+        _, aux, _, start = inputs.root_state  # [batch, width, aux width], [batch]
+        width = aux.shape[1]
+        index = start[:, None] + torch.arange(width, device=start.device)  # [batch, width]
+        slots = cache_slots(inputs.block_tables, index, self.block_size)  # [batch * width]
+        # Positions reach start + catch_up_width - 1 < the RoPE table's max_model_len + B.
+        self._store_context(aux.flatten(0, 1), index.flatten(), slots)
+        host = inputs.start_cpu
+        longest = max(host) if host is not None else max_seq_len
+        # inputs.start is each tree root's cache index: the context is every position below.
+        logits = self._logits(inputs.roots, inputs.block_tables, inputs.start, longest, captured)
+        return self.drafts.deterministic(shape, inputs.roots, logits[:, : shape.depth])
+
+    def resume(
+        self,
+        request: Request,
+        start: int,
+        aux: torch.Tensor,  # [rows, catch_up_width, aux width]: a launch's catch-up aux
+        row: int,
+        num_rows: int,
+    ) -> None:
+        """After the engine read a pipelined step: the next catch-up starts at cache index
+        ``start`` with ``aux[row, :num_rows]`` (``AuxRows.resume``)."""
+        self.rows.resume(request, start, aux, row, num_rows)
 
     def capture_graphs(
         self, batch_sizes: dict[TreeShape, list[int]], block_table_width: int, max_seq_len: int
@@ -291,68 +412,6 @@ class BlockProposer(Proposer):
         bs = self.block_size
         return np.asarray(request.block_ids)[positions // bs] * bs + positions % bs
 
-    def _greedy_chains(
-        self,
-        roots: torch.Tensor,  # [n] int64
-        logits: torch.Tensor,  # [n, depth, draft_vocab]
-    ) -> TreeBatch:
-        """Each slot's argmax: deterministic candidates."""
-        return _chains(roots, self.draft_ids[logits.argmax(dim=-1)])
-
-    def _candidate_trees(
-        self,
-        shape: TreeShape,
-        roots: torch.Tensor,  # [n] int64
-        logits: torch.Tensor,  # [n, depth, draft_vocab]
-    ) -> TreeBatch:
-        """``shape`` grown from the slots' candidates: a depth-``d`` node's children are
-        ranked by slot ``d + 1``'s draft log-probabilities, the same for every node of a
-        depth (a block's slots do not see the tokens drafted before them)."""
-
-        def slot_scores(tokens: torch.Tensor, parent_rows: torch.Tensor, depth: int):
-            return logits[:, depth, None, :].expand(-1, tokens.shape[1], -1)  # [n, m, V]
-
-        return grow_trees(
-            shape, roots, slot_scores, token_map=self.draft_ids, level_topk=self.level_topk
-        )
-
-    def _sampled_chains(
-        self,
-        roots: torch.Tensor,  # [n] int64
-        logits: torch.Tensor,  # [n, depth, draft_vocab]
-        group: Sequence[Request],
-    ) -> TreeBatch:
-        """Slot ``k``'s token drawn from ``q_k`` (softmax of the slot's logits at the
-        request's temperature), by an exponential race; ``draft_probs`` rows 1..depth hold
-        ``q_k`` over the target's vocabulary (row 0, the root's, is unused)."""
-        n, depth, vocab = logits.shape
-        streams = [self._stream(r) for r in group]
-        temperature = to_device(
-            np.array([r.sampling_params.temperature for r in group], dtype=np.float32),
-            self.device,
-        )
-        q = (logits / temperature[:, None, None]).softmax(dim=-1)  # [n, depth, draft_vocab]
-        race = torch.empty_like(q).exponential_()  # [n, depth, vocab]
-        seeded = [b for b, s in enumerate(streams) if s is not None]
-        if seeded:
-            keys = keys_tensor([streams[b] for b in seeded], self.device)
-            rows = to_device(np.array(seeded, dtype=np.int64), self.device)
-            race.index_copy_(0, rows, row_exponentials(keys, depth * vocab).view(-1, depth, vocab))
-        drawn = (q / race).argmax(dim=-1)  # [n, depth] draft columns
-        chains = _chains(roots, self.draft_ids[drawn])
-        probs = q.new_zeros(n, depth + 1, self.drafter.config.vocab_size)
-        probs[:, 1:].index_copy_(2, self.draft_ids, q)
-        chains.draft_probs, chains.sampled = probs, True
-        return chains
-
-    def _stream(self, request: Request) -> SeededStream | None:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return None
-        if request.request_id not in self._streams:
-            self._streams[request.request_id] = SeededStream(seed ^ DRAFT_STREAM_SALT)
-        return self._streams[request.request_id]
-
 
 def context_width(longest: int) -> int:
     """The padded context width of a block forward whose longest context is ``longest``
@@ -360,21 +419,6 @@ def context_width(longest: int) -> int:
     then change only when a context doubles, so kernels and plans chosen per shape are
     reused step after step; padding rows are masked and cost at most the real ones."""
     return max(MIN_CONTEXT_WIDTH, 1 << max(longest - 1, 0).bit_length())
-
-
-def _chains(
-    roots: torch.Tensor,  # [n] int64
-    tokens: torch.Tensor,  # [n, depth] int64 target ids
-) -> TreeBatch:
-    """Chains ``root, tokens[b, 0], tokens[b, 1], ...``: node i's parent is node i - 1."""
-    n, depth = tokens.shape
-    nodes = torch.arange(depth + 1, device=roots.device)
-    return TreeBatch(
-        token_ids=torch.cat([roots[:, None], tokens], dim=1),
-        parents=(nodes - 1).clamp_min(0).expand(n, -1),
-        depths=nodes.expand(n, -1),
-        is_chain=True,
-    )
 
 
 def _too_deep(depth: int, block: int) -> str:

@@ -32,11 +32,9 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from specdec.config import SpeculativeConfig
-from specdec.device.staging import to_device
 from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig
 from specdec.models.eagle3_formats import load_eagle3, read_eagle3_config
@@ -53,6 +51,7 @@ from specdec.spec.tree_draft import (
     TreeGrower,
     catch_up_inputs,
     pack_catch_ups,
+    padded_catch_up_inputs,
 )
 from specdec.tree_shapes import TreeShape
 
@@ -163,7 +162,8 @@ class Eagle3Proposer(PipelinedProposer):
             len(r.block_ids) * bs >= start + width
             for r, (start, _) in zip(group, spans, strict=True)
         ):
-            return self.grower.grow(shape, self._padded_inputs(group, spans, aux))
+            inputs = padded_catch_up_inputs(group, spans, aux, width, self.device)
+            return self.grower.grow(shape, inputs)
         # Near the cache's end (no room for a padded catch-up): one varlen forward.
         chunks = [
             Chunk(r, start, r.token_ids(start + 1, end + 1))
@@ -222,7 +222,7 @@ class Eagle3Proposer(PipelinedProposer):
         the engine reserved their slots)."""
         group = list(requests)
         spans, aux = self._take_catch_ups(group)
-        return self._padded_inputs(group, spans, aux)
+        return padded_catch_up_inputs(group, spans, aux, self.catch_up_width, self.device)
 
     @torch.inference_mode()
     def start_pipelined(self, requests: Sequence[Request]) -> torch.Tensor:
@@ -269,26 +269,6 @@ class Eagle3Proposer(PipelinedProposer):
         same memory then), so a run of pipelined steps never pays for it."""
         self.rows.resume(request, start, aux, row, num_rows)
 
-    def _padded_inputs(
-        self, group: list[Request], spans: list[tuple[int, int]], aux: list[torch.Tensor]
-    ) -> GrowInputs:
-        """``_grow``'s inputs: catch-up token ids [batch, width], aux states [batch,
-        width, 3 * hidden], each request's last real row [batch] and catch-up start
-        [batch], right-padded with token 0 and zero aux rows."""
-        width = self.catch_up_width
-        ids = [
-            r.token_ids(start + 1, end + 1) for r, (start, end) in zip(group, spans, strict=True)
-        ]
-        tokens, last, start = pack_catch_ups(spans, ids, width, self.device)
-        # Aux rows land at row b * width + j of a zero-padded [batch * width, 3H] block.
-        rows = [b * width + j for b, (s, e) in enumerate(spans) for j in range(e - s)]
-        index = to_device(np.array(rows, dtype=np.int64), self.device)
-        flat = torch.cat(aux)  # [sum of catch-up lengths, 3 * hidden]
-        padded = flat.new_zeros(len(group) * width, flat.shape[1]).index_copy_(0, index, flat)
-        inputs = GrowInputs.build(group, [end for _, end in spans], (), self.device)
-        inputs.root_state = (tokens, padded.view(len(group), width, -1), last, start)
-        return inputs
-
     def capture_graphs(
         self, batch_sizes: dict[TreeShape, list[int]], block_table_width: int, max_seq_len: int
     ) -> Iterator[str]:
@@ -324,9 +304,9 @@ class Eagle3Proposer(PipelinedProposer):
         max_seq_len: int | None,
         compiled: bool = False,
     ) -> TreeBatch:
-        """Catch-up and growth in one go, device ops only (``_padded_inputs`` made the
-        root state; ``catch_up_inputs`` says why the padding is harmless). ``compiled``:
-        the head's compiled regions (captured graphs only)."""
+        """Catch-up and growth in one go, device ops only (``padded_catch_up_inputs``
+        made the root state; ``catch_up_inputs`` says why the padding is harmless).
+        ``compiled``: the head's compiled regions (captured graphs only)."""
         tokens, aux, last, start = inputs.root_state
         x = catch_up_inputs(
             inputs, tokens, last, start, self.block_size, max_seq_len, self.max_positions

@@ -41,9 +41,10 @@ pipeline. Without this every arrival cost a read of the step in flight and two
 synchronous steps (the prefill, then the first draft from the prompt), and
 at batch 16 with requests arriving as others finish about a quarter of all steps ran so.
 
-Greedy requests of an EAGLE-3-style proposer only (a ``PipelinedProposer``): sampled
-acceptance, logprobs, chunked prefills, forced tokens and SpecExit's admissions run the
-synchronous step, after the steps in flight are read (``LLMEngine`` decides per step).
+Greedy requests of a proposer that drafts from device state only (a
+``PipelinedProposer``: the EAGLE-3 head, the block drafter): sampled acceptance, logprobs,
+chunked prefills, forced tokens and SpecExit's admissions run the synchronous step, after
+the steps in flight are read (``LLMEngine`` decides per step).
 """
 
 from __future__ import annotations

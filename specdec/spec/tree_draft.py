@@ -262,6 +262,30 @@ def pack_catch_ups(
     return packed[: b * width].view(b, width), packed[b * width : -b], packed[-b:]
 
 
+def padded_catch_up_inputs(
+    group: Sequence[Request],
+    spans: Sequence[tuple[int, int]],  # per request: [start, end) catch-up cache indices
+    aux: Sequence[torch.Tensor],  # per request: [end - start, aux width] aux rows
+    width: int,  # the padded catch-up length (a proposer's ``catch_up_width``)
+    device: torch.device,
+) -> GrowInputs:
+    """A proposer's catch-up growth inputs from the host state, the pipelined step's
+    ``CatchUpState`` layout: ``root_state`` = (token ids [batch, width], aux rows [batch,
+    width, aux width], each request's last real row [batch], catch-up start [batch]),
+    right-padded with token 0 and zero aux rows; each span ends at the request's root.
+    Catch-up token ``j`` is the token after cache index ``start + j`` (EAGLE's pairing)."""
+    ids = [r.token_ids(start + 1, end + 1) for r, (start, end) in zip(group, spans, strict=True)]
+    tokens, last, start = pack_catch_ups(spans, ids, width, device)
+    # Aux rows land at row b * width + j of a zero-padded [batch * width, aux width] block.
+    rows = [b * width + j for b, (s, e) in enumerate(spans) for j in range(e - s)]
+    index = to_device(np.array(rows, dtype=np.int64), device)
+    flat = torch.cat(list(aux))  # [sum of catch-up lengths, aux width]
+    padded = flat.new_zeros(len(group) * width, flat.shape[1]).index_copy_(0, index, flat)
+    inputs = GrowInputs.build(group, [end for _, end in spans], (), device)
+    inputs.root_state = (tokens, padded.view(len(group), width, -1), last, start)
+    return inputs
+
+
 GrowFn = Callable[[TreeShape, GrowInputs, int | None], TreeBatch]
 """``grow(shape, inputs, max_seq_len) -> TreeBatch``: a proposer's tree growth, device ops
 only (``max_seq_len`` as for ``TreeDraftLayout``)."""

@@ -90,6 +90,17 @@ SPEC_CASES = {
         "total_tokens": 32,
         "head": "trained",
     },
+    # A random block drafter: its forward replays the block graphs in synchronous steps,
+    # and runs inside the pipelined step's graph otherwise.
+    "dflash-chain": {"method": "dflash", "num_speculative_tokens": 3},
+    "dflash-chain-sync": {"method": "dflash", "num_speculative_tokens": 3, "pipelined": False},
+    "dflash-dynamic": {
+        "method": "dflash",
+        "tree": "dynamic",
+        "num_speculative_tokens": 3,
+        "top_k": 4,
+        "total_tokens": 16,
+    },
     "draft-static": {
         "method": "draft_model",
         "tree": "static",
@@ -107,21 +118,38 @@ def chat_prompts(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
+def block_drafter_dir(smollm2_dir, tmp_path_factory) -> str:
+    from test_block_drafter_engine import _save, smollm2_drafter
+
+    torch.manual_seed(0)
+    drafter = smollm2_drafter(smollm2_dir, torch.arange(4096))
+    return _save(drafter, tmp_path_factory.mktemp("block_drafter"))
+
+
+@pytest.fixture(scope="module")
 def eager_reference(smollm2_dir, chat_prompts):
     return run(smollm2_dir, chat_prompts, attention_backend="torch", enforce_eager=True)
 
 
 @pytest.mark.parametrize("case", list(SPEC_CASES))
 def test_speculation_on_graphs_equals_plain(
-    smollm2_dir, random_head_dir, trained_head_dir, chat_prompts, eager_reference, case
+    smollm2_dir,
+    random_head_dir,
+    trained_head_dir,
+    block_drafter_dir,
+    chat_prompts,
+    eager_reference,
+    case,
 ):
     """Verify steps and draft steps replayed from CUDA graphs (Triton, compiled, fp32)
-    emit the plain reference tokens, and the graphs really ran (EAGLE-3 greedy steps
-    pipelined unless the case turns it off)."""
+    emit the plain reference tokens, and the graphs really ran (EAGLE-3 and block-drafter
+    greedy steps pipelined unless the case turns it off)."""
     kwargs = dict(SPEC_CASES[case])
     head = kwargs.pop("head", "random")
     if kwargs["method"] == "eagle3":
         kwargs["model"] = str(trained_head_dir if head == "trained" else random_head_dir)
+    elif kwargs["method"] == "dflash":
+        kwargs["model"] = block_drafter_dir
     elif kwargs["method"] == "draft_model":
         kwargs["model"] = str(smollm2_dir)  # the oracle: its best path is always accepted
     captured: dict = {}
@@ -140,12 +168,14 @@ def test_speculation_on_graphs_equals_plain(
     assert graphs.num_replays.get(q, 0) > 0, "no verify step ran on a graph"
     if case == "draft-static":
         assert engine.spec_stats.tau > 3.5  # depth 3 + bonus on (nearly) every step
-    pipelined = kwargs["method"] == "eagle3" and kwargs.get("pipelined") is not False
+    pipelined = kwargs["method"] in ("eagle3", "dflash") and kwargs.get("pipelined") is not False
     assert (engine.pipeline is not None and engine.pipeline.num_launches > 0) == pipelined
     grower = getattr(engine.proposer, "grower", None)
     if pipelined:  # every launch replayed the whole step's graph (12 rows fit a bucket)
         assert engine.pipeline.graphs.num_replays == engine.pipeline.num_launches
     elif grower is not None:  # synchronous steps replay the captured growth
         assert grower.num_replays > 0
+    elif kwargs["method"] == "dflash":  # ... or the captured block forward
+        assert engine.proposer.graphs.num_replays > 0
     if head == "trained":
         assert engine.spec_stats.tau > 1.5

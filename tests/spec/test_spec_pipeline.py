@@ -35,6 +35,7 @@ from specdec.ops.attention_metadata import cache_slots
 from specdec.spec.acceptance import greedy_accept_batch
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
 from specdec.spec.tree import DraftTree
+from specdec.spec.tree_draft import padded_catch_up_inputs
 from specdec.spec_exit_params import SpecExitParams
 from specdec.tree_shapes import ChainShape, StaticTreeShape
 
@@ -405,7 +406,7 @@ def test_chain_drafts_equal_a_masked_tree_path(
     assert engine.kv_manager.allocate_slots(request, 1, num_lookahead_tokens=16)
     proposer = engine.proposer
     spans, aux = proposer._take_catch_ups([request])
-    inputs = proposer._padded_inputs([request], spans, aux)
+    inputs = padded_catch_up_inputs([request], spans, aux, proposer.catch_up_width, "cpu")
     outs: list[torch.Tensor] = []
     forward = proposer.head.forward
 
