@@ -136,6 +136,17 @@ def test_a_continued_run_begins_where_the_trained_one_ended(trained, data, tmp_p
     assert eval_loss(tmp_path / "deep", 0) == pytest.approx(ended, rel=1e-5)
 
 
+def test_an_online_run_computes_the_heads_aux_layers(trained, data, tmp_path):
+    """Online, without model.aux_layer_ids, the target's forward gives the continued
+    drafter the layers it was trained on (EAGLE-3's default would be another set)."""
+    cfg = config(data, tmp_path, model={"init_head": str(trained[0] / "head")},
+                 data={"mode": "online", "path": str(data / "regen"), "eval_records": 2},
+                 optim={"max_steps": 1})  # fmt: skip
+    assert train(cfg)["step"] == 1
+    target = TargetIO.load(cfg.model.target).config
+    assert load_block_drafter(tmp_path / "head", target_config=target).config.aux_layer_ids == AUX
+
+
 def test_a_checkpoint_in_output_dir_wins_over_init_head(trained, data, tmp_path):
     """A run continued from the bf16 head, stopped after step 1 and rerun naming the fp32
     head as model.init_head, ends with the head of a run continued from the bf16 head that
