@@ -44,7 +44,8 @@ class ModelSection:
     vocab: str | None = None  # data_gen's vocab.safetensors (d2t/t2d) or its directory;
     # None: vocab.safetensors next to data.path or in it
     draft_vocab_size: int | None = None  # checked against the vocab file when both are set
-    aux_layer_ids: list[int] | None = None  # None: the dump's (offline) or EAGLE-3's default
+    # None: the dump's (offline), else a block init_head's, else EAGLE-3's default (online)
+    aux_layer_ids: list[int] | None = None
     # Start from this head directory (an EAGLE-3 head, or a block drafter for drafter=block)
     # instead of a fresh one, with a fresh optimizer; it keeps its own draft vocabulary
     # unless `vocab` is set too (then rows move by token). A checkpoint in run.output_dir
