@@ -66,9 +66,11 @@ BENCH_PROMPTS=${BENCH_PROMPTS:-80}
 BENCH_MAX_TOKENS=${BENCH_MAX_TOKENS:-256}
 EXTRA_TRAIN=${EXTRA_TRAIN:-}          # more train-draft overrides, e.g. "optim.lr=2e-4"
 INIT_HEAD=${INIT_HEAD:-}              # continue from this head (and its draft vocabulary), e.g.
-                                      # specdec/heads/smollm2-135m-instruct (the shipped head)
+                                      # specdec/heads/smollm2-135m-instruct (the shipped head);
+                                      # with DRAFTER=block, a block drafter's head (fp32 or bf16)
 NEW_VOCAB=${NEW_VOCAB:-0}             # 1: continue INIT_HEAD under the vocab stage's vocabulary
-                                      # (rows of shared tokens carried, new ones from the target)
+                                      # (rows of shared tokens carried, new ones from the target;
+                                      # not for a drafter on the target's lm_head)
 DEVICE_ARGS=()
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the whole chain on CPU, tiny: checks the recipe runs
@@ -123,8 +125,9 @@ stage_vocab() {
 }
 
 stage_train() {
-    # A head to continue brings its own draft vocabulary (its lm_head rows are tied to it),
-    # unless NEW_VOCAB=1 moves its rows to the vocab stage's one by target token.
+    # A head (or block drafter) to continue brings its own draft vocabulary (its lm_head
+    # rows are tied to it), unless NEW_VOCAB=1 moves its rows to the vocab stage's one by
+    # target token; its block size, mask token and layers come with it.
     local vocab=(model.vocab="$DATA/vocab/vocab.safetensors")
     if [ -n "$INIT_HEAD" ]; then
         [ "$NEW_VOCAB" = 1 ] || vocab=()

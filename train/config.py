@@ -44,9 +44,13 @@ class ModelSection:
     vocab: str | None = None  # data_gen's vocab.safetensors (d2t/t2d) or its directory;
     # None: vocab.safetensors next to data.path or in it
     draft_vocab_size: int | None = None  # checked against the vocab file when both are set
-    aux_layer_ids: list[int] | None = None  # None: the dump's (offline) or EAGLE-3's default
-    init_head: str | None = None  # start from this head directory instead of a fresh one;
-    # it keeps its own draft vocabulary unless `vocab` is set too (then rows move by token)
+    # None: the dump's (offline), else a block init_head's, else EAGLE-3's default (online)
+    aux_layer_ids: list[int] | None = None
+    # Start from this head directory (an EAGLE-3 head, or a block drafter for drafter=block)
+    # instead of a fresh one, with a fresh optimizer; it keeps its own draft vocabulary
+    # unless `vocab` is set too (then rows move by token). A checkpoint in run.output_dir
+    # still wins (run.resume).
+    init_head: str | None = None
     # The head's MLP width. None: init_head's, else the target's. Wider than init_head's:
     # the trained head is widened exactly (new units start silent: train/model.widen_mlp).
     intermediate_size: int | None = None
@@ -68,11 +72,9 @@ class ModelSection:
         if self.variant is not None:
             _choice("model", "variant", self.variant, tuple(HEAD_VARIANTS))
         _choice("model", "drafter", self.drafter, DRAFTER_NAMES)
-        if self.drafter == "block":
-            for key in ("init_head", "variant"):
-                _require(getattr(self, key) is None,
-                         f"model.{key} is an EAGLE-3 setting; a block drafter (model.drafter="
-                         "block) starts fresh: drop it")  # fmt: skip
+        _require(self.drafter != "block" or self.variant is None,
+                 f"model.variant={self.variant!r} is an EAGLE-3 setting; a block drafter "
+                 "(model.drafter=block) has no variants: drop it")  # fmt: skip
 
 
 @dataclass
@@ -132,13 +134,16 @@ class BlockSection:
     """The block drafter (``model.drafter=block``; specdec/models/block_drafter.py,
     train/block_loss.py)."""
 
-    block_size: int = 16  # the anchor + B-1 drafted slots (vLLM: num_speculative_tokens + 1)
+    # The anchor + B-1 drafted slots (vLLM: num_speculative_tokens + 1). None: model.init_head's,
+    # else 16.
+    block_size: int | None = None
     # Anchors per micro-batch, drawn among the eligible positions of all its sequences.
     # None: ceil(data.max_tokens / block_size), about one block token per context token.
     anchors: int | None = None
     gamma: float | None = None  # slot k's weight exp(-(k-1)/gamma); None: 7 (B=16), 4 (B=8)
-    # The masked slots' input token. None: the tokenizer's first of <|MASK|>, <empty_output>
-    # (block_drafter.MASK_TOKEN_CANDIDATES): a reserved token chat never emits.
+    # The masked slots' input token. None: model.init_head's, else the tokenizer's first of
+    # <|MASK|>, <empty_output> (block_drafter.MASK_TOKEN_CANDIDATES): a reserved token chat
+    # never emits.
     mask_token_id: int | None = None
     # Draft over the target's whole vocabulary with its frozen lm_head (DFlash's own
     # setup) instead of the pruned draft vocabulary (model.vocab) with a trained lm_head.
@@ -151,7 +156,8 @@ class BlockSection:
     attention: str = "auto"  # auto (flex on CUDA, else reference) | flex | reference
 
     def __post_init__(self) -> None:
-        _at_least("block", self, 2, "block_size")
+        _require(self.block_size is None or self.block_size >= 2,
+                 f"block.block_size={self.block_size} must be >= 2")  # fmt: skip
         _require(self.anchors is None or self.anchors >= 1,
                  f"block.anchors={self.anchors} must be >= 1")  # fmt: skip
         _require(self.gamma is None or self.gamma > 0, f"block.gamma={self.gamma} must be > 0")

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from specdec.models import ModelConfig, load_config, resolve_model
+from specdec.models.block_drafter import BlockDrafter
 from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
 from specdec.models.head_variants import HEAD_VARIANTS
 from specdec.models.weights import read_tensors
@@ -122,7 +123,7 @@ def build_head(
 
 
 def carry_vocab_rows(
-    head: Eagle3Head, rows: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor
+    head: Eagle3Head | BlockDrafter, rows: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor
 ) -> int:
     """Move a trained head's lm_head ``rows`` [old_draft_vocab, hidden], drafted under
     (``d2t``, ``t2d``), into ``head``, which drafts another vocabulary: each target token
@@ -142,7 +143,7 @@ def carry_vocab_rows(
     return int(shared.sum())
 
 
-def widen_mlp(state: dict[str, torch.Tensor], head: Eagle3Head) -> int:
+def widen_mlp(state: dict[str, torch.Tensor], head: Eagle3Head | BlockDrafter) -> int:
     """Rewrite a trained head's MLP weights in ``state`` (``intermediate_size`` I) for
     ``head``'s wider MLPs (I' > I), in place, so that the widened head computes exactly
     what the trained one did: in every layer the old units keep their gate, up and down
@@ -173,7 +174,9 @@ def widen_mlp(state: dict[str, torch.Tensor], head: Eagle3Head) -> int:
     return widths[0]
 
 
-def deepen(state: dict[str, torch.Tensor], head: Eagle3Head, trained_layers: int) -> None:
+def deepen(
+    state: dict[str, torch.Tensor], head: Eagle3Head | BlockDrafter, trained_layers: int
+) -> None:
     """Add to a trained head's ``state`` (``trained_layers`` decoder layers) the layers
     ``head`` has beyond them, in place, so that the deeper head computes exactly what the
     trained one did: each new layer takes ``head``'s fresh weights with zero ``o_proj``

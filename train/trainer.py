@@ -28,6 +28,13 @@ from specdec.models.block_drafter import BlockDrafterConfig, resolve_mask_token_
 from specdec.models.head_variants import HEAD_VARIANTS
 from specdec.train import checkpoint
 from specdec.train.block_attention import block_attention
+from specdec.train.block_init import (
+    block_shape,
+    check_init_drafter,
+    continue_from,
+    init_aux_layer_ids,
+    read_init_drafter,
+)
 from specdec.train.block_loss import anchors_for, default_gamma
 from specdec.train.block_model import BlockModel, build_block_drafter
 from specdec.train.config import DRAFTER_NAMES, TrainConfig
@@ -152,6 +159,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             f"{list(source.aux_layer_ids)}; dump again with those ids or drop the override"
         )
     drafter = DRAFTERS[config.model.drafter]
+    # A checkpoint in output_dir (loaded below) replaces the weights model.init_head gave.
     model = drafter.build(config, target, device, aux_ids)
     if config.data.max_seq_len > model.head.rotary.num_positions:
         # Positions past the head's RoPE table are clamped (train/ttt.py unroll): harmless
@@ -161,7 +169,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             f"({model.head.rotary.num_positions} positions); set data.max_seq_len <= "
             f"{model.head.rotary.num_positions}"
         )
-    positions = drafter.positions(config)
+    positions = drafter.positions(config, model)
     exit_cfg = config.spec_exit
     model.place_target(device, torch.bfloat16 if precision == "bf16" else torch.float32)
     optimizer = torch.optim.AdamW(
@@ -274,34 +282,43 @@ def _build_eagle3(
 def _build_block(
     config: TrainConfig, target: TargetIO, device: torch.device, aux_ids: tuple[int, ...]
 ) -> BlockModel:
-    """A fresh block drafter in its block objective (train/block_loss.py)."""
+    """A fresh or continued (``model.init_head``, train/block_init.py) block drafter in its
+    block objective (train/block_loss.py)."""
     from specdec.models import load_tokenizer, resolve_model
 
     cfg = config.block
+    init = read_init_drafter(config.model.init_head, target) if config.model.init_head else None
+    if init is not None:
+        check_init_drafter(config, init, aux_ids)
     if cfg.target_lm_head:
         d2t = t2d = None
-        vocab = target.config.vocab_size
+    elif init is not None and not config.model.vocab:
+        d2t, t2d = init.d2t, init.t2d  # a drafter continues with its own vocabulary
     else:
         d2t, t2d = load_vocab(_vocab_path(config))
-        vocab = d2t.shape[0]
+    vocab = target.config.vocab_size if d2t is None else d2t.shape[0]
     if config.model.draft_vocab_size not in (None, vocab):
         raise ValueError(
             f"model.draft_vocab_size={config.model.draft_vocab_size} but the drafter "
             f"drafts {vocab} ids; rebuild the vocabulary with that size or drop the setting"
         )
-    mask_id = cfg.mask_token_id
+    shape = block_shape(config, init)
+    mask_id = shape.mask_token_id
     if mask_id is None:
         mask_id = resolve_mask_token_id(load_tokenizer(resolve_model(config.model.target)))
     drafter_config = BlockDrafterConfig.for_target(
         target.config, vocab, mask_token_id=mask_id, aux_layer_ids=aux_ids,
-        block_size=cfg.block_size, num_layers=config.model.num_layers or 2,
-        intermediate_size=config.model.intermediate_size, target_name=config.model.target,
+        block_size=shape.block_size, num_layers=shape.num_layers,
+        intermediate_size=shape.intermediate_size, target_name=config.model.target,
     )  # fmt: skip
+    head = build_block_drafter(target, drafter_config, d2t, t2d)
+    if init is not None:
+        continue_from(head, init)
     attention, static = block_attention(cfg.attention, device)
     return BlockModel(
-        build_block_drafter(target, drafter_config, d2t, t2d), target, attention=attention,
-        anchors=cfg.anchors or anchors_for(cfg.block_size, config.data.max_tokens),
-        gamma=cfg.gamma or default_gamma(cfg.block_size), loss=cfg.loss, lk_eta=cfg.lk_eta,
+        head, target, attention=attention,
+        anchors=cfg.anchors or anchors_for(shape.block_size, config.data.max_tokens),
+        gamma=cfg.gamma or default_gamma(shape.block_size), loss=cfg.loss, lk_eta=cfg.lk_eta,
         argmax_weight=cfg.argmax_weight, pad_to=config.data.max_tokens if static else None,
     )  # fmt: skip
 
@@ -322,17 +339,17 @@ def _save_block(head, directory: Path) -> None:
 class Drafter:
     """One kind of drafter train-draft trains: ``build`` its model (a module whose
     ``forward(batch)`` returns a ``TTTOutput`` and whose ``head`` is the drafter saved at
-    the end), ``positions`` of its per-position figures (loss_i, acc_i), ``save`` its head
-    in the project format."""
+    the end), ``positions`` of its per-position figures (loss_i, acc_i) for a config and
+    its built model, ``save`` its head in the project format."""
 
     build: Callable[[TrainConfig, TargetIO, torch.device, tuple[int, ...]], torch.nn.Module]
-    positions: Callable[[TrainConfig], int]
+    positions: Callable[[TrainConfig, torch.nn.Module], int]
     save: Callable[[torch.nn.Module, Path], None]
 
 
 DRAFTERS: dict[str, Drafter] = {
-    "eagle3": Drafter(_build_eagle3, lambda c: c.ttt.steps, _save_eagle3),
-    "block": Drafter(_build_block, lambda c: c.block.block_size - 1, _save_block),
+    "eagle3": Drafter(_build_eagle3, lambda c, m: c.ttt.steps, _save_eagle3),
+    "block": Drafter(_build_block, lambda c, m: m.head.config.block_size - 1, _save_block),
 }
 if tuple(DRAFTERS) != DRAFTER_NAMES:  # the config validates names without this module
     raise RuntimeError(f"trainer.DRAFTERS {tuple(DRAFTERS)} != config.DRAFTER_NAMES")
@@ -382,9 +399,11 @@ def _source(config: TrainConfig, target: TargetIO, device: torch.device) -> Sour
     from specdec.data_gen.target import TargetForward
 
     # float32 states, as an fp32 dump would hold (autocast still runs the head in bf16).
+    # A block drafter continued from model.init_head reads the layers it was trained on.
+    aux_ids = config.model.aux_layer_ids or init_aux_layer_ids(config, target)
     forward = TargetForward(
         config.model.target, device=device, dtype=torch.float32,
-        aux_layer_ids=config.model.aux_layer_ids, max_seq_len=data.max_seq_len,
+        aux_layer_ids=aux_ids, max_seq_len=data.max_seq_len,
     )  # fmt: skip
     return OnlineRecords(data.paths, forward, max_tokens=data.max_tokens,
                          max_seq_len=data.max_seq_len, eval_records=data.eval_records,

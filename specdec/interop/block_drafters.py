@@ -1,6 +1,7 @@
 """Block drafters (DFlash-style, ``models/block_drafter_formats.py``) across engines: the
-export for vLLM and the validator's checks. ``export_head`` and ``validate_head`` hand a
-directory whose config.json names ``DFlashDraftModel`` to these.
+export for vLLM, the import into specdec's layout (optionally in another dtype) and the
+validator's checks. ``export_head``, ``import_head`` and ``validate_head`` hand a directory
+whose config.json names ``DFlashDraftModel`` to these.
 
 vLLM runs them as ``method: "dflash"`` from one ``model.safetensors`` in the ``dflash``
 layout; SGLang's and EAGLE's EAGLE-3 loaders do not run them; specdec loads both layouts.
@@ -12,11 +13,16 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 from specdec.interop.target import resolve_target
 from specdec.interop.validate import Finding, ValidationReport
+from specdec.models.block_drafter import BlockDrafterConfig
 from specdec.models.block_drafter_formats import (
+    BlockFormat,
     detect_block_format,
     load_block_drafter,
     save_block_drafter,
@@ -101,3 +107,25 @@ def export_block_drafter(
     name = verifier or resolved.portable_name
     launch = f"vllm serve {shlex.quote(name)} --speculative-config {shlex.quote(json.dumps(spec))}"
     return ExportResult(out, to, name, k, report, launch)
+
+
+def import_block_drafter(
+    src: str | Path,
+    out_dir: str | Path,
+    *,
+    target: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[BlockFormat, BlockDrafterConfig, torch.dtype]:
+    """Write the drafter in ``src`` (either layout) to a new ``out_dir`` in specdec's
+    layout, its floating weights in ``dtype`` (default: the stored one, lossless) and its
+    target's name recorded; ``d2t``/``t2d`` stay integer and bool. Returns the source
+    layout, the config written and its dtype. The engine and ``model.init_head`` read the
+    result whatever its dtype (``load_block_drafter`` casts on load)."""
+    path = Path(src)
+    resolved = resolve_target(path, target)
+    fmt = detect_block_format(path)
+    dtype = dtype or stored_dtype(path)
+    drafter = load_block_drafter(path, target_config=resolved.config, dtype=dtype)
+    drafter.config = replace(drafter.config, target_name=resolved.name)
+    save_block_drafter(drafter, out_dir, "specdec")
+    return fmt, drafter.config, dtype

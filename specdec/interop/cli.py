@@ -4,6 +4,7 @@
     specdec export --to vllm runs/head exported/vllm      # speculators format + launch line
     specdec export --to sglang runs/head exported/sglang  # research format, SGLang ids
     specdec import yuhuili-head/ heads/llama --target meta-llama/Llama-3.1-8B-Instruct
+    specdec import runs/smollm2-block/head heads/block-bf16 --dtype bfloat16
     specdec validate-head exported/vllm --for vllm
 """
 
@@ -99,7 +100,8 @@ def _import_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default=None,
-        help="weights dtype (default: the stored one, so the import is lossless)",
+        help="floating weights' dtype, e.g. bfloat16 to halve a head (default: the stored "
+        "one, so the import is lossless)",
     )
     p.add_argument(
         "--tree",
@@ -133,12 +135,15 @@ def _tree_defaults(value):
 
 @command("import", _import_args)
 def cmd_import(args: argparse.Namespace) -> int:
-    """Import a published EAGLE-3 head into specdec's format.
+    """Import a published EAGLE-3 head or a block drafter into specdec's format.
 
     Reads the EAGLE research layout, SpecForge exports and the speculators format, and
-    converts aux-layer ids to vLLM's numbering.
+    converts aux-layer ids to vLLM's numbering; block drafters in either layout (ours,
+    vLLM's dflash). --dtype bfloat16 halves a trained head or drafter for shipping or
+    moving; serving and model.init_head read it as is.
 
         specdec import yuhuili-head/ heads/llama --target meta-llama/Llama-3.1-8B-Instruct
+        specdec import runs/smollm2-block/head heads/block-bf16 --dtype bfloat16
     """
     import torch
 

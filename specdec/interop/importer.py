@@ -1,4 +1,5 @@
-"""``import_head``: a published EAGLE-3 head -> specdec's own format, lossless.
+"""``import_head``: a published EAGLE-3 head (or a block drafter) -> specdec's own format,
+lossless unless a dtype is asked for (bf16 halves a head).
 
 Reads any layout ``load_eagle3`` detects: the EAGLE research layout (e.g.
 yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: no aux ids, EAGLE's defaults apply), a SpecForge
@@ -22,6 +23,7 @@ import torch
 from specdec.interop.target import resolve_target
 from specdec.interop.validate import IGNORED_KEYS, Finding, HeadDir, validate_head
 from specdec.models import resolve_model
+from specdec.models.block_drafter_formats import BlockFormat, is_block_drafter
 from specdec.models.eagle3_formats import (
     Eagle3Format,
     detect_format,
@@ -40,7 +42,7 @@ class HeadImportError(ValueError):
 @dataclass(frozen=True)
 class ImportResult:
     out_dir: Path
-    source_format: Eagle3Format
+    source_format: Eagle3Format | BlockFormat
     target: str
     dtype: torch.dtype
     aux_layer_ids: tuple[int, ...]  # as written: vLLM numbering (entering layer i)
@@ -63,8 +65,12 @@ def import_head(
     the research format, which does not record it); ``dtype`` defaults to the stored one;
     ``tree`` replaces the draft tree recorded as the head's default and ``spec_exit`` its
     SpecExit setting (``Eagle3Config.spec_exit_defaults``; only for a head with SpecExit
-    channels); None keeps the recorded one."""
+    channels); None keeps the recorded one. A block drafter (config.json naming
+    ``DFlashDraftModel``) is rewritten in specdec's block layout
+    (``block_drafters.import_block_drafter``); it records no tree or SpecExit setting."""
     path = source_dir(src)
+    if is_block_drafter(path):
+        return _import_block_drafter(path, out_dir, target, dtype, tree, spec_exit)
     resolved = resolve_target(path, target)
     report = validate_head(path, None, target=resolved.config, target_name=resolved.name)
     if not report.ok:
@@ -93,6 +99,40 @@ def import_head(
         aux_layer_ids=head.config.aux_layer_ids,
         aux_source=_describe_ids(path, fmt, head.config.aux_layer_ids),
         dropped_keys=sorted(k for k in tensor_infos(path) if k in IGNORED_KEYS),
+        warnings=report.warnings,
+    )
+
+
+def _import_block_drafter(
+    path: Path,
+    out_dir: str | Path,
+    target: str | None,
+    dtype: torch.dtype | None,
+    tree: TreeDefaults | None,
+    spec_exit: dict[str, Any] | None,
+) -> ImportResult:
+    from specdec.interop.block_drafters import import_block_drafter, validate_block_drafter
+
+    if tree is not None or spec_exit is not None:
+        raise HeadImportError(
+            f"cannot record --tree or --spec-exit on {path}: it is a block drafter, which "
+            "drafts its block size's chain; leave them out"
+        )
+    resolved = resolve_target(path, target)
+    report = validate_block_drafter(path, None, target=resolved.config, target_name=resolved.name)
+    if not report.ok:
+        raise HeadImportError(f"cannot import {path}:\n{report.render()}")
+    fmt, config, dtype = import_block_drafter(path, out_dir, target=target, dtype=dtype)
+    ids = config.aux_layer_ids
+    return ImportResult(
+        out_dir=Path(out_dir),
+        source_format=fmt,
+        target=config.target_name,
+        dtype=dtype,
+        aux_layer_ids=ids,
+        aux_source=f"dflash_config.target_layer_ids {[i - 1 for i in ids]} (layer outputs) "
+        f"-> {list(ids)}",
+        dropped_keys=sorted(k for k in tensor_infos(path) if k == "embed_tokens.weight"),
         warnings=report.warnings,
     )
 

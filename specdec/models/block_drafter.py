@@ -292,6 +292,11 @@ class BlockDrafter(DraftVocabulary, nn.Module):
         self.init_vocab_map()
         self.bind_target(None)
 
+    @property
+    def decoder_layer_names(self) -> list[str]:
+        """The decoder layers' module names (their state-dict prefixes), in run order."""
+        return [f"layers.{i}" for i in range(len(self.layers))]
+
     # ---------------------------------------------------------------- the target's parts
 
     def bind_target(self, embed: Embedding | None, lm_head: torch.Tensor | None = None) -> None:

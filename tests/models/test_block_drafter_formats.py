@@ -1,7 +1,8 @@
 """Block drafter checkpoints (specdec/models/block_drafter_formats.py): ours and vLLM's
 dflash layout round-trip exactly, the dflash layout holds the keys and config fields vLLM's
 ``qwen3_dflash.py`` loader reads (layer ids as layer outputs: ours minus one), bad configs
-are refused naming the field, and ``specdec export``/``validate-head`` handle drafters."""
+are refused naming the field, and ``specdec export``/``import``/``validate-head`` handle
+drafters."""
 
 from __future__ import annotations
 
@@ -161,3 +162,45 @@ def test_export_for_vllm_and_validate(tmp_path, smollm2_dir):
     assert exported["dflash_config"]["target_layer_ids"] == [1, 14, 26]  # (2, 15, 27) - 1
     with pytest.raises(ValueError, match=r"use --to vllm"):
         export_head(ours, tmp_path / "sglang", "sglang")
+
+
+@pytest.mark.parametrize("layout", ["specdec", "dflash"])
+def test_import_halves_a_drafter_to_bf16(tmp_path, layout):
+    """``specdec import --dtype bfloat16`` writes a drafter in our layout with every
+    floating weight in bf16 (the fp32 values rounded) and the vocabulary exact; without
+    --dtype the import is lossless."""
+    from specdec.cli import main
+    from specdec.interop.importer import HeadImportError, import_head
+    from specdec.models.tree_defaults import TreeDefaults
+
+    name = "smollm2-135m-instruct"
+    target = load_config(resolve_model(name))
+    torch.manual_seed(0)
+    config = BlockDrafterConfig.for_target(target, 1024, mask_token_id=16, block_size=8,
+                                           num_layers=1, target_name=name)  # fmt: skip
+    original = BlockDrafter(config)
+    kept = torch.arange(0, 4096, 4)
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    original.set_vocab_map(kept - torch.arange(1024), t2d)
+    src = save_block_drafter(original, tmp_path / "src", layout)
+    args = ["--target", name] if layout == "dflash" else []
+    assert main(["import", str(src), str(tmp_path / "half"), "--dtype", "bfloat16", *args]) == 0
+    stored = {}
+    for f in sorted((tmp_path / "half").glob("*.safetensors")):
+        stored.update(load_file(f))
+    assert {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert stored["d2t"].dtype == torch.int64 and torch.equal(stored["t2d"], t2d)
+    written = json.loads((tmp_path / "half/config.json").read_text())
+    assert written["torch_dtype"] == "bfloat16" and written["target_model"] == name
+    half = load_block_drafter(tmp_path / "half", target_config=target, dtype=torch.bfloat16)
+    for key, value in original.state_dict().items():
+        want = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert torch.equal(half.state_dict()[key], want), key
+    result = import_head(src, tmp_path / "same", target=name)
+    assert result.dtype == torch.float32 and result.aux_layer_ids == (2, 15, 27)
+    same = load_block_drafter(tmp_path / "same", target_config=target)
+    for key, value in original.state_dict().items():
+        assert torch.equal(same.state_dict()[key], value), key
+    with pytest.raises(HeadImportError, match=r"block drafter.*leave them out"):
+        import_head(src, tmp_path / "tree", target=name, tree=TreeDefaults("chain", 3))

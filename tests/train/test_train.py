@@ -515,8 +515,8 @@ def test_a_block_drafter_resumes_as_an_uninterrupted_run(data, tmp_path):
 def test_block_settings_are_checked():
     with pytest.raises(ValueError, match=r"model.drafter='dflash'; choose one of eagle3 \| block"):
         TrainConfig.load(None, ["data.path=x", "model.drafter=dflash"])
-    with pytest.raises(ValueError, match=r"model.init_head is an EAGLE-3 setting"):
-        TrainConfig.load(None, ["data.path=x", "model.drafter=block", "model.init_head=h"])
+    with pytest.raises(ValueError, match=r"model.variant='eagle3.1' is an EAGLE-3 setting"):
+        TrainConfig.load(None, ["data.path=x", "model.drafter=block", "model.variant=eagle3.1"])
     with pytest.raises(ValueError, match=r"block.block_size=1 must be >= 2"):
         TrainConfig.load(None, ["data.path=x", "block.block_size=1"])
     cfg = TrainConfig.load("configs/train/smollm2-block.yaml", ["data.path=d"])
