@@ -4,9 +4,8 @@ runs: decodes at batch 1, 16 and 64 over short and long contexts, and one prefil
 
 Each case is timed as a CUDA graph of ``--calls`` back-to-back calls (no host gaps, as
 inside the engine's graphs; ``skinny_gemm.time_graph``), median of ``--repeats`` replays,
-for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
-``--split-blocks`` config of the invariant one. The invariant rows also check their
-output against the default kernel's.
+for the default backend's kernel and every ``--block-n`` x ``--num-splits`` config of the
+invariant one. The invariant rows also check their output against the default kernel's.
 
     python benchmarks/bench_invariant_attention.py --json out/invariant_attention.json
 """
@@ -61,16 +60,13 @@ def main() -> None:
     p.add_argument("--cases", default="1x300x1,16x300x1,64x300x1,1x1500x1,64x1500x1,1x1024x1024",
                    help="batch x context x query rows, comma-separated")  # fmt: skip
     p.add_argument("--block-n", type=parse_int_list, default=[32, 64])
-    p.add_argument("--num-splits", type=parse_int_list, default=[8, 16])
-    p.add_argument("--split-blocks", type=parse_int_list, default=[1, 2, 4, 8],
-                   help="consecutive key blocks per chunk of a split")  # fmt: skip
+    p.add_argument("--num-splits", type=parse_int_list, default=[1, 4, 8, 16])
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = HEAD_DIM**-0.5
-    configs = list(itertools.product(a.block_n, a.num_splits, a.split_blocks))
     rows = []
     for case in a.cases.split(","):
         batch, context, q_len = (int(v) for v in case.split("x"))
@@ -82,16 +78,16 @@ def main() -> None:
         ref = default().float()
         base_us = time_graph(default, a.calls, a.repeats)
         row = {"batch": batch, "context": context, "q_len": q_len, "default_us": base_us}
-        for bn, splits, chunk in configs:
-            cfg = InvariantAttentionConfig(block_n=bn, num_splits=splits, split_blocks=chunk)
+        for bn, splits in itertools.product(a.block_n, a.num_splits):
+            cfg = InvariantAttentionConfig(block_n=bn, num_splits=splits)
             invariant = partial(invariant_paged_attention, *args, config=cfg)
             err = (invariant().float() - ref).abs().max().item()
             us = time_graph(invariant, a.calls, a.repeats)
-            row[f"n{bn}s{splits}c{chunk}_us"] = us
-            row[f"n{bn}s{splits}c{chunk}_err"] = err
+            row[f"n{bn}s{splits}_us"] = us
+            row[f"n{bn}s{splits}_err"] = err
         rows.append(row)
         print(json.dumps(row), flush=True)
-    keys = [f"n{bn}s{s}c{c}" for bn, s, c in configs]
+    keys = [f"n{bn}s{s}" for bn, s in itertools.product(a.block_n, a.num_splits)]
     print("| batch x context x q | default µs | " + " | ".join(keys) + " | max abs diff |")
     print("|---|---:|" + "---:|" * (len(keys) + 1))
     for r in rows:

@@ -15,16 +15,13 @@ How the kernels keep it:
   logical positions past the tree's first cache index through ``tree_paths`` to its
   ancestors' slots, so an accepted node at depth ``d`` reads exactly the keys, in exactly
   the blocks, of the token at ``root + d`` in plain decoding.
-* The split over keys is fixed by position, never by the grid: key blocks come in chunks
-  of ``split_blocks`` consecutive blocks, and chunk ``c`` belongs to split
-  ``c % num_splits``. The split kernel runs one program per (query tile, KV head, split),
-  an fp32 online softmax over its blocks in increasing order; the combine kernel merges a
-  token's ``num_splits`` partial states, always all of them and always in one vectorised
-  reduction of fixed shape. A long context gets ``num_splits`` programs per token even at
-  batch 1, and the grouping of keys is the same for every token at every batch. Chunks
-  keep a short context on few programs (300 keys in 32-key blocks and 4-block chunks are
-  three splits' work; the other splits store only an empty max), so a large batch of
-  short contexts writes and merges few partial states.
+* The split over keys is fixed by position, never by the grid: key block ``b`` belongs to
+  split ``b % num_splits``. The split kernel runs one program per (query tile, KV head,
+  split), an fp32 online softmax over its blocks in increasing order; the combine kernel
+  merges a token's ``num_splits`` partial states, always all of them and always in one
+  vectorised reduction of fixed shape. A long context gets ``num_splits`` programs per
+  token even at batch 1, and the grouping of keys is the same for every token at every
+  batch.
 * A program's tile holds the GQA groups of up to ``TILE_TOKENS`` consecutive query rows
   before a tree (``ops.query_tiles``; they share every K/V tile), or of one tree row, in
   ``max(16, next_power_of_2(TILE_TOKENS * group))`` rows. Every ``tl.dot`` has that one
@@ -35,16 +32,15 @@ How the kernels keep it:
   keeps the empty state, the exponent taken against 0 rather than -inf), so a row runs
   exactly the arithmetic of its blocks, alone or not.
 * A split with none of a row's keys leaves it the empty state (max -inf, sum 0,
-  accumulator 0). It stores only the max; the merge loads the sum and accumulator as
-  zeros there and weighs them by exactly 0, the same values a stored empty state gives.
-  Positions past every row's keys load zeros for K and V. A row's first block in a
-  split holds its first key there, so its max is finite from then on: the rescale
-  ``exp2(m_old - m_new)`` is exactly 0 there and exactly 1.0 whenever a block leaves the
-  max unchanged. Split 0 holds position 0, so the merged max is finite.
+  accumulator 0), which the merge weighs by exactly 0. Positions past every row's keys
+  load zeros for K and V. A row's first block in a split holds its first key there, so
+  its max is finite from then on: the rescale ``exp2(m_old - m_new)`` is exactly 0 there
+  and exactly 1.0 whenever a block leaves the max unchanged. Split 0 holds position 0, so
+  the merged max is finite.
 * The batch reaches the kernels only through runtime integers that change no arithmetic,
   kept unspecialised, and trees through a runtime flag: one compiled variant serves every
-  batch of a model and dtype (``block_n``, ``num_splits``, ``split_blocks``,
-  ``TILE_TOKENS``, head dim and group are its only constants).
+  batch of a model and dtype (``block_n``, ``num_splits``, ``TILE_TOKENS``, head dim and
+  group are its only constants).
 
 Graph safety: the grids are (query rows, KV heads, splits), a bound on the tiles, and
 (query rows, heads), from tensor shapes and the config; the query tiles and tree tables
@@ -95,15 +91,12 @@ class InvariantAttentionConfig:
     # to 64 over 300 and 1,500 keys): 32 x 16 was fastest at batch 1 and within 20% of
     # the best elsewhere.
     block_n: int = 32  # logical positions per online-softmax block
-    num_splits: int = 16  # chunk c of key blocks goes to split c % num_splits
-    split_blocks: int = 4  # consecutive key blocks per chunk
+    num_splits: int = 16  # key block b goes to split b % num_splits
     num_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n {self.block_n} must be a power of two >= 16 (tl.dot)")
-        if self.split_blocks < 1:
-            raise ValueError(f"split_blocks {self.split_blocks} must be >= 1")
         if self.num_splits < 1 or self.num_splits & (self.num_splits - 1):
             raise ValueError(
                 f"num_splits {self.num_splits} must be a power of two >= 1 (the combine "
@@ -165,21 +158,6 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
-def _blocks_below(limit, split, NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr):
-    """How many of ``split``'s key blocks lie below block ``limit``: whole rounds of
-    ``NUM_SPLITS`` chunks, then the part of this split's chunk in the last round."""
-    ROUND: tl.constexpr = NUM_SPLITS * SPLIT_BLOCKS
-    tail = tl.minimum(tl.maximum(limit % ROUND - split * SPLIT_BLOCKS, 0), SPLIT_BLOCKS)
-    return (limit // ROUND) * SPLIT_BLOCKS + tail
-
-
-@triton.jit
-def _split_block(v, split, NUM_SPLITS: tl.constexpr, SPLIT_BLOCKS: tl.constexpr):
-    """``split``'s ``v``-th key block; increasing in ``v``."""
-    return ((v // SPLIT_BLOCKS) * NUM_SPLITS + split) * SPLIT_BLOCKS + v % SPLIT_BLOCKS
-
-
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _invariant_split_kernel(
     q_ptr,
@@ -217,7 +195,6 @@ def _invariant_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLIT_BLOCKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -256,14 +233,6 @@ def _invariant_split_kernel(
     max_keys = tl.max(n_keys, 0)
     path = tree_paths_ptr + seq * stride_ps + node * stride_pn
 
-    # This split's blocks: those of its chunks below n_blocks, in increasing order.
-    n_blocks = tl.cdiv(max_keys, BLOCK_N)
-    n_mine = _blocks_below(n_blocks, split, NUM_SPLITS, SPLIT_BLOCKS)
-    part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
-    if n_mine == 0:  # no key of this tile here: the empty state's max is all it stores
-        tl.store(part_m_ptr + part, tl.full([ROWS], float("-inf"), tl.float32), mask=row_ok)
-        return
-
     io_mask = row_ok[:, None] & d_mask[None, :]
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -277,15 +246,14 @@ def _invariant_split_kernel(
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     kv_head = kvh * stride_ch
-    # Two loops over this split's blocks that differ only in where a block's keys live:
-    # blocks wholly before a tree row's tree (every block of a plain tile) read cache
-    # index = logical position, a table lookup the compiler can prefetch; the rest go
-    # through the tree path. Both run the same arithmetic on the same keys, so where one
-    # loop hands over to the other changes no bit.
+    # This split's blocks: split, split + NUM_SPLITS, ... (fixed by position), in two
+    # loops that differ only in where a block's keys live: blocks wholly before a tree
+    # row's tree (every block of a plain tile) read cache index = logical position, a
+    # table lookup the compiler can prefetch; the rest go through the tree path. Both run
+    # the same arithmetic on the same keys, so the split changes no bit.
+    n_blocks = tl.cdiv(max_keys, BLOCK_N)
     first_path_block = tl.where(is_tree, tree_lo // BLOCK_N, n_blocks)
-    n_direct = _blocks_below(first_path_block, split, NUM_SPLITS, SPLIT_BLOCKS)
-    for v in range(0, n_direct):
-        b = _split_block(v, split, NUM_SPLITS, SPLIT_BLOCKS)
+    for b in range(split, first_path_block, NUM_SPLITS):
         lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions = cache indices
         loaded = lpos < max_keys
         page = tl.load(table + lpos // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
@@ -305,8 +273,10 @@ def _invariant_split_kernel(
             scale_log2,
             DOT_PRECISION,
         )
-    for v in range(n_direct, n_mine):
-        b = _split_block(v, split, NUM_SPLITS, SPLIT_BLOCKS)
+    # This split's first block at or past first_path_block.
+    behind = tl.maximum(first_path_block - split, 0)
+    path_start = split + tl.cdiv(behind, NUM_SPLITS) * NUM_SPLITS
+    for b in range(path_start, n_blocks, NUM_SPLITS):
         lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions
         loaded = lpos < max_keys
         in_tree = loaded & (lpos >= tree_lo)
@@ -330,11 +300,11 @@ def _invariant_split_kernel(
             DOT_PRECISION,
         )
 
-    # The partial states; a row with no key in this split stores only its max (-inf).
-    has = row_ok & (m_i > float("-inf"))
+    # The partial states, empty (-inf, 0, 0) where a row has no key in this split.
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
     tl.store(part_m_ptr + part, m_i, mask=row_ok)
-    tl.store(part_l_ptr + part, l_i, mask=has)
-    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=has[:, None])
+    tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_ot", "stride_oh"])
@@ -360,11 +330,8 @@ def _invariant_combine_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     part = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [NUM_SPLITS]
     m = tl.load(part_m_ptr + part)
-    has = m > float("-inf")  # the split held some of the token's keys
-    l_s = tl.load(part_l_ptr + part, mask=has, other=0.0)  # an empty state's (0, 0)
-    acc = tl.load(
-        part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=has[:, None], other=0.0
-    )  # [S, BLOCK_D]
+    l_s = tl.load(part_l_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :])  # [S, BLOCK_D]
     m_max = tl.max(m, 0)  # exact, any order; finite (split 0 holds position 0)
     w = tl.exp2(m - m_max)  # exactly 0 for an empty split
     l_sum = tl.sum(l_s * w, 0)
@@ -483,7 +450,6 @@ def invariant_paged_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits,
-        SPLIT_BLOCKS=config.split_blocks,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=config.num_warps,
     )
