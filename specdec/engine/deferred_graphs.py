@@ -62,9 +62,7 @@ class DeferredGraphs:
                     "captured %s in %.1f s (%s)%s",
                     group.name,
                     sum(sum(t) for t in group.times.values()),
-                    ", ".join(
-                        f"{f}: {len(t)} graphs, {sum(t):.1f} s" for f, t in group.times.items()
-                    ),
+                    ", ".join(f"{f}: {len(t)} in {sum(t):.1f} s" for f, t in group.times.items()),
                     "; speculation is on" if group.gates_speculation else "",
                 )
         return False

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from typing import TypeVar
 
 import torch
@@ -97,7 +98,9 @@ class LLMEngine:
         )
         self.step_sampler = StepSampler(self.sampler, self.runner.device)
         self.lookahead = self.proposer.lookahead_slots if self.proposer is not None else 0
-        self.runner.warm_up_kernels(trees=self.proposer is not None)
+        # The tree-mask variants only verify steps need: now, or with speculation's
+        # deferred graphs (``_capture_graphs``).
+        self.runner.warm_up_kernels(trees=False)
         # Pipelined speculative steps (spec/pipeline.py), on by default where steps replay
         # CUDA graphs.
         self.pipeline: SpecPipeline | None = None
@@ -144,8 +147,12 @@ class LLMEngine:
         only)."""
         runner, defer = self.runner, bool(self.config.defer_graphs)
         if not runner.runtime.use_cuda_graphs:
+            if self.proposer is not None:
+                runner.warm_up_kernels(plain=False, trees=True)
             return
         sizes = self._band_graph_sizes() if self.proposer is not None else {}
+        if self.proposer is not None and not sizes:
+            runner.warm_up_kernels(plain=False, trees=True)
         # Chains need no tree mask, so a step that mixes prompt tokens with them (an
         # arrival) fits a prefill graph with room for their logits rows; a tree band's
         # steps (say, batch 1's) never do, and must not cost the chain bands that room.
@@ -158,6 +165,7 @@ class LLMEngine:
                 q = shape.max_draft_tokens + 1
                 tree_sizes[q] = sorted({*tree_sizes.get(q, []), *buckets})
             graphs = itertools.chain(
+                self._tree_kernel_warm_up(),
                 runner.verify_graph_captures(tree_sizes),
                 self.proposer.capture_graphs(sizes, runner.block_table_width, self.max_model_len),
                 self.pipeline.capture_graphs(sizes) if self.pipeline is not None else (),
@@ -184,6 +192,13 @@ class LLMEngine:
             return
         while self.deferred_graphs.capture_next():
             pass
+
+    def _tree_kernel_warm_up(self) -> Iterator[str]:
+        """The tree-mask attention variants' compilation as the first item of speculation's
+        graphs: before speculation starts either way, and after the engine reports ready
+        when they are deferred (seconds of compilation where Triton's cache is cold)."""
+        if self.runner.warm_up_kernels(plain=False, trees=True):
+            yield "attention warm-up: tree-mask kernel variants"
 
     @property
     def tokenizer(self):

@@ -241,20 +241,32 @@ class ModelRunner:
         hidden, aux = self._forward(input_ids, positions, meta)
         return self.model.compute_logits(hidden.index_select(0, logits_indices)), aux
 
-    def warm_up_kernels(self, trees: bool) -> None:
+    @property
+    def warms_up_kernels(self) -> bool:
+        """Whether ``warm_up_kernels`` compiles anything here: the Triton path on a GPU."""
+        return self.device.type == "cuda" and self.runtime.attention_backend == "triton"
+
+    def warm_up_kernels(self, *, plain: bool = True, trees: bool) -> int:
         """Compile the Triton attention variants serving could need (kernels/warmup.py)
-        now rather than on some request's first token; ``trees``: verify steps may carry
-        a tree mask. No-op off the Triton path."""
-        if self.device.type != "cuda" or self.runtime.attention_backend != "triton":
-            return
+        now rather than on some request's first token: those of steps without a tree mask
+        when ``plain``, the tree-mask ones of verify steps when ``trees``. Returns the
+        variants launched; none off the Triton path."""
+        if not self.warms_up_kernels or not (plain or trees):
+            return 0
         from specdec.kernels.warmup import warm_up_attention  # imports triton
 
         t0 = time.perf_counter()
         k_cache, v_cache = self.kv_caches[0]
         n = warm_up_attention(
-            k_cache, v_cache, self.model_config.num_heads, self.dtype, trees=trees
+            k_cache, v_cache, self.model_config.num_heads, self.dtype, plain=plain, trees=trees
         )
-        logger.info("warmed up %d attention kernel variants in %.1f s", n, time.perf_counter() - t0)
+        logger.info(
+            "warmed up %d attention kernel variants%s in %.1f s",
+            n,
+            "" if plain else " (tree masks)",
+            time.perf_counter() - t0,
+        )
+        return n
 
     @torch.inference_mode()
     def capture_graphs(self, prefill_logits_per_seq: int = 1, defer: bool = False) -> None:

@@ -58,20 +58,25 @@ def warm_up_attention(
     num_heads: int,
     q_dtype: torch.dtype,
     *,
+    plain: bool = True,
     trees: bool,
 ) -> int:
-    """Launch every variant of the varlen kernel (each tile size, split-K or not, with the
-    tree mask when ``trees``) and of the decode kernel (split or not) once; returns the
-    number of launches. Leaves the caches unchanged (the kernels only read them)."""
+    """Launch once every variant of the varlen kernel (each tile size, split-K or not)
+    without a tree mask and of the decode kernel (split or not) when ``plain``, and the
+    varlen kernel's tree-mask variants when ``trees``; returns the number of launches.
+    Leaves the caches unchanged (the kernels only read them). The two halves are separate
+    so that an engine deferring speculation can compile the tree variants with
+    speculation's graphs, after it reports ready."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = gqa_group(num_heads, num_kv_heads)
     device = k_cache.device
     launches = 0
-    for block_m in prefill_block_m_choices(group, k_cache.dtype):
+    masks = [tree for tree, wanted in ((False, plain), (True, trees)) if wanted]
+    for block_m in prefill_block_m_choices(group, k_cache.dtype) if masks else ():
         config = prefill_config_for(block_m)
         tokens = max(1, block_m // group)
         q = torch.zeros(tokens, num_heads, head_dim, dtype=q_dtype, device=device)
-        for tree in (False, True) if trees else (False,):
+        for tree in masks:
             meta = _meta(tokens, tokens, block_size, device, tree)
             for num_splits in (1, 2):
                 paged_attention(
@@ -81,7 +86,7 @@ def warm_up_attention(
     block_n = default_decode_config(head_dim, k_cache.dtype).block_n
     q = torch.zeros(1, num_heads, head_dim, dtype=q_dtype, device=device)
     meta = _meta(1, 2 * block_n, block_size, device, tree=False)
-    for split_size in (2 * block_n, block_n):  # one split, two
+    for split_size in (2 * block_n, block_n) if plain else ():  # one split, two
         paged_decode(q, k_cache, v_cache, meta, 1.0, split_size=split_size)
         launches += 1
     if device.type == "cuda":

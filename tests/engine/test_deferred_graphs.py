@@ -194,3 +194,32 @@ def test_wider_prefill_graphs_follow_start_up(smollm2_dir, chats, reference, mon
     replays = decode.num_replays[1]
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == reference
     assert prefill.num_replays > 0 and decode.num_replays[1] - replays >= min(LENGTHS) - 1
+
+
+def test_tree_kernels_compile_first_among_speculations_deferred_graphs(
+    smollm2_dir, trained_head_dir, monkeypatch
+) -> None:
+    """With deferred graphs the engine reports ready having compiled only the attention
+    variants of plain steps; the tree-mask variants compile as speculation's first
+    deferred item, before any verify graph (the Triton path's warm-up, recorded here)."""
+    from specdec.engine.model_runner import ModelRunner
+
+    warmed: list[tuple[bool, bool]] = []
+
+    def warm_up(self, *, plain: bool = True, trees: bool) -> int:
+        warmed.append((plain, trees))
+        return 8
+
+    monkeypatch.setattr(ModelRunner, "warm_up_kernels", warm_up)
+    _, engine = _deferred_engine(smollm2_dir, trained_head_dir, monkeypatch)
+    # Built on the CPU path (no graphs), the engine warmed both halves at once; the
+    # stand-in graphs' capture planned the tree half lazily, as the GPU path does.
+    assert warmed == [(True, False), (False, True)]
+    warmed.clear()
+    assert engine.deferred_graphs.capture_next()
+    assert warmed == [(False, True)]
+    assert not engine.runner.graphs.batch_sizes.get(4)  # no verify graph yet
+    assert engine.deferred_graphs.capture_next()
+    assert engine.runner.graphs.batch_sizes.get(4)  # then the verify graphs
+    assert warmed == [(False, True)]
+    assert next(iter(engine.deferred_graphs.times)) == "attention warm-up"

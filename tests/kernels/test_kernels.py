@@ -538,6 +538,32 @@ def test_warm_up_runs_and_leaves_the_caches_alone():
     assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
 
 
+def test_warm_up_halves_cover_the_whole(monkeypatch):
+    """The plain half (start-up) and the tree-mask half (with speculation's deferred
+    graphs) launch together exactly what one warm-up of both launches."""
+    import specdec.kernels.prefill as prefill_module
+    from specdec.kernels.warmup import warm_up_attention
+
+    calls: list[tuple] = []
+    real = prefill_module.paged_attention
+
+    def record(q, k, v, meta, *args, **kw):
+        calls.append((q.shape[0], meta.has_tree, kw["num_splits"]))
+        return real(q, k, v, meta, *args, **kw)
+
+    import specdec.kernels.warmup as warmup_module
+
+    monkeypatch.setattr(warmup_module, "paged_attention", record)
+    k_cache = torch.randn(8, 16, 2, 32, device=DEVICE)
+    both = warm_up_attention(k_cache, k_cache, 4, torch.float32, trees=True)
+    whole, calls[:] = sorted(calls), []
+    plain = warm_up_attention(k_cache, k_cache, 4, torch.float32, trees=False)
+    trees = warm_up_attention(k_cache, k_cache, 4, torch.float32, plain=False, trees=True)
+    assert (plain, trees) == (3 * 2 + 2, 3 * 2) and plain + trees == both
+    assert sorted(calls) == whole
+    assert warm_up_attention(k_cache, k_cache, 4, torch.float32, plain=False, trees=False) == 0
+
+
 # --- decode ------------------------------------------------------------------------------
 
 
