@@ -23,8 +23,12 @@ How the kernels keep it:
   token even at batch 1, and the grouping of keys is the same for every token at every
   batch.
 * A program's tile holds the GQA groups of up to ``TILE_TOKENS`` consecutive query rows
-  before a tree (``ops.query_tiles``; they share every K/V tile), or of one tree row, in
-  ``max(16, next_power_of_2(TILE_TOKENS * group))`` rows. Every ``tl.dot`` has that one
+  before a tree (``ops.query_tiles``; they share every K/V tile), or of up to
+  ``TILE_TOKENS`` consecutive tree rows, in ``max(16, next_power_of_2(TILE_TOKENS *
+  group))`` rows. Tree rows share the K/V tiles of the blocks before the tree's first
+  block; each block from there on is read once per tree row, through that row's path,
+  with the other rows' scores masked to -inf (which leaves their states exactly as they
+  were, as below), so every row sees its own keys in its own blocks. Every ``tl.dot`` has that one
   shape, and a tensor-core product computes each output element from its own row and
   column alone, so which rows share a tile changes no row's bits. Each row keeps its own
   key count: a block holding none of a row's keys gives the row scores of -inf, which
@@ -212,9 +216,9 @@ def _invariant_split_kernel(
     n_plain = tl.maximum(q_len - tree_len, 0)  # query rows before the tree
     plain_tiles = tl.cdiv(n_plain, TILE_TOKENS)
     local = tile - tl.load(tile_starts_ptr + seq)
-    is_tree = local >= plain_tiles  # a tree row, alone in its tile
-    first = tl.where(is_tree, n_plain + local - plain_tiles, local * TILE_TOKENS)
-    count = tl.where(is_tree, 1, tl.minimum(n_plain - first, TILE_TOKENS))
+    is_tree = local >= plain_tiles  # a tile of tree rows
+    first = tl.where(is_tree, n_plain + (local - plain_tiles) * TILE_TOKENS, local * TILE_TOKENS)
+    count = tl.minimum(tl.where(is_tree, q_len, n_plain) - first, TILE_TOKENS)
 
     # Rows: token-major, each token's GQA group of query heads; padded rows have no keys.
     offs_m = tl.arange(0, ROWS)
@@ -227,11 +231,13 @@ def _invariant_split_kernel(
     head = kvh * GROUP + offs_m % GROUP  # [ROWS]
     q_pos = first_pos + first + in_tile  # [ROWS] cache index of each row's query
     # A tree row's logical keys: those before tree_lo, then its path (depth + 1 nodes).
-    node = tl.maximum(first_pos + first - tree_lo, 0)
-    depth = tl.load(tree_depths_ptr + seq * stride_ds + node, mask=is_tree, other=0)
+    node0 = tl.maximum(first_pos + first - tree_lo, 0)  # the tile's first tree node
+    node = node0 + in_tile  # [ROWS]
+    tree_row = row_ok & (q_pos >= tree_lo)  # [ROWS]
+    depth = tl.load(tree_depths_ptr + seq * stride_ds + node, mask=tree_row, other=0)
     n_keys = tl.where(row_ok, tl.where(is_tree, tree_lo + depth + 1, q_pos + 1), 0)  # [ROWS]
     max_keys = tl.max(n_keys, 0)
-    path = tree_paths_ptr + seq * stride_ps + node * stride_pn
+    paths = tree_paths_ptr + seq * stride_ps + node0 * stride_pn
 
     io_mask = row_ok[:, None] & d_mask[None, :]
     q = tl.load(
@@ -247,10 +253,11 @@ def _invariant_split_kernel(
     table = block_tables_ptr + seq * stride_bt
     kv_head = kvh * stride_ch
     # This split's blocks: split, split + NUM_SPLITS, ... (fixed by position), in two
-    # loops that differ only in where a block's keys live: blocks wholly before a tree
-    # row's tree (every block of a plain tile) read cache index = logical position, a
-    # table lookup the compiler can prefetch; the rest go through the tree path. Both run
-    # the same arithmetic on the same keys, so the split changes no bit.
+    # loops that differ only in where a block's keys live: blocks wholly before the tree
+    # (every block of a plain tile) read cache index = logical position for every row at
+    # once, a table lookup the compiler can prefetch; the rest go through each tree row's
+    # path, row by row. Both run a row's arithmetic on the row's keys, so where one loop
+    # hands over to the other changes no bit.
     n_blocks = tl.cdiv(max_keys, BLOCK_N)
     first_path_block = tl.where(is_tree, tree_lo // BLOCK_N, n_blocks)
     for b in range(split, first_path_block, NUM_SPLITS):
@@ -278,27 +285,30 @@ def _invariant_split_kernel(
     path_start = split + tl.cdiv(behind, NUM_SPLITS) * NUM_SPLITS
     for b in range(path_start, n_blocks, NUM_SPLITS):
         lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions
-        loaded = lpos < max_keys
-        in_tree = loaded & (lpos >= tree_lo)
-        anc = tl.load(path + (lpos - tree_lo), mask=in_tree, other=0)
-        cidx = tl.where(in_tree, tree_lo + anc, lpos)  # [BLOCK_N] cache indices
-        page = tl.load(table + cidx // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
-        row = page * stride_cb + (cidx % BLOCK_SIZE) * stride_cs + kv_head
-        m_i, l_i, acc = _attend_block(
-            q,
-            k_cache_ptr,
-            v_cache_ptr,
-            row,
-            loaded,
-            lpos[None, :] < n_keys[:, None],
-            offs_d,
-            d_mask,
-            m_i,
-            l_i,
-            acc,
-            scale_log2,
-            DOT_PRECISION,
-        )
+        for r in tl.static_range(TILE_TOKENS):  # tree row r of the tile, then the next
+            mine = in_tile == r  # [ROWS] its GQA group's rows
+            r_keys = tl.max(tl.where(mine, n_keys, 0), 0)  # 0 past the tile's rows
+            loaded = lpos < r_keys
+            in_tree = loaded & (lpos >= tree_lo)
+            anc = tl.load(paths + r * stride_pn + (lpos - tree_lo), mask=in_tree, other=0)
+            cidx = tl.where(in_tree, tree_lo + anc, lpos)  # [BLOCK_N] cache indices
+            page = tl.load(table + cidx // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
+            row = page * stride_cb + (cidx % BLOCK_SIZE) * stride_cs + kv_head
+            m_i, l_i, acc = _attend_block(
+                q,
+                k_cache_ptr,
+                v_cache_ptr,
+                row,
+                loaded,
+                mine[:, None] & (lpos[None, :] < n_keys[:, None]),
+                offs_d,
+                d_mask,
+                m_i,
+                l_i,
+                acc,
+                scale_log2,
+                DOT_PRECISION,
+            )
 
     # The partial states, empty (-inf, 0, 0) where a row has no key in this split.
     part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]

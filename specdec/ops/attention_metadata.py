@@ -45,7 +45,7 @@ builds both tables from the tree mask with device ops.
 
 Query tiles (optional ``tile_starts``/``tile_seqs``, read by the batch-invariant kernel):
 a sequence's query rows before its tree go in tiles of up to ``TILE_TOKENS`` consecutive
-rows, each tree row in a tile of its own; ``tile_starts[s]`` is sequence ``s``'s first
+rows, its tree rows likewise in tiles of their own; ``tile_starts[s]`` is sequence ``s``'s first
 tile, ``tile_starts[num_seqs]`` the tile count, and ``tile_seqs[i]`` tile ``i``'s sequence
 (``num_seqs`` past the last tile; one entry per query row, a bound on the tile count).
 ``ops.query_tiles`` builds both with device ops, once per forward.

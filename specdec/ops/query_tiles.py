@@ -3,9 +3,10 @@ and ``tile_seqs`` (``ops.attention_metadata``, "Query tiles").
 
 A tile is the rows one program of ``kernels/invariant_attention.py`` attends for: up to
 ``TILE_TOKENS`` consecutive query rows of one sequence that all lie before its tree (their
-logical positions are cache indices, so one K/V tile serves them all), or a single tree
-row (its logical positions run through its own ancestors). A prefill chunk of ``n`` rows
-is ``cdiv(n, TILE_TOKENS)`` tiles, a decode one tile, a ``t``-node tree ``t`` tiles. How
+logical positions are cache indices, so one K/V tile serves them all), or up to
+``TILE_TOKENS`` consecutive tree rows (they share the K/V tiles before the tree; past its
+start each reads its own ancestors). A prefill chunk of ``n`` rows is ``cdiv(n,
+TILE_TOKENS)`` tiles, a decode one tile, a ``t``-node tree ``cdiv(t, TILE_TOKENS)``. How
 rows share a tile never changes a row's bits (the kernel's docstring says why), only how
 often its keys are read.
 
@@ -24,7 +25,7 @@ from specdec.ops.attention_metadata import AttentionMetadata
 
 __all__ = ["TILE_TOKENS", "query_tiles", "with_query_tiles"]
 
-TILE_TOKENS = 4  # query rows per tile before a tree: 4 x a GQA group of <= 4 fills 16 rows
+TILE_TOKENS = 4  # query rows per tile: 4 x a GQA group of <= 4 fills 16 rows
 
 
 def query_tiles(
@@ -37,7 +38,8 @@ def query_tiles(
     assert tree_lens is not None
     # Rows before the tree: from cache index seq_len - q_len up to seq_len - tree_len.
     plain = torch.clamp(q_lens - tree_lens, min=0)
-    tiles = (plain + TILE_TOKENS - 1) // TILE_TOKENS + (q_lens - plain)  # [num_seqs]
+    tree_rows = q_lens - plain
+    tiles = (plain + TILE_TOKENS - 1) // TILE_TOKENS + (tree_rows + TILE_TOKENS - 1) // TILE_TOKENS
     starts = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=loc.device)
     starts[1:] = torch.cumsum(tiles, 0)
     rows = torch.arange(meta.slot_mapping.shape[0], dtype=torch.int32, device=loc.device)

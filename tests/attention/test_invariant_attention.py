@@ -282,8 +282,8 @@ def test_tree_paths_equal_a_walk_up_the_parents():
 
 
 def test_query_tiles_cover_every_row_once():
-    """Rows before a tree go in tiles of up to TILE_TOKENS, each tree row alone; draft-step
-    trees longer than the query and padded rows included."""
+    """Rows before a tree go in tiles of up to TILE_TOKENS, tree rows in tiles of their own
+    of up to TILE_TOKENS; draft-step trees longer than the query and padded rows included."""
     # (q_len, seq_len, tree_len) per sequence: a prefill of 10, a decode, 3 plain rows and
     # a 5-node tree, a draft step's 4 queries of a 9-node tree, a chain as plain rows.
     shapes = [(10, 30, 0), (1, 8, 0), (8, 40, 5), (4, 20, 9), (6, 50, 0)]
@@ -302,9 +302,9 @@ def test_query_tiles_cover_every_row_once():
         )
     )
     starts, seqs = query_tiles(meta)
-    # tiles: cdiv(10, 4) = 3; 1; cdiv(3, 4) + 5 = 6; 0 + 4 = 4; cdiv(6, 4) = 2
-    assert starts.tolist() == [0, 3, 4, 10, 14, 16]
-    assert seqs.tolist() == [0] * 3 + [1] + [2] * 6 + [3] * 4 + [4] * 2 + [5] * (loc[-1] + 3 - 16)
+    # tiles: cdiv(10, 4) = 3; 1; cdiv(3, 4) + cdiv(5, 4) = 3; 0 + cdiv(4, 4) = 1; cdiv(6, 4) = 2
+    assert starts.tolist() == [0, 3, 4, 7, 8, 10]
+    assert seqs.tolist() == [0] * 3 + [1] + [2] * 3 + [3] + [4] * 2 + [5] * (loc[-1] + 3 - 10)
     attached = with_query_tiles(meta)
     assert torch.equal(attached.tile_starts, starts) and with_query_tiles(attached) is attached
 
