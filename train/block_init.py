@@ -15,7 +15,6 @@ master weights); the optimizer and schedule start fresh.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +22,7 @@ import torch
 
 from specdec.models.block_drafter import BlockDrafter
 from specdec.train.config import TrainConfig
-from specdec.train.model import TargetIO, carry_vocab_rows, deepen, widen_mlp
-
-logger = logging.getLogger(__name__)
+from specdec.train.model import VOCAB_KEYS, TargetIO, carry_init_rows, init_head_state
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_LAYERS = 2
@@ -114,36 +111,13 @@ def continue_from(drafter: BlockDrafter, init: BlockDrafter) -> None:
     """Load ``init``'s weights into the fresh ``drafter`` (built with the run's shape and
     vocabulary), cast to its dtype: deepened and widened where the run asks for more, lm_head
     rows carried by target token where the run drafts another vocabulary."""
-    state = init.state_dict()
-    vocab_keys = ("lm_head.weight", "d2t", "t2d")
-    same_vocab = init.d2t.shape == drafter.d2t.shape and torch.equal(init.d2t, drafter.d2t.cpu())
-    rows = state["lm_head.weight"] if not same_vocab else None
-    if not same_vocab:
-        for key in vocab_keys:
-            state.pop(key)
-    deep, shallow = drafter.config.num_layers, init.config.num_layers
-    if deep != shallow:
-        deepen(state, drafter, shallow)
-        logger.info("model.init_head deepened from %d to %d layers (new ones start silent)",
-                    shallow, deep)  # fmt: skip
-    wide, old = drafter.config.intermediate_size, init.config.intermediate_size
-    if wide != old:
-        widen_mlp(state, drafter)
-        logger.info("model.init_head's MLP widened from %d to %d units (new ones start silent)",
-                    old, wide)  # fmt: skip
+    state, rows = init_head_state(drafter, init)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
-    lacking = [k for k in missing if same_vocab or k not in vocab_keys]
+    lacking = [k for k in missing if rows is None or k not in VOCAB_KEYS]
     if lacking or unexpected:
         raise ValueError(
             f"model.init_head lacks {lacking} and has extra {unexpected}; it is not a "
             "drafter for this run"
         )
     if rows is not None:
-        carried = carry_vocab_rows(drafter, rows, init.d2t, init.t2d)
-        logger.info(
-            "model.init_head drafts another vocabulary than model.vocab: %d of %d lm_head "
-            "rows carried by target token, %d new tokens start from the target's lm_head",
-            carried,
-            drafter.d2t.shape[0],
-            drafter.d2t.shape[0] - carried,
-        )
+        carry_init_rows(drafter, init, rows)

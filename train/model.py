@@ -16,6 +16,7 @@ parameter frozen, TTT still computed, without gradients, for its figures).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,10 @@ from specdec.models.weights import read_tensors
 from specdec.train.spec_exit_loss import SpecExitLoss
 from specdec.train.ttt import PackedBatch, TTTOutput, draft_rows, ttt_forward
 from specdec.train.ttt_attention import TTTAttention, TTTFlexAttention
+
+logger = logging.getLogger(__name__)
+
+VOCAB_KEYS = ("lm_head.weight", "d2t", "t2d")  # a head's draft-vocabulary tensors
 
 
 @dataclass
@@ -195,6 +200,49 @@ def deepen(
             if key.startswith(f"{layer}."):
                 silent = key.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
                 state[key] = torch.zeros_like(value) if silent else value.clone()
+
+
+def init_head_state(
+    head: Eagle3Head | BlockDrafter, init: Eagle3Head | BlockDrafter
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """``init``'s weights (``model.init_head``) shaped for ``head``, the run's fresh model:
+    deepened and widened where the run asks for more (``deepen``, ``widen_mlp``), and
+    without its vocabulary tensors (``VOCAB_KEYS``) when ``head`` drafts another draft
+    vocabulary (``model.vocab``). Returns the state and, in that last case, ``init``'s
+    lm_head rows for ``carry_init_rows`` (else None)."""
+    state = init.state_dict()
+    same_vocab = init.d2t.shape == head.d2t.shape and torch.equal(init.d2t.cpu(), head.d2t.cpu())
+    rows = None
+    if not same_vocab:  # rows move by token, after the load
+        rows = state["lm_head.weight"]
+        for key in VOCAB_KEYS:
+            state.pop(key)
+    deep, shallow = head.config.num_layers, init.config.num_layers
+    if deep != shallow:
+        deepen(state, head, shallow)
+        logger.info("model.init_head deepened from %d to %d layers (new ones start silent)",
+                    shallow, deep)  # fmt: skip
+    wide, old = head.config.intermediate_size, init.config.intermediate_size
+    if wide != old:
+        widen_mlp(state, head)
+        logger.info("model.init_head's MLP widened from %d to %d units (new ones start silent)",
+                    old, wide)  # fmt: skip
+    return state, rows
+
+
+def carry_init_rows(
+    head: Eagle3Head | BlockDrafter, init: Eagle3Head | BlockDrafter, rows: torch.Tensor
+) -> None:
+    """After ``head`` loaded ``init_head_state``'s state: ``init``'s lm_head ``rows`` carried
+    into ``head``'s vocabulary by target token (``carry_vocab_rows``), logged."""
+    carried = carry_vocab_rows(head, rows, init.d2t, init.t2d)
+    logger.info(
+        "model.init_head drafts another vocabulary than model.vocab: %d of %d lm_head "
+        "rows carried by target token, %d new tokens start from the target's lm_head",
+        carried,
+        head.d2t.shape[0],
+        head.d2t.shape[0] - carried,
+    )
 
 
 class TTTModel(nn.Module):

@@ -48,14 +48,14 @@ from specdec.train.loop import (
     optimizer_step,
 )
 from specdec.train.model import (
+    VOCAB_KEYS,
     TargetIO,
     TTTModel,
     attention_backend,
     build_head,
-    carry_vocab_rows,
-    deepen,
+    carry_init_rows,
+    init_head_state,
     load_vocab,
-    widen_mlp,
 )
 from specdec.train.spec_exit_labels import ExitLabeler
 from specdec.train.spec_exit_loss import SpecExitLoss
@@ -437,23 +437,7 @@ def _load_init_head(head, init) -> None:
             f"model.init_head has SpecExit channels {list(have)}; set spec_exit.signals="
             f"{list(have)} to keep training them (the run asks for {list(want)})"
         )
-    state = init.state_dict()
-    vocab_keys = ("lm_head.weight", "d2t", "t2d")
-    same_vocab = init.d2t.shape == head.d2t.shape and torch.equal(init.d2t.cpu(), head.d2t.cpu())
-    if not same_vocab:  # model.vocab names another draft vocabulary: rows move by token
-        rows = state["lm_head.weight"]
-        for key in vocab_keys:
-            state.pop(key)
-    deep, shallow = head.config.num_layers, init.config.num_layers
-    if deep != shallow:
-        deepen(state, head, shallow)
-        logger.info("model.init_head deepened from %d to %d layers (new ones start silent)",
-                    shallow, deep)  # fmt: skip
-    wide, old = head.config.intermediate_size, init.config.intermediate_size
-    if wide != old:
-        widen_mlp(state, head)
-        logger.info("model.init_head's MLP widened from %d to %d units (new ones start silent)",
-                    old, wide)  # fmt: skip
+    state, rows = init_head_state(head, init)
     # A trained head without channels: its weights, and fresh channels on top. One
     # without the variant's norms (an EAGLE-3 head continued as EAGLE-3.1): fresh norms.
     fresh_channels = bool(want) and not have
@@ -470,7 +454,7 @@ def _load_init_head(head, init) -> None:
     lacking = [k for k in missing
                if not (fresh_channels and k.startswith("spec_exit."))
                and not (fresh_norms and k.startswith(fresh_norms))
-               and not (not same_vocab and k in vocab_keys)]  # fmt: skip
+               and not (rows is not None and k in VOCAB_KEYS)]  # fmt: skip
     if unexpected and any(k.startswith(("fc_norm.", "input_norm.")) for k in unexpected):
         raise ValueError(
             f"model.init_head is an {init.config.variant} head and the run asks for "
@@ -482,15 +466,8 @@ def _load_init_head(head, init) -> None:
             f"model.init_head lacks {lacking} and has extra {unexpected}; it is not a head "
             "for this run"
         )
-    if not same_vocab:
-        carried = carry_vocab_rows(head, rows, init.d2t, init.t2d)
-        logger.info(
-            "model.init_head drafts another vocabulary than model.vocab: %d of %d lm_head "
-            "rows carried by target token, %d new tokens start from the target's lm_head",
-            carried,
-            head.d2t.shape[0],
-            head.d2t.shape[0] - carried,
-        )
+    if rows is not None:
+        carry_init_rows(head, init, rows)
 
 
 def _save_head(accelerator, model, out_dir: Path, save: Callable[..., None]) -> Path:
