@@ -12,8 +12,11 @@ spec, every batch size on it. "graphed" counts target forwards replayed from a C
 and whole proposals replayed from the proposer's growth graphs; ``--kernels N`` adds the
 N costliest device kernels of the timed generation (torch profiler, unsynchronised run).
 EAGLE-3 specs draft with a random head: their timings are real, their τ is ~1.
+``--deterministic`` builds every engine in deterministic mode (batch-invariant kernels on
+the target's path); run the two modes as two invocations, one engine per process.
 
     python benchmarks/profile_step.py --spec none,eagle3-k3,eagle3-tree --batch 1,16
+    python benchmarks/profile_step.py --batch 64 --kernels 8 --deterministic
 
 Prints, per (spec, batch), a table of phases: calls, median ms and total ms.
 """
@@ -62,6 +65,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--kernels", type=int, default=0, help="also list the N costliest kernels")
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic mode (EngineConfig.deterministic) for every engine",
+    )
+    p.add_argument(
         "--plain-first",
         action="store_true",
         help="build a plain engine first and keep it alive (as bench_spec's runs do)",
@@ -94,6 +102,7 @@ def build(a: argparse.Namespace, spec: dict | None) -> LLM:
         cuda_graph_max_batch_size=max(a.batch),
         kv_cache_memory=2 << 30,
         enable_prefix_caching=False,
+        deterministic=a.deterministic,
     )
 
 
@@ -151,7 +160,8 @@ def profile(llm: LLM, name: str, batch: int, max_tokens: int, kernels: int) -> N
         delattr(obj, attr)
     steps = len(times["step (total)"])
     print(
-        f"spec={name} batch={batch} steps={steps} tau={engine.spec_stats.tau:.2f} "
+        f"spec={name} batch={batch} deterministic={engine.config.deterministic} "
+        f"steps={steps} tau={engine.spec_stats.tau:.2f} "
         f"graphed: target {graph_replays(engine) - replays}/{steps}, "
         f"proposals {draft_graph_replays(engine) - draft_replays}"
     )
