@@ -146,13 +146,12 @@ class LLMEngine:
         left to ``capture_pending_graph`` with ``EngineConfig.defer_graphs`` (GPU path
         only)."""
         runner, defer = self.runner, bool(self.config.defer_graphs)
-        if not runner.runtime.use_cuda_graphs:
-            if self.proposer is not None:
-                runner.warm_up_kernels(plain=False, trees=True)
-            return
-        sizes = self._band_graph_sizes() if self.proposer is not None else {}
-        if self.proposer is not None and not sizes:
+        on_graphs = runner.runtime.use_cuda_graphs
+        sizes = self._band_graph_sizes() if on_graphs and self.proposer is not None else {}
+        if self.proposer is not None and not sizes:  # no speculation graphs to wait for
             runner.warm_up_kernels(plain=False, trees=True)
+        if not on_graphs:
+            return
         # Chains need no tree mask, so a step that mixes prompt tokens with them (an
         # arrival) fits a prefill graph with room for their logits rows; a tree band's
         # steps (say, batch 1's) never do, and must not cost the chain bands that room.

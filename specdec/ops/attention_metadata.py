@@ -53,8 +53,10 @@ tile, ``tile_starts[num_seqs]`` the tile count, and ``tile_seqs[i]`` tile ``i``'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -66,6 +68,17 @@ def cache_slots(
     """The slots of cache indices, through each sequence's block table (device ops)."""
     blocks = block_tables.gather(1, index // block_size).long()
     return (blocks * block_size + index % block_size).flatten()
+
+
+def request_slots(
+    block_ids: Sequence[int],  # one request's blocks, in order
+    index: np.ndarray,  # [n] int: cache indices within the request
+    block_size: int,
+) -> np.ndarray:  # [n] int64
+    """``cache_slots`` of one request on the host, from its block list."""
+    return np.asarray(block_ids, dtype=np.int64)[index // block_size] * block_size + (
+        index % block_size
+    )
 
 
 @dataclass

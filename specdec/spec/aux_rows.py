@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from specdec.device.staging import to_device
+from specdec.ops.attention_metadata import request_slots
 from specdec.request import Request
 
 
@@ -192,11 +193,10 @@ class AuxRows:
         (one gather)."""
         if self.aux_cache is None:
             raise RuntimeError("aux states were deferred but the runner keeps no aux cache")
-        bs = self.block_size
-        slots = []
-        for request, (start, end) in zip(group, spans, strict=True):
-            index = np.arange(start, end)
-            slots.append(np.asarray(request.block_ids)[index // bs] * bs + index % bs)
-        index = to_device(np.concatenate(slots).astype(np.int64), self.device)
+        slots = [
+            request_slots(request.block_ids, np.arange(start, end), self.block_size)
+            for request, (start, end) in zip(group, spans, strict=True)
+        ]
+        index = to_device(np.concatenate(slots), self.device)
         rows = self.aux_cache.index_select(0, index)
         return list(rows.split([end - start for start, end in spans]))

@@ -71,7 +71,7 @@ from specdec.models.block_drafter import ContextKV
 from specdec.models.block_drafter_file import read_block_size
 from specdec.models.block_drafter_formats import load_block_drafter, read_block_config
 from specdec.models.config import ModelConfig
-from specdec.ops.attention_metadata import cache_slots
+from specdec.ops.attention_metadata import cache_slots, request_slots
 from specdec.request import Request
 from specdec.spec.aux_rows import AuxRows
 from specdec.spec.block_drafts import SlotDrafts
@@ -212,8 +212,11 @@ class BlockProposer(PipelinedProposer):
         kept = [k for k, rows in enumerate(aux) if rows is not None and rows.shape[0]]
         if not kept:
             return
-        positions = np.concatenate([np.arange(*spans[k]) for k in kept])
-        slots = np.concatenate([self._slots(group[k], np.arange(*spans[k])) for k in kept])
+        index = {k: np.arange(*spans[k]) for k in kept}  # each span's cache indices
+        positions = np.concatenate(list(index.values()))
+        slots = np.concatenate(
+            [request_slots(group[k].block_ids, i, self.block_size) for k, i in index.items()]
+        )
         packed = to_device(np.stack([positions, slots]), self.device)  # one copy
         self._store_context(torch.cat([aux[k] for k in kept]), packed[0], packed[1])
 
@@ -407,10 +410,6 @@ class BlockProposer(PipelinedProposer):
         for bs in graphs.capture():
             yield f"block drafter forward, batch {bs}"
         self.graphs = graphs
-
-    def _slots(self, request: Request, positions: np.ndarray) -> np.ndarray:
-        bs = self.block_size
-        return np.asarray(request.block_ids)[positions // bs] * bs + positions % bs
 
 
 def context_width(longest: int) -> int:
