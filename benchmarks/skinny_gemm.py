@@ -12,7 +12,12 @@ weight stays in L2 from call to call, which flatters the Triton kernel.
 per shape (how ``choose_gemm_config``'s defaults are chosen); with ``--check-bits`` each
 tile's output is compared bit for bit with the shape's decode tile (``gemm_tiles``) on the
 same rows, and the best tile with equal bits is reported too: the tiles deterministic mode
-may switch to above ``DECODE_ROWS`` rows.
+may switch to above ``SMALL_ROWS`` or ``DECODE_ROWS`` rows. ``--write-tier batch PATH`` writes
+the fastest such tile over all tuned rows per shape, for ``$SPECDEC_GEMM_TILES``:
+
+    python benchmarks/skinny_gemm.py --cold --rows 32,64 --shapes $SHAPES --tune \
+        --tune-rows 32,64 --tune-block-m 32,64 --tune-block-n 16,32,64 --tune-block-k decode \
+        --tune-warps 2,4,8 --tune-stages 1,3 --check-bits --write-tier batch tiles.json
 
     SHAPES=add+norm+qkv,o_proj,add+norm+gate_up+silu,down,add+norm+lm_head
     python benchmarks/skinny_gemm.py --rows 64,512,2048 --shapes $SHAPES --tune \
@@ -154,7 +159,16 @@ def main() -> None:
     p.add_argument(
         "--write-tiles", help="write the tuned tile per (N, K) here, for $SPECDEC_GEMM_TILES"
     )
+    p.add_argument(
+        "--write-tier",
+        nargs=2,
+        metavar=("TIER", "PATH"),
+        help="write the fastest tile with the decode tile's bits per (N, K) as that tier "
+        "(decode, batch or prefill) for $SPECDEC_GEMM_TILES; needs --check-bits",
+    )
     a = p.parse_args()
+    if a.write_tier and not a.check_bits:
+        p.error("--write-tier keeps only tiles with the decode tile's bits: add --check-bits")
     from specdec.kernels.skinny_gemm import GemmConfig, choose_gemm_config, gemm_tiles
 
     torch.manual_seed(0)
@@ -242,6 +256,35 @@ def main() -> None:
             if key not in best or r["tuned_us"] < best[key][0]:
                 best[key] = (r["tuned_us"], r["tuned_config"])
         Path(a.write_tiles).write_text(json.dumps({k: c for k, (_, c) in best.items()}))
+    if a.write_tier:  # the fastest equal-bits tile per (N, K), summed over the tuned rows
+        tier, path = a.write_tier
+        Path(path).write_text(json.dumps({k: {tier: c} for k, c in _tier_tiles(rows_out).items()}))
+
+
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+
+
+def _tier_tiles(rows: list[dict]) -> dict[str, dict]:
+    """Per ``"N,K"``, the tile with the decode tile's bits whose times summed over the
+    tuned row counts are least (a tier serves all of them); a tile that failed or differed
+    at some row count is out."""
+    times: dict[str, dict[tuple, list[float]]] = {}
+    tuned: dict[str, int] = {}
+    for r in rows:
+        if "grid" not in r:
+            continue
+        key = f"{r['N'] // 2 if SHAPES[r['shape']][2] else r['N']},{r['K']}"
+        tuned[key] = tuned.get(key, 0) + 1
+        for t in r["grid"]:
+            if t["same_bits"]:
+                times.setdefault(key, {}).setdefault(tuple(t[f] for f in TILE_FIELDS), [])
+                times[key][tuple(t[f] for f in TILE_FIELDS)].append(t["us"])
+    out = {}
+    for key, by_tile in times.items():
+        full = {tile: sum(us) for tile, us in by_tile.items() if len(us) == tuned[key]}
+        if full:
+            out[key] = dict(zip(TILE_FIELDS, min(full, key=full.get), strict=True))
+    return out
 
 
 def _tile(c: dict) -> str:

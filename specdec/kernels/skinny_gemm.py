@@ -36,14 +36,15 @@ one program's ``BLOCK_K`` loop, in order; rows sharing a tile never mix (masked 
 zeros and are not stored). ``BLOCK_K`` is therefore the one tile field a row's bits depend
 on, and ``choose_gemm_config`` takes it from the weight's shape (N, K) alone: one per
 shape (``GemmTiles``). The row and column tiles, warps and stages only decide which
-program computes an element, not its bits (checked below), so launches of up to ``DECODE_ROWS``
-rows run a tile sized for decode steps and larger ones (prefill chunks, wide verify
-steps) a tile sized for many rows, with the same ``BLOCK_K``: a row's bits are those of
-every other launch. Checked bitwise on an H100 (bf16, SmolLM2's five projections, 2,048
-rows against one): 18 row x column x warp tiles per projection, every one equal. The
-norm prologue reduces each row over the same ``BLOCK_K`` tiles, per row. The
-engine's deterministic mode (``EngineConfig.deterministic``, ``models/invariant.py``)
-runs every target projection here for that reason.
+program computes an element, not its bits (checked below), so launches of a few rows run
+a tile sized for decode steps, up to ``DECODE_ROWS`` rows one sized for batched decode
+and verify steps, and larger ones (prefill chunks) a tile sized for many rows, all with
+the same ``BLOCK_K``: a row's bits are those of every other launch. Checked bitwise on
+an H100 (bf16, SmolLM2's five projections, 2,048 rows against one): 18 row x column x
+warp tiles per projection, every one equal. The norm prologue reduces each row over the
+same ``BLOCK_K`` tiles, per row. The engine's deterministic mode
+(``EngineConfig.deterministic``, ``models/invariant.py``) runs every target
+projection here for that reason.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ from specdec.kernels.launch import (
 
 __all__ = [
     "DECODE_ROWS",
+    "SMALL_ROWS",
+    "TIERS",
     "GemmConfig",
     "GemmTiles",
     "add_rmsnorm_gate_up_silu",
@@ -178,27 +181,40 @@ class GemmConfig:
     num_stages: int = 3
 
 
+SMALL_ROWS = 16
+"""Launches of at most this many rows (batch-1 and small-batch decode steps) run a shape's
+decode tile; up to ``DECODE_ROWS`` its batch tile where it has one (``GemmTiles``)."""
+
 DECODE_ROWS = 64
-"""Launches of at most this many rows run a shape's decode tile, larger ones its prefill
-tile (``GemmTiles``)."""
+"""Launches of at most this many rows run a shape's decode (or batch) tile, larger ones its
+prefill tile (``GemmTiles``)."""
+
+TIERS = ("decode", "batch", "prefill")
+"""The tiles of one shape, by launch size: ``decode`` up to ``SMALL_ROWS`` rows, ``batch``
+up to ``DECODE_ROWS`` (the decode tile where a shape has none), ``prefill`` above."""
 
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """The tiles of one weight shape: ``decode`` for launches of at most ``DECODE_ROWS``
-    rows, ``prefill`` above. Invariant: both have one ``block_k``, the only tile field a
-    row's bits depend on (module docstring), so switching between them changes no bit."""
+    """The tiles of one weight shape: ``decode`` for launches of at most ``SMALL_ROWS``
+    rows, ``batch`` (optional) up to ``DECODE_ROWS`` rows, where a decode tile of 16 rows
+    would read the weight once per 16 rows (a batch-64 decode step, a wide verify tree),
+    ``prefill`` above. Invariant: all have one ``block_k``, the only tile field a row's
+    bits depend on (module docstring), so switching between them changes no bit."""
 
     decode: GemmConfig
     prefill: GemmConfig
+    batch: GemmConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.decode.block_k != self.prefill.block_k:
-            raise ValueError(
-                f"decode tile block_k={self.decode.block_k} and prefill tile "
-                f"block_k={self.prefill.block_k} differ: a row's bits would depend on the "
-                "launch's row count; give both tiles one block_k"
-            )
+        for name in ("prefill", "batch"):
+            tile = getattr(self, name)
+            if tile is not None and tile.block_k != self.decode.block_k:
+                raise ValueError(
+                    f"decode tile block_k={self.decode.block_k} and {name} tile "
+                    f"block_k={tile.block_k} differ: a row's bits would depend on the "
+                    "launch's row count; give every tile of a shape one block_k"
+                )
 
     @classmethod
     def one(cls, tile: GemmConfig) -> GemmTiles:
@@ -206,14 +222,24 @@ class GemmTiles:
         return cls(tile, tile)
 
     def for_rows(self, num_rows: int) -> GemmConfig:
-        return self.decode if num_rows <= DECODE_ROWS else self.prefill
+        if num_rows <= SMALL_ROWS:
+            return self.decode
+        if num_rows <= DECODE_ROWS:
+            return self.batch or self.decode
+        return self.prefill
+
+    def replace(self, **tiles: GemmConfig) -> GemmTiles:
+        """These tiles with some tiers replaced (``TIERS`` names)."""
+        return GemmTiles(**{name: tiles.get(name, getattr(self, name)) for name in TIERS})
 
 
 TILES_ENV = "SPECDEC_GEMM_TILES"
-"""A JSON file of measured tiles, ``{"N,K": {GemmConfig fields}}`` (one tile for every
-row count, what ``benchmarks/skinny_gemm.py --tune --write-tiles`` writes) or
-``{"N,K": {"decode": {fields}, "prefill": {fields}}}``, consulted before the measured
-tiles: for tuning experiments on a GPU, never needed for correctness."""
+"""A JSON file of measured tiles, consulted before ``MEASURED_TILES``: for tuning
+experiments on a GPU, never needed for correctness. Per ``"N,K"``, either one tile's
+``GemmConfig`` fields (one tile for every row count, what ``benchmarks/skinny_gemm.py
+--tune --write-tiles`` writes) or a map from tier names (``TIERS``) to fields, where the
+tiers it leaves out keep the shape's measured (or rule) tiles (what ``--write-tier``
+writes)."""
 
 
 @functools.cache
@@ -222,8 +248,9 @@ def _measured_tiles(path: str) -> dict[tuple[int, int], GemmTiles]:
     out = {}
     for key, fields in data.items():
         n, k = (int(v) for v in key.split(","))
-        if set(fields) == {"decode", "prefill"}:
-            out[n, k] = GemmTiles(GemmConfig(**fields["decode"]), GemmConfig(**fields["prefill"]))
+        if set(fields) <= set(TIERS):
+            tiles = {name: GemmConfig(**f) for name, f in fields.items()}
+            out[n, k] = _default_tiles(n, k).replace(**tiles)
         else:
             out[n, k] = GemmTiles.one(GemmConfig(**fields))
     return out
@@ -270,6 +297,10 @@ def gemm_tiles(n: int, k: int) -> GemmTiles:
         tiles = _measured_tiles(path).get((n, k))
         if tiles is not None:
             return tiles
+    return _default_tiles(n, k)
+
+
+def _default_tiles(n: int, k: int) -> GemmTiles:
     tiles = MEASURED_TILES.get((n, k))
     if tiles is not None:
         return tiles

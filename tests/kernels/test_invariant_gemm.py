@@ -31,6 +31,7 @@ from specdec.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsno
 from specdec.kernels.skinny_gemm import (
     DECODE_ROWS,
     MEASURED_TILES,
+    SMALL_ROWS,
     TILES_ENV,
     GemmConfig,
     GemmTiles,
@@ -192,7 +193,10 @@ def test_a_rows_bits_do_not_depend_on_the_batch(name: str, dtype: torch.dtype) -
     assert batch_variance(op, widths, dtype) == []
 
 
-MEASURED = sorted({t for ts in MEASURED_TILES.values() for t in (ts.decode, ts.prefill)}, key=repr)
+MEASURED = sorted(
+    {t for ts in MEASURED_TILES.values() for t in (ts.decode, ts.batch, ts.prefill) if t},
+    key=repr,
+)
 
 
 @pytest.mark.parametrize("tile", MEASURED, ids=repr)
@@ -209,22 +213,27 @@ def test_every_measured_tile_keeps_rows_batch_invariant(tile) -> None:
         assert batch_variance(op, widths, dtype, counts=(3, 70)) == []
 
 
-def test_a_rows_bits_survive_the_switch_to_the_prefill_tile(tmp_path, monkeypatch) -> None:
-    """Launches above DECODE_ROWS rows run another row and column tile with the same
-    BLOCK_K: a probe row's bits in a 70- or 300-row launch equal its bits alone."""
+def test_a_rows_bits_survive_the_switch_between_tiers(tmp_path, monkeypatch) -> None:
+    """Launches above SMALL_ROWS rows run the batch tile, above DECODE_ROWS the prefill
+    tile, each another row and column tile with the same BLOCK_K: a probe row's bits in a
+    40-, 70- or 300-row launch equal its bits alone."""
     from specdec.kernels import skinny_gemm as sg
 
     decode = GemmConfig(block_m=16, block_n=16, block_k=64, num_warps=2)
+    batch = GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=1)
     prefill = GemmConfig(block_m=64, block_n=32, block_k=64, num_warps=4)
     path = tmp_path / "tiles.json"
-    path.write_text(
-        f'{{"{N},{K}": {{"decode": {json.dumps(vars(decode))}, '
-        f'"prefill": {json.dumps(vars(prefill))}}}}}'
-    )
+    tiers = {"decode": vars(decode), "batch": vars(batch), "prefill": vars(prefill)}
+    path.write_text(json.dumps({f"{N},{K}": tiers}))
     monkeypatch.setenv(TILES_ENV, str(path))
     sg._measured_tiles.cache_clear()
-    assert gemm_tiles(N, K) == GemmTiles(decode, prefill)
-    assert choose_gemm_config(DECODE_ROWS, N, K) == decode
+    assert gemm_tiles(N, K) == GemmTiles(decode, prefill, batch)
+    assert [choose_gemm_config(m, N, K) for m in (1, SMALL_ROWS, SMALL_ROWS + 1)] == [
+        decode,
+        decode,
+        batch,
+    ]
+    assert choose_gemm_config(DECODE_ROWS, N, K) == batch
     assert choose_gemm_config(DECODE_ROWS + 1, N, K) == prefill
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     p = _weights(dtype)
@@ -233,7 +242,29 @@ def test_a_rows_bits_survive_the_switch_to_the_prefill_tile(tmp_path, monkeypatc
         (lambda x, r: add_rmsnorm_linear(x, r, p["norm"], EPS, p["w"]), (K, K)),
     ]
     for op, widths in ops:
-        assert batch_variance(op, widths, dtype, counts=(3, 70, 300)) == []
+        assert batch_variance(op, widths, dtype, counts=(3, 40, 70, 300)) == []
+    sg._measured_tiles.cache_clear()
+
+
+def test_a_tiles_file_naming_some_tiers_keeps_the_others(tmp_path, monkeypatch) -> None:
+    """A tuning file that gives a measured shape only a batch tile keeps its measured
+    decode and prefill tiles; a shape without a batch tile runs its decode tile there."""
+    from specdec.kernels import skinny_gemm as sg
+
+    (n, k), measured = next(iter(MEASURED_TILES.items()))
+    assert measured.batch is None
+    assert choose_gemm_config(DECODE_ROWS, n, k) == measured.decode
+    batch = GemmConfig(block_m=64, block_n=128, block_k=measured.decode.block_k, num_warps=8)
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({f"{n},{k}": {"batch": vars(batch)}}))
+    monkeypatch.setenv(TILES_ENV, str(path))
+    sg._measured_tiles.cache_clear()
+    assert gemm_tiles(n, k) == GemmTiles(measured.decode, measured.prefill, batch)
+    bad = GemmConfig(block_m=64, block_k=measured.decode.block_k // 2)
+    path.write_text(json.dumps({f"{n},{k}": {"batch": vars(bad)}}))
+    sg._measured_tiles.cache_clear()
+    with pytest.raises(ValueError, match="and batch tile block_k="):
+        gemm_tiles(n, k)
     sg._measured_tiles.cache_clear()
 
 
@@ -243,9 +274,8 @@ def test_tiles_of_one_shape_share_block_k() -> None:
     with pytest.raises(ValueError, match="block_k=128 and prefill tile block_k=64"):
         GemmTiles(GemmConfig(block_k=128), GemmConfig(block_k=64))
     for (n, k), tiles in MEASURED_TILES.items():
-        assert {choose_gemm_config(m, n, k).block_k for m in (1, 64, 65, 8192)} == {
-            tiles.decode.block_k
-        }
+        rows = (1, SMALL_ROWS + 1, 64, 65, 8192)
+        assert {choose_gemm_config(m, n, k).block_k for m in rows} == {tiles.decode.block_k}
 
 
 def test_lm_head_sized_outputs_are_batch_invariant() -> None:
