@@ -91,6 +91,7 @@ class Run:
     # Requests submitted and unfinished per engine step, averaged over the drive's steps: a
     # batch that drains as its requests finish runs below its concurrency (BenchConfig.waves).
     mean_in_flight: float = 0.0
+    full_batch_seconds: float = 0.0  # wall time of steps run with every slot of the batch taken
     graph_steps: int = 0  # of those, target forwards replayed from a CUDA graph
     draft_graph_steps: int = 0  # proposals replayed from the proposer's CUDA graphs
 
@@ -112,11 +113,12 @@ def drive(
     prompts: list[list[int]],
     params: SamplingParams,
     concurrency: int | None = None,
-    in_flight_log: list[int] | None = None,
+    in_flight_log: list[tuple[int, float]] | None = None,
 ) -> Iterator[tuple[int, RequestOutput]]:
     """(prompt index, output) for every output the engine returns, per ``params``'s
     output kind. Requests still in flight when the caller stops are aborted.
-    ``in_flight_log`` gets the number of requests in flight at each engine step."""
+    ``in_flight_log`` gets, at each engine step, the number of requests in flight and the
+    ``time.perf_counter()`` at which the step was asked for."""
     limit = len(prompts) if concurrency is None else concurrency
     index: dict[str, int] = {}
     pending = iter(enumerate(prompts))
@@ -132,7 +134,7 @@ def drive(
             if not engine.has_unfinished_requests():
                 return
             if in_flight_log is not None:
-                in_flight_log.append(in_flight)
+                in_flight_log.append((in_flight, time.perf_counter()))
             for out in engine.step():
                 i = index.get(out.request_id)
                 if i is None:  # someone else's request sharing the engine
@@ -154,20 +156,27 @@ def generate(llm: LLM, prompts: list[list[int]], run: RunParams) -> Run:
     replays0, draft_replays0 = graph_replays(engine), draft_graph_replays(engine)
     records: list[RequestRecord | None] = [None] * len(prompts)
     synchronize(engine.runner.device)
-    in_flight: list[int] = []
+    steps: list[tuple[int, float]] = []
     t0 = time.perf_counter()
-    for i, out in drive(engine, prompts, run.sampling(), run.concurrency, in_flight):
+    for i, out in drive(engine, prompts, run.sampling(), run.concurrency, steps):
         if out.finished:
             records[i] = RequestRecord.from_output(out)
     synchronize(engine.runner.device)
-    seconds = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    seconds = t1 - t0
     assert all(r is not None for r in records), "a request never finished"
+    in_flight = [n for n, _ in steps]
+    full = min(len(prompts), run.concurrency or len(prompts))
+    ends = [t for _, t in steps[1:]] + [t1]
     return Run(
         seconds=seconds,
         requests=records,  # type: ignore[arg-type]
         stats=engine.spec_stats,
         engine_steps=engine.num_steps - steps0,
         mean_in_flight=sum(in_flight) / len(in_flight) if in_flight else 0.0,
+        full_batch_seconds=sum(
+            end - start for (n, start), end in zip(steps, ends, strict=True) if n == full
+        ),
         graph_steps=graph_replays(engine) - replays0,
         draft_graph_steps=draft_graph_replays(engine) - draft_replays0,
     )

@@ -79,6 +79,9 @@ class Timing:
     tpot_s: float | None
     engine_steps: float = 0.0  # per run, mean
     mean_in_flight: float = 0.0  # requests in flight per engine step, mean over runs
+    # Share of the wall time run at a full batch (the rest: filling and draining), mean over
+    # runs: where two contenders' tok/s differ more than their full-batch steps do.
+    full_batch_share: float = 0.0
     graph_steps: float = 0.0  # per run, mean: target forwards replayed from a CUDA graph
     draft_graph_steps: float = 0.0  # per run, mean: proposals replayed from graphs
 
@@ -93,6 +96,7 @@ class Timing:
             tpot_s=_median([q.tpot_s for q in requests if q.tpot_s is not None]),
             engine_steps=statistics.mean(r.engine_steps for r in runs),
             mean_in_flight=statistics.mean(r.mean_in_flight for r in runs),
+            full_batch_share=statistics.mean(r.full_batch_seconds / r.seconds for r in runs),
             graph_steps=statistics.mean(r.graph_steps for r in runs),
             draft_graph_steps=statistics.mean(r.draft_graph_steps for r in runs),
         )

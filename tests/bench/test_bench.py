@@ -130,12 +130,15 @@ def test_rows_are_internally_consistent(report):
                 assert math.isclose(p["tau"], 1 + p["accepted_tokens"] / p["steps"])
         # two waves: batch 2 runs the 2 prompts twice each, batch 1 once
         assert r["num_requests"] == max(r["num_prompts"], 2 * r["batch_size"])
-        # batch 1 always has its one request in flight; batch 2 up to two
+        # batch 1 always has its one request in flight (a full batch all the time); batch 2
+        # up to two, and drains to one at the end
         for t in (plain, spec):
             if r["batch_size"] == 1:
                 assert t["mean_in_flight"] == 1.0
+                assert 0.99 < t["full_batch_share"] <= 1.0  # all but the final sync
             else:
                 assert 1.0 < t["mean_in_flight"] <= 2.0
+                assert 0.0 < t["full_batch_share"] < 1.0
         assert len(per) == r["num_prompts"]
         # fp32: speculation is lossless, every request of every cycled prompt
         assert r["identical"] == r["compared"] == r["num_requests"] * r["repeats"]
