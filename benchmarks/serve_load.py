@@ -2,13 +2,14 @@
 
 For each server variant (``--variants``: ``none`` = plain decoding, ``default`` = the
 model's default speculation, i.e. its shipped head) it launches ``python -m specdec.serve``,
-records the seconds until /health answers and until it speculates (its deferred
-speculation graphs captured), runs ``specdec bench-serve`` (a separate client process) at each
-concurrency, and samples the CPU time of every thread of the server's processes while the
-largest concurrency runs (where the host time goes: the event loop, the engine loop, the
-core's pipe threads; with ``--py-spy``, py-spy's stacks too). Then ``specdec bench`` runs
-offline at the same batch sizes on the same prompts (plain and default speculation,
-``--waves``).
+records the seconds until /health answers, until it speculates (its deferred speculation
+graphs captured) and until every deferred graph is captured (those of wider steps follow
+speculation's, each capture holding the engine between two steps), then runs ``specdec
+bench-serve`` (a separate client process) at each concurrency, and samples the CPU time of
+every thread of the server's processes while the largest concurrency runs (where the host
+time goes: the event loop, the engine loop, the core's pipe threads; with ``--py-spy``,
+py-spy's stacks too). Then ``specdec bench`` runs offline at the same batch sizes on the
+same prompts (plain and default speculation, ``--waves``).
 
     python benchmarks/serve_load.py --prompts wb.jsonl --concurrency 1,4,16,64,128 \
         --max-tokens 256 --json out.json [--server-args "--dtype bfloat16"]
@@ -31,12 +32,14 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
 
 VARIANT_ARGS = {"none": ["--draft", "none"], "default": []}
-PENDING_METRIC = "specdec_spec_decode_graphs_pending"
+SPEC_PENDING_METRIC = "specdec_spec_decode_graphs_pending"
+GRAPHS_PENDING_METRIC = "specdec_deferred_graphs_pending"
 
 
 def free_port() -> int:
@@ -89,18 +92,19 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise TimeoutError(f"server not healthy after {timeout} s")
 
 
-def wait_speculation(url: str, proc: subprocess.Popen, start: float, timeout: float) -> float:
-    """Seconds from launch until /metrics reports no deferred speculation graphs pending (the
-    server captures them while idle after /health; steps decode plainly until then)."""
+def wait_metric_zero(
+    url: str, proc: subprocess.Popen, start: float, timeout: float, metric: str
+) -> float:
+    """Seconds from launch until /metrics reads ``metric`` as 0 (or lacks it)."""
     while time.monotonic() - start < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         text = httpx.get(f"{url}/metrics", timeout=5).text
-        pending = [ln for ln in text.splitlines() if ln.startswith(PENDING_METRIC)]
+        pending = [ln for ln in text.splitlines() if ln.startswith(metric)]
         if not pending or float(pending[0].split()[-1]) == 0.0:
             return time.monotonic() - start
         time.sleep(0.2)
-    raise TimeoutError(f"speculation graphs still pending after {timeout} s")
+    raise TimeoutError(f"{metric} still 1 after {timeout} s")
 
 
 def py_spy_record(py_spy: str, pid: int, seconds: float, out: Path) -> subprocess.Popen:
@@ -176,8 +180,14 @@ def run_server(variant: str, args, work: Path) -> dict:
     try:
         result["health_s"] = wait_health(url, proc, args.start_timeout)
         print(f"[{variant}] healthy after {result['health_s']:.1f} s", flush=True)
-        result["speculation_s"] = wait_speculation(url, proc, start, args.start_timeout)
+        # Speculation starts once its graphs are captured (steps decode plainly until
+        # then); the graphs of wider steps follow, each capture holding the engine between
+        # two steps: the runs start when none remains, as a server warmed up serves.
+        wait = partial(wait_metric_zero, url, proc, start, args.start_timeout)
+        result["speculation_s"] = wait(SPEC_PENDING_METRIC)
         print(f"[{variant}] speculating {result['speculation_s']:.1f} s after launch", flush=True)
+        result["graphs_s"] = wait(GRAPHS_PENDING_METRIC)
+        print(f"[{variant}] every graph captured {result['graphs_s']:.1f} s in", flush=True)
         bench_serve(url, args, 1, work / "warm.json")  # first requests pay one-time costs
         top = max(args.concurrency)
         for c in args.concurrency:
@@ -290,7 +300,8 @@ def main() -> int:
     for s in servers:
         top = max(args.concurrency)
         print(f"{s['variant']}: /health after {s.get('health_s', float('nan')):.1f} s, "
-              f"speculating after {s.get('speculation_s', float('nan')):.1f} s; "
+              f"speculating after {s.get('speculation_s', float('nan')):.1f} s, "
+              f"every graph after {s.get('graphs_s', float('nan')):.1f} s; "
               f"CPU share per thread at c={top}: {s.get('cpu_share')}")  # fmt: skip
         for share, frame in s.get("top_frames", []):
             print(f"   {share:6.1%}  {frame}")

@@ -70,6 +70,8 @@ class EngineSnapshot:
     spec_exit_tokens_saved: float = 0.0  # the head's remaining-tokens estimate at exits
     # Deferred speculation graphs are still being captured: steps decode plainly until then.
     spec_graphs_pending: bool = False
+    # Any deferred graph remains (speculation's or wider steps'): captures still stall steps.
+    graphs_pending: bool = False
 
     @property
     def kv_usage(self) -> float:
@@ -136,6 +138,7 @@ def take_snapshot(engine) -> EngineSnapshot:
         spec_exit_exits=exits.exits if exits else 0,
         spec_exit_tokens_saved=exits.tokens_saved if exits else 0.0,
         spec_graphs_pending=engine.speculation_graphs_pending,
+        graphs_pending=engine.has_pending_graphs,
     )
 
 

@@ -21,6 +21,9 @@ read at scrape time from the engine core's latest ``EngineSnapshot``. Names (all
   is a_k, the fraction of steps that accepted at least k draft tokens.
 - ``spec_decode_graphs_pending``: 1 while speculation's deferred CUDA graphs are being
   captured after start-up (``--defer-graphs``; steps decode plainly), else 0.
+- ``deferred_graphs_pending``: 1 while any deferred CUDA graph remains, speculation's or
+  those of steps wider than start-up captured (each capture holds the engine between two
+  steps), else 0: the server runs at full speed once it reads 0.
 - ``spec_exit_requests`` / ``spec_exit_triggered`` / ``spec_exit_think_tokens_saved``:
   SpecExit (docs/spec_exit.md): requests that opted in, exits triggered (thinking cut
   short), and the think tokens saved as the draft head estimated them (its remaining
@@ -106,6 +109,11 @@ class _EngineCollector(Collector):
             "spec_decode_graphs_pending",
             "1 while speculation's deferred CUDA graphs are being captured (plain steps).",
             float(s.spec_graphs_pending),
+        )
+        yield _gauge(
+            "deferred_graphs_pending",
+            "1 while any deferred CUDA graph remains to capture (between steps).",
+            float(s.graphs_pending),
         )
         yield _counter(
             "spec_exit_requests", "Requests that opted into SpecExit.", s.spec_exit_requests

@@ -153,6 +153,8 @@ def test_the_idle_serving_core_captures_the_deferred_graphs(
     snapshots = [m[2] for m in sent[: sent.index(("added", "b", None))] if m[0] == "step"]
     pending = [s.spec_graphs_pending for s in snapshots if s is not None]
     assert pending[0] and not pending[-1]
+    pending = [s.graphs_pending for s in snapshots if s is not None]
+    assert pending[0] and not pending[-1]
     tokens = {
         rid: [t for m in sent if m[0] == "step" for d in m[1] if d[0] == rid for t in d[1]]
         for rid in ("a", "b")

@@ -346,6 +346,7 @@ def test_open_routes_models_and_docs(server):
         "spec_decode_num_accepted_tokens_total",
         "spec_decode_mean_acceptance_length",
         "spec_decode_graphs_pending",
+        "deferred_graphs_pending",
         "time_per_output_token_seconds_count",
     ):
         assert f"specdec_{name}" in metrics
