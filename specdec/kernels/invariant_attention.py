@@ -24,17 +24,17 @@ How the kernels keep it:
   batch.
 * A program's tile holds the GQA groups of up to ``TILE_TOKENS`` consecutive query rows
   before a tree (``ops.query_tiles``; they share every K/V tile), or of up to
-  ``TILE_TOKENS`` consecutive tree rows, in ``max(16, next_power_of_2(TILE_TOKENS *
-  group))`` rows. Tree rows share the K/V tiles of the blocks before the tree's first
-  block; each block from there on is read once per tree row, through that row's path,
-  with the other rows' scores masked to -inf (which leaves their states exactly as they
-  were, as below), so every row sees its own keys in its own blocks. Every ``tl.dot`` has that one
-  shape, and a tensor-core product computes each output element from its own row and
-  column alone, so which rows share a tile changes no row's bits. Each row keeps its own
-  key count: a block holding none of a row's keys gives the row scores of -inf, which
-  leave its max, sum and accumulator exactly as they were (a row that has seen no key
-  keeps the empty state, the exponent taken against 0 rather than -inf), so a row runs
-  exactly the arithmetic of its blocks, alone or not.
+  ``TREE_TILE_TOKENS`` consecutive tree rows, in ``max(16, next_power_of_2(TILE_TOKENS *
+  group))`` rows. Tree rows of one tile share the K/V tiles of the blocks before the
+  tree's first block; each block from there on is read once per tree row, through that
+  row's path, with the other rows' scores masked to -inf (which leaves their states
+  exactly as they were, as below), so every row sees its own keys in its own blocks. Every
+  ``tl.dot`` has that one shape, and a tensor-core product computes each output element
+  from its own row and column alone, so which rows share a tile changes no row's bits.
+  Each row keeps its own key count: a block holding none of a row's keys gives the row
+  scores of -inf, which leave its max, sum and accumulator exactly as they were (a row
+  that has seen no key keeps the empty state, the exponent taken against 0 rather than
+  -inf), so a row runs exactly the arithmetic of its blocks, alone or not.
 * A split with none of a row's keys leaves it the empty state (max -inf, sum 0,
   accumulator 0), which the merge weighs by exactly 0. Positions past every row's keys
   load zeros for K and V. A row's first block in a split holds its first key there, so
@@ -43,8 +43,8 @@ How the kernels keep it:
   the merged max is finite.
 * The batch reaches the kernels only through runtime integers that change no arithmetic,
   kept unspecialised, and trees through a runtime flag: one compiled variant serves every
-  batch of a model and dtype (``block_n``, ``num_splits``, ``TILE_TOKENS``, head dim and
-  group are its only constants).
+  batch of a model and dtype (``block_n``, ``num_splits``, ``TILE_TOKENS``,
+  ``TREE_TILE_TOKENS``, head dim and group are its only constants).
 
 Graph safety: the grids are (query rows, KV heads, splits), a bound on the tiles, and
 (query rows, heads), from tensor shapes and the config; the query tiles and tree tables
@@ -72,7 +72,7 @@ from specdec.kernels.launch import (
 )
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.paged_attention import gather_context
-from specdec.ops.query_tiles import TILE_TOKENS, with_query_tiles
+from specdec.ops.query_tiles import TILE_TOKENS, tree_tile_tokens, with_query_tiles
 from specdec.ops.tree_paths import with_tree_paths
 
 __all__ = [
@@ -193,6 +193,7 @@ def _invariant_split_kernel(
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     TILE_TOKENS: tl.constexpr,
+    TREE_TILE: tl.constexpr,  # tree rows per tile (ops.query_tiles.TREE_TILE_TOKENS)
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -217,8 +218,10 @@ def _invariant_split_kernel(
     plain_tiles = tl.cdiv(n_plain, TILE_TOKENS)
     local = tile - tl.load(tile_starts_ptr + seq)
     is_tree = local >= plain_tiles  # a tile of tree rows
-    first = tl.where(is_tree, n_plain + (local - plain_tiles) * TILE_TOKENS, local * TILE_TOKENS)
-    count = tl.minimum(tl.where(is_tree, q_len, n_plain) - first, TILE_TOKENS)
+    first = tl.where(is_tree, n_plain + (local - plain_tiles) * TREE_TILE, local * TILE_TOKENS)
+    count = tl.minimum(
+        tl.where(is_tree, q_len, n_plain) - first, tl.where(is_tree, TREE_TILE, TILE_TOKENS)
+    )
 
     # Rows: token-major, each token's GQA group of query heads; padded rows have no keys.
     offs_m = tl.arange(0, ROWS)
@@ -285,7 +288,7 @@ def _invariant_split_kernel(
     path_start = split + tl.cdiv(behind, NUM_SPLITS) * NUM_SPLITS
     for b in range(path_start, n_blocks, NUM_SPLITS):
         lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions
-        for r in tl.static_range(TILE_TOKENS):  # tree row r of the tile, then the next
+        for r in tl.static_range(TREE_TILE):  # tree row r of the tile, then the next
             mine = in_tile == r  # [ROWS] its GQA group's rows
             r_keys = tl.max(tl.where(mine, n_keys, 0), 0)  # 0 past the tile's rows
             loaded = lpos < r_keys
@@ -454,6 +457,7 @@ def invariant_paged_attention(
         NUM_HEADS=num_heads,
         GROUP=group,
         TILE_TOKENS=TILE_TOKENS,
+        TREE_TILE=tree_tile_tokens(),
         ROWS=max(16, next_power_of_2(TILE_TOKENS * group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

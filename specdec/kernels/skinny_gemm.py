@@ -259,10 +259,10 @@ def _measured_tiles(path: str) -> dict[tuple[int, int], GemmTiles]:
 # Tiles measured per (N, K) on an H100 (bf16): SmolLM2-135M's projections. Decode tiles:
 # weights streamed from HBM as in a forward (``benchmarks/skinny_gemm.py --cold --rows
 # 1,64,2048 --tune --tune-rows 1,64,2048 --tune-block-m 16,64``, docs/benchmarks.md), the
-# least time at 1 + 64 rows. Prefill tiles: the same BLOCK_K, among the fastest at 512
-# and 2,048 rows with bits equal to the decode tile's (``--tune --check-bits``, the
-# command and table in docs/benchmarks.md); a stage count of 1 where 3 does not fit in
-# shared memory.
+# least time at 1 + 64 rows (the LM head's batch tile: at 32 + 64 rows). Prefill tiles:
+# the same BLOCK_K, among the fastest at 512 and 2,048 rows with bits equal to the decode
+# tile's (``--tune --check-bits``, the command and table in docs/benchmarks.md); a stage
+# count of 1 where 3 does not fit in shared memory.
 MEASURED_TILES: dict[tuple[int, int], GemmTiles] = {
     (960, 576): GemmTiles(  # qkv
         GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4),
@@ -283,6 +283,11 @@ MEASURED_TILES: dict[tuple[int, int], GemmTiles] = {
     (49152, 576): GemmTiles(  # LM head
         GemmConfig(block_m=64, block_n=32, block_k=64, num_warps=4),
         GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8),
+        # 17-64 rows (a verify tree, a batch-64 step): 29 / 36 µs at 32 / 64 rows against
+        # the decode tile's 54 / 58 (`--cold --tune-rows 32,64 --tune-block-k decode
+        # --check-bits --write-tier batch`, docs/benchmarks.md); the projections' decode
+        # tiles beat every 32- and 64-row tile of that grid, so they have no batch tile.
+        GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4),
     ),
 }
 

@@ -45,9 +45,10 @@ builds both tables from the tree mask with device ops.
 
 Query tiles (optional ``tile_starts``/``tile_seqs``, read by the batch-invariant kernel):
 a sequence's query rows before its tree go in tiles of up to ``TILE_TOKENS`` consecutive
-rows, its tree rows likewise in tiles of their own; ``tile_starts[s]`` is sequence ``s``'s first
-tile, ``tile_starts[num_seqs]`` the tile count, and ``tile_seqs[i]`` tile ``i``'s sequence
-(``num_seqs`` past the last tile; one entry per query row, a bound on the tile count).
+rows, its tree rows in tiles of their own of up to ``TREE_TILE_TOKENS``; ``tile_starts[s]``
+is sequence ``s``'s first tile, ``tile_starts[num_seqs]`` the tile count, and
+``tile_seqs[i]`` tile ``i``'s sequence (``num_seqs`` past the last tile; one entry per
+query row, a bound on the tile count).
 ``ops.query_tiles`` builds both with device ops, once per forward.
 """
 

@@ -4,9 +4,9 @@ and ``tile_seqs`` (``ops.attention_metadata``, "Query tiles").
 A tile is the rows one program of ``kernels/invariant_attention.py`` attends for: up to
 ``TILE_TOKENS`` consecutive query rows of one sequence that all lie before its tree (their
 logical positions are cache indices, so one K/V tile serves them all), or up to
-``TILE_TOKENS`` consecutive tree rows (they share the K/V tiles before the tree; past its
-start each reads its own ancestors). A prefill chunk of ``n`` rows is ``cdiv(n,
-TILE_TOKENS)`` tiles, a decode one tile, a ``t``-node tree ``cdiv(t, TILE_TOKENS)``. How
+``TREE_TILE_TOKENS`` consecutive tree rows (they share the K/V tiles before the tree; past
+its start each reads its own ancestors). A prefill chunk of ``n`` rows is ``cdiv(n,
+TILE_TOKENS)`` tiles, a decode one tile, a ``t``-node tree ``cdiv(t, TREE_TILE_TOKENS)``. How
 rows share a tile never changes a row's bits (the kernel's docstring says why), only how
 often its keys are read.
 
@@ -23,9 +23,17 @@ import torch
 
 from specdec.ops.attention_metadata import AttentionMetadata
 
-__all__ = ["TILE_TOKENS", "query_tiles", "with_query_tiles"]
+__all__ = ["TILE_TOKENS", "TREE_TILE_TOKENS", "query_tiles", "with_query_tiles"]
 
-TILE_TOKENS = 4  # query rows per tile: 4 x a GQA group of <= 4 fills 16 rows
+TILE_TOKENS = 4  # query rows per tile before a tree: 4 x a GQA group of <= 4 fills 16 rows
+
+TREE_TILE_TOKENS = 1
+"""Tree rows per tile, 1 to ``TILE_TOKENS`` (read at each call, so the kernel's launch and
+the tiles agree). Rows sharing a tile read the blocks before the tree once, but past the
+tree's start the kernel walks each row's path in turn, a loop unrolled this many times in
+every program, plain ones included. On an H100 (bf16, SmolLM2) 4 ran slower than 1 in
+deterministic mode, at a batch-1 tree and at batch-64 plain decoding (docs/benchmarks.md,
+"Invariant attention"), so a tree row has a tile of its own."""
 
 
 def query_tiles(
@@ -39,11 +47,23 @@ def query_tiles(
     # Rows before the tree: from cache index seq_len - q_len up to seq_len - tree_len.
     plain = torch.clamp(q_lens - tree_lens, min=0)
     tree_rows = q_lens - plain
-    tiles = (plain + TILE_TOKENS - 1) // TILE_TOKENS + (tree_rows + TILE_TOKENS - 1) // TILE_TOKENS
+    per_tree_tile = tree_tile_tokens()
+    tiles = (plain + TILE_TOKENS - 1) // TILE_TOKENS + (
+        tree_rows + per_tree_tile - 1
+    ) // per_tree_tile
     starts = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=loc.device)
     starts[1:] = torch.cumsum(tiles, 0)
     rows = torch.arange(meta.slot_mapping.shape[0], dtype=torch.int32, device=loc.device)
     return starts, torch.searchsorted(starts[1:], rows, right=True)
+
+
+def tree_tile_tokens() -> int:
+    """``TREE_TILE_TOKENS``, checked."""
+    if not 1 <= TREE_TILE_TOKENS <= TILE_TOKENS:
+        raise ValueError(
+            f"TREE_TILE_TOKENS={TREE_TILE_TOKENS} must be between 1 and TILE_TOKENS={TILE_TOKENS}"
+        )
+    return TREE_TILE_TOKENS
 
 
 def with_query_tiles(meta: AttentionMetadata) -> AttentionMetadata:

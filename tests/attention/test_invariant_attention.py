@@ -88,6 +88,13 @@ def _backend_config(monkeypatch):
     monkeypatch.setattr(InvariantTritonBackend, "config", CONFIG)
 
 
+@pytest.fixture(params=[1, 4], ids=["tree_tile1", "tree_tile4"])
+def tree_tile(request, monkeypatch) -> int:
+    """Tree rows per query tile: the default (one) and tiles shared by four tree rows."""
+    monkeypatch.setattr("specdec.ops.query_tiles.TREE_TILE_TOKENS", request.param)
+    return request.param
+
+
 @dataclass(frozen=True, eq=False)  # compared by identity
 class Sequence:
     """One sequence's true per-position q, k, v (what a model would produce)."""
@@ -281,9 +288,10 @@ def test_tree_paths_equal_a_walk_up_the_parents():
     assert torch.equal(attached.tree_paths, paths) and with_tree_paths(attached) is attached
 
 
-def test_query_tiles_cover_every_row_once():
+def test_query_tiles_cover_every_row_once(tree_tile):
     """Rows before a tree go in tiles of up to TILE_TOKENS, tree rows in tiles of their own
-    of up to TILE_TOKENS; draft-step trees longer than the query and padded rows included."""
+    of up to TREE_TILE_TOKENS; draft-step trees longer than the query and padded rows
+    included."""
     # (q_len, seq_len, tree_len) per sequence: a prefill of 10, a decode, 3 plain rows and
     # a 5-node tree, a draft step's 4 queries of a 9-node tree, a chain as plain rows.
     shapes = [(10, 30, 0), (1, 8, 0), (8, 40, 5), (4, 20, 9), (6, 50, 0)]
@@ -302,9 +310,14 @@ def test_query_tiles_cover_every_row_once():
         )
     )
     starts, seqs = query_tiles(meta)
-    # tiles: cdiv(10, 4) = 3; 1; cdiv(3, 4) + cdiv(5, 4) = 3; 0 + cdiv(4, 4) = 1; cdiv(6, 4) = 2
-    assert starts.tolist() == [0, 3, 4, 7, 8, 10]
-    assert seqs.tolist() == [0] * 3 + [1] + [2] * 3 + [3] + [4] * 2 + [5] * (loc[-1] + 3 - 10)
+    # tiles, tree rows one a tile: cdiv(10, 4) = 3; 1; cdiv(3, 4) + 5 = 6; 0 + 4; cdiv(6, 4) = 2
+    # four a tile: 3; 1; 1 + cdiv(5, 4) = 3; 0 + cdiv(4, 4) = 1; 2
+    counts = [3, 1, 6, 4, 2] if tree_tile == 1 else [3, 1, 3, 1, 2]
+    assert starts.tolist() == [0, *accumulate(counts)]
+    total = sum(counts)
+    assert seqs.tolist() == [s for s, n in enumerate(counts) for _ in range(n)] + [5] * (
+        loc[-1] + padded - total
+    )
     attached = with_query_tiles(meta)
     assert torch.equal(attached.tile_starts, starts) and with_query_tiles(attached) is attached
 
@@ -365,7 +378,7 @@ def test_backend_is_registered_and_matches_torch_backend():
 # --- invariance: one sequence, every kind ------------------------------------------------
 
 
-def test_one_sequence_every_kind_is_bitwise_equal():
+def test_one_sequence_every_kind_is_bitwise_equal(tree_tile):
     """Token t's output from (a) a full prefill equals (b) chunked prefills, (c) decoding
     token by token, (d) chain verification with and without tree fields, and (e) trees that
     hold t's token at node indices other than its depth, among different siblings; the
@@ -404,7 +417,7 @@ def test_one_sequence_every_kind_is_bitwise_equal():
     "dtype",
     [torch.bfloat16, pytest.param(torch.float32, marks=gpu_only)],  # fp32: interpreter time
 )
-def test_outputs_do_not_depend_on_the_batch(dtype):
+def test_outputs_do_not_depend_on_the_batch(dtype, tree_tile):
     """Each sequence's outputs equal its solo oracle inside batches mixing prefills, chunks,
     decodes and trees of other sequences, in any order, with padding and slack bounds,
     through the backend's own cache write too."""
