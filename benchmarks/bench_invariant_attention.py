@@ -1,13 +1,18 @@
 """The batch-invariant attention kernels against the default Triton attention, on
 SmolLM2-135M's heads (9 query, 3 KV heads of 64; 16-token pages), at the shapes a step
-runs: decodes at batch 1, 16 and 64 over short and long contexts, and one prefill chunk.
+runs: decodes at batch 1, 16 and 64 over short and long contexts, one prefill chunk, and
+verify trees (a case ending in ``t``: its query rows are one random tree per sequence).
 
 Each case is timed as a CUDA graph of ``--calls`` back-to-back calls (no host gaps, as
 inside the engine's graphs; ``skinny_gemm.time_graph``), median of ``--repeats`` replays,
-for the default backend's kernel and every ``--block-n`` x ``--num-splits`` config of the
-invariant one. The invariant rows also check their output against the default kernel's.
+for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
+``--tree-tile`` config of the invariant one (``--tree-tile``: tree rows per query tile,
+``ops.query_tiles.TREE_TILE_TOKENS``). The invariant rows also check their output
+against the default kernel's.
 
     python benchmarks/bench_invariant_attention.py --json out/invariant_attention.json
+    python benchmarks/bench_invariant_attention.py --cases 1x300x32t,1x1000x32t,64x300x1 \
+        --block-n 32 --num-splits 16 --tree-tile 1,4
 """
 
 from __future__ import annotations
@@ -25,17 +30,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import parse_int_list
 from skinny_gemm import time_graph
 
+import specdec.ops.query_tiles as query_tiles
+from specdec.attention.tree_mask import build_tree_mask
 from specdec.attention.triton_backend import TritonAttentionBackend
 from specdec.kernels.invariant_attention import InvariantAttentionConfig, invariant_paged_attention
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.query_tiles import with_query_tiles
+from specdec.ops.tree_paths import with_tree_paths
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
-def make_case(batch: int, context: int, q_len: int, gen: torch.Generator):
+def make_case(batch: int, context: int, q_len: int, tree: bool, gen: torch.Generator):
     """``batch`` sequences of ``context`` tokens whose last ``q_len`` are this step's
-    queries; pages scattered in a random order. Returns (q, k_cache, v_cache, meta)."""
+    queries (with ``tree``, the nodes of one random tree per sequence, each node's parent
+    an earlier node); pages scattered in a random order. Returns (q, k_cache, v_cache,
+    meta)."""
     pages = -(-context // BLOCK_SIZE)
     num_blocks = batch * pages + 1  # block 0 is the null block
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -51,6 +61,13 @@ def make_case(batch: int, context: int, q_len: int, gen: torch.Generator):
         max_query_len=q_len,
         max_seq_len=context,
     )
+    if tree:
+        parents = []
+        for _ in range(batch):
+            draws = torch.rand(q_len, generator=gen, device="cuda")
+            up = (draws * torch.arange(q_len, device="cuda")).long()  # node i: one of 0..i-1
+            parents.append(up)  # node 0's 0: the root
+        meta = with_tree_paths(build_tree_mask(parents).attach(meta))
     q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16()
     return q, k_cache, v_cache, meta
 
@@ -61,6 +78,12 @@ def main() -> None:
                    help="batch x context x query rows, comma-separated")  # fmt: skip
     p.add_argument("--block-n", type=parse_int_list, default=[32, 64])
     p.add_argument("--num-splits", type=parse_int_list, default=[1, 4, 8, 16])
+    p.add_argument(
+        "--tree-tile",
+        type=parse_int_list,
+        default=[query_tiles.TREE_TILE_TOKENS],
+        help="tree rows per query tile (default: the engine's)",
+    )
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the rows here")
@@ -68,33 +91,39 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = HEAD_DIM**-0.5
     rows = []
+    configs = list(itertools.product(a.block_n, a.num_splits, a.tree_tile))
+    keys = [
+        f"n{bn}s{splits}" + (f"t{tt}" if len(a.tree_tile) > 1 else "") for bn, splits, tt in configs
+    ]
     for case in a.cases.split(","):
-        batch, context, q_len = (int(v) for v in case.split("x"))
-        q, k_cache, v_cache, meta = make_case(batch, context, q_len, gen)
-        meta = with_query_tiles(meta)
+        tree = case.endswith("t")
+        batch, context, q_len = (int(v) for v in case.removesuffix("t").split("x"))
+        q, k_cache, v_cache, meta = make_case(batch, context, q_len, tree, gen)
 
         args = (q, k_cache, v_cache, meta, scale)
         default = partial(TritonAttentionBackend._attend, *args)
         ref = default().float()
         base_us = time_graph(default, a.calls, a.repeats)
-        row = {"batch": batch, "context": context, "q_len": q_len, "default_us": base_us}
-        for bn, splits in itertools.product(a.block_n, a.num_splits):
+        row = {"case": case, "batch": batch, "context": context, "q_len": q_len, "tree": tree}
+        row["default_us"] = base_us
+        for key, (bn, splits, tree_tile) in zip(keys, configs, strict=True):
+            query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read it
+            tiled = with_query_tiles(meta)
             cfg = InvariantAttentionConfig(block_n=bn, num_splits=splits)
-            invariant = partial(invariant_paged_attention, *args, config=cfg)
+            invariant = partial(
+                invariant_paged_attention, q, k_cache, v_cache, tiled, scale, config=cfg
+            )
             err = (invariant().float() - ref).abs().max().item()
-            us = time_graph(invariant, a.calls, a.repeats)
-            row[f"n{bn}s{splits}_us"] = us
-            row[f"n{bn}s{splits}_err"] = err
+            row[f"{key}_us"] = time_graph(invariant, a.calls, a.repeats)
+            row[f"{key}_err"] = err
         rows.append(row)
         print(json.dumps(row), flush=True)
-    keys = [f"n{bn}s{s}" for bn, s in itertools.product(a.block_n, a.num_splits)]
     print("| batch x context x q | default µs | " + " | ".join(keys) + " | max abs diff |")
     print("|---|---:|" + "---:|" * (len(keys) + 1))
     for r in rows:
         cells = " | ".join(f"{r[k + '_us']:.1f}" for k in keys)
         err = max(r[k + "_err"] for k in keys)
-        case = f"{r['batch']}x{r['context']}x{r['q_len']}"
-        print(f"| {case} | {r['default_us']:.1f} | {cells} | {err:.1e} |")
+        print(f"| {r['case']} | {r['default_us']:.1f} | {cells} | {err:.1e} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 
