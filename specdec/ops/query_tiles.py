@@ -23,7 +23,7 @@ import torch
 
 from specdec.ops.attention_metadata import AttentionMetadata
 
-__all__ = ["TILE_TOKENS", "TREE_TILE_TOKENS", "query_tiles", "with_query_tiles"]
+__all__ = ["TILE_TOKENS", "TREE_TILE_TOKENS", "query_tiles", "tree_tile_tokens", "with_query_tiles"]
 
 TILE_TOKENS = 4  # query rows per tile before a tree: 4 x a GQA group of <= 4 fills 16 rows
 
