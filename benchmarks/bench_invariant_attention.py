@@ -6,13 +6,14 @@ verify trees (a case ending in ``t``: its query rows are one random tree per seq
 Each case is timed as a CUDA graph of ``--calls`` back-to-back calls (no host gaps, as
 inside the engine's graphs; ``skinny_gemm.time_graph``), median of ``--repeats`` replays,
 for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
-``--tree-tile`` config of the invariant one (``--tree-tile``: tree rows per query tile,
-``ops.query_tiles.TREE_TILE_TOKENS``). The invariant rows also check their output
-against the default kernel's.
+``--tree-tile`` x ``--split-programs`` config of the invariant one (``--tree-tile``: tree
+rows per query tile, ``ops.query_tiles.TREE_TILE_TOKENS``; ``--split-programs``: programs
+per query tile and KV head, ``auto`` for the launch's own choice). The invariant rows also check
+their output against the default kernel's.
 
     python benchmarks/bench_invariant_attention.py --json out/invariant_attention.json
     python benchmarks/bench_invariant_attention.py --cases 1x300x32t,1x1000x32t,64x300x1 \
-        --block-n 32 --num-splits 16 --tree-tile 1,4
+        --block-n 32 --num-splits 16 --tree-tile 1,4 --split-programs auto,1,4,16
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def make_case(batch: int, context: int, q_len: int, tree: bool, gen: torch.Gener
     return q, k_cache, v_cache, meta
 
 
+def parse_programs(text: str) -> list[int | None]:
+    """Parse "auto,1,4" into [None, 1, 4] (None: the launch's own choice)."""
+    return [None if v.strip() == "auto" else parse_int_list(v)[0] for v in text.split(",")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="1x300x1,16x300x1,64x300x1,1x1500x1,64x1500x1,1x1024x1024",
@@ -84,6 +90,12 @@ def main() -> None:
         default=[query_tiles.TREE_TILE_TOKENS],
         help="tree rows per query tile (default: the engine's)",
     )
+    p.add_argument(
+        "--split-programs",
+        type=parse_programs,
+        default=[None],
+        help="programs per query tile and KV head, or auto: sized to the launch (default)",
+    )
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the rows here")
@@ -91,9 +103,18 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = HEAD_DIM**-0.5
     rows = []
-    configs = list(itertools.product(a.block_n, a.num_splits, a.tree_tile))
+    configs = [
+        (bn, splits, tt, sp)
+        for bn, splits, tt, sp in itertools.product(
+            a.block_n, a.num_splits, a.tree_tile, a.split_programs
+        )
+        if sp is None or sp <= splits
+    ]
     keys = [
-        f"n{bn}s{splits}" + (f"t{tt}" if len(a.tree_tile) > 1 else "") for bn, splits, tt in configs
+        f"n{bn}s{splits}"
+        + (f"t{tt}" if len(a.tree_tile) > 1 else "")
+        + (f"p{sp or 'auto'}" if len(a.split_programs) > 1 else "")
+        for bn, splits, tt, sp in configs
     ]
     for case in a.cases.split(","):
         tree = case.endswith("t")
@@ -106,10 +127,10 @@ def main() -> None:
         base_us = time_graph(default, a.calls, a.repeats)
         row = {"case": case, "batch": batch, "context": context, "q_len": q_len, "tree": tree}
         row["default_us"] = base_us
-        for key, (bn, splits, tree_tile) in zip(keys, configs, strict=True):
+        for key, (bn, splits, tree_tile, programs) in zip(keys, configs, strict=True):
             query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read it
             tiled = with_query_tiles(meta)
-            cfg = InvariantAttentionConfig(block_n=bn, num_splits=splits)
+            cfg = InvariantAttentionConfig(block_n=bn, num_splits=splits, split_programs=programs)
             invariant = partial(
                 invariant_paged_attention, q, k_cache, v_cache, tiled, scale, config=cfg
             )

@@ -16,12 +16,16 @@ How the kernels keep it:
   ancestors' slots, so an accepted node at depth ``d`` reads exactly the keys, in exactly
   the blocks, of the token at ``root + d`` in plain decoding.
 * The split over keys is fixed by position, never by the grid: key block ``b`` belongs to
-  split ``b % num_splits``. The split kernel runs one program per (query tile, KV head,
-  split), an fp32 online softmax over its blocks in increasing order; the combine kernel
-  merges a token's ``num_splits`` partial states, always all of them and always in one
-  vectorised reduction of fixed shape. A long context gets ``num_splits`` programs per
-  token even at batch 1, and the grouping of keys is the same for every token at every
-  batch.
+  split ``b % num_splits``. Each split's partial state is an fp32 online softmax over
+  its blocks in increasing order, from the empty state; the combine kernel merges a
+  token's ``num_splits`` partial states, always all of them and always in one vectorised
+  reduction of fixed shape. Which program computes a split is free, since it changes
+  none of the split's arithmetic: the split kernel runs ``split_programs`` programs per
+  (query tile, KV head), program ``p`` computing splits ``p, p + P, ...`` one after
+  another, with ``P`` sized to the launch (every split its own program at batch 1, where
+  a long context then spreads over ``num_splits`` programs; fewer, longer programs when
+  the query rows alone fill the GPU). The grouping of keys is the same for every token
+  at every batch.
 * A program's tile holds the GQA groups of up to ``TILE_TOKENS`` consecutive query rows
   before a tree (``ops.query_tiles``; they share every K/V tile), or of up to
   ``TREE_TILE_TOKENS`` consecutive tree rows, in ``max(16, next_power_of_2(TILE_TOKENS *
@@ -46,11 +50,11 @@ How the kernels keep it:
   batch of a model and dtype (``block_n``, ``num_splits``, ``TILE_TOKENS``,
   ``TREE_TILE_TOKENS``, head dim and group are its only constants).
 
-Graph safety: the grids are (query rows, KV heads, splits), a bound on the tiles, and
-(query rows, heads), from tensor shapes and the config; the query tiles and tree tables
-are built with device ops, once per forward by the backend's ``prepare`` or here when
-``meta`` lacks them (``ops.query_tiles``, ``ops.tree_paths``). Nothing syncs with the
-host.
+Graph safety: the grids are (query rows, KV heads, split programs), a bound on the tiles,
+and (query rows, heads), from tensor shapes, the config and the device; the query tiles
+and tree tables are built with device ops, once per forward by the backend's ``prepare``
+or here when ``meta`` lacks them (``ops.query_tiles``, ``ops.tree_paths``). Nothing syncs
+with the host.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from specdec.kernels.launch import (
     dot_precision,
     gqa_group,
     next_power_of_2,
+    num_sms,
     require_kv_cache,
     require_last_dim_contiguous,
     require_launchable,
@@ -76,10 +81,12 @@ from specdec.ops.query_tiles import TILE_TOKENS, tree_tile_tokens, with_query_ti
 from specdec.ops.tree_paths import with_tree_paths
 
 __all__ = [
+    "PROGRAMS_PER_SM",
     "InvariantAttentionConfig",
     "invariant_attention_ref",
     "invariant_paged_attention",
     "logical_key_indices",
+    "split_programs",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -97,6 +104,11 @@ class InvariantAttentionConfig:
     block_n: int = 32  # logical positions per online-softmax block
     num_splits: int = 16  # key block b goes to split b % num_splits
     num_warps: int = 4
+    # Programs per query tile and KV head, each computing splits p, p + P, ... in turn (P
+    # a power of two dividing num_splits); None: ``split_programs`` picks P from the
+    # launch's rows. Which program computes a split changes none of its arithmetic, so P is
+    # free per launch: all splits at batch 1, fewer programs doing more each at batch 64.
+    split_programs: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -106,12 +118,44 @@ class InvariantAttentionConfig:
                 f"num_splits {self.num_splits} must be a power of two >= 1 (the combine "
                 "kernel reduces the splits as one tile)"
             )
+        p = self.split_programs
+        if p is not None and (p < 1 or p & (p - 1) or p > self.num_splits):
+            raise ValueError(
+                f"split_programs {p} must be a power of two from 1 to num_splits "
+                f"({self.num_splits}), or None to size it to the launch"
+            )
+
+
+PROGRAMS_PER_SM = 16
+"""``split_programs`` keeps a launch within this many split-kernel programs per SM: one
+program per split while that fits (a batch-1 decode or tree, a batch of 16 chains on an
+H100), fewer and longer programs once the query rows alone fill the GPU (batch-64
+decodes: 8 per token and KV head; prefill chunks: 1-2, each tile's keys in one
+program, as FlashAttention walks them). A program's fixed work (its tile's metadata and
+queries) is then paid once for several splits, and empty splits cost no program."""
+
+
+def split_programs(
+    num_tokens: int, num_kv_heads: int, config: InvariantAttentionConfig, sms: int
+) -> int:
+    """Programs per (query tile, KV head) of a launch of ``num_tokens`` query rows: the
+    config's, else the largest power of two up to ``num_splits`` that keeps
+    ``num_tokens * num_kv_heads * P`` within ``PROGRAMS_PER_SM * sms`` (at least 1). A
+    function of host ints alone: a CUDA graph of a batch size keeps its choice."""
+    if config.split_programs is not None:
+        return config.split_programs
+    room = PROGRAMS_PER_SM * sms // max(1, num_tokens * num_kv_heads)
+    p = 1
+    while p * 2 <= min(room, config.num_splits):
+        p *= 2
+    return p
 
 
 # Every integer argument: none may compile a variant of its own (specialisation on == 1 or
 # divisibility by 16 would let two batches run different code).
 _RUNTIME_INTS = (
     "num_seqs",
+    "split_programs",
     "has_tree",
     "stride_qt",
     "stride_qh",
@@ -181,6 +225,7 @@ def _invariant_split_kernel(
     scale_log2,
     num_seqs,
     has_tree,
+    split_programs,  # programs per (tile, KV head): this one computes splits pid, pid + it, ...
     stride_qt,
     stride_qh,
     stride_cb,
@@ -204,7 +249,7 @@ def _invariant_split_kernel(
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    first_split = tl.program_id(2)
     seq = tl.load(tile_seqs_ptr + tile).to(tl.int64)
     if seq >= num_seqs:  # past the last tile
         return
@@ -250,60 +295,34 @@ def _invariant_split_kernel(
     )  # [ROWS, BLOCK_D]; padded rows are zeros and never stored
     q = q.to(k_cache_ptr.dtype.element_ty)
 
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     kv_head = kvh * stride_ch
-    # This split's blocks: split, split + NUM_SPLITS, ... (fixed by position), in two
-    # loops that differ only in where a block's keys live: blocks wholly before the tree
-    # (every block of a plain tile) read cache index = logical position for every row at
-    # once, a table lookup the compiler can prefetch; the rest go through each tree row's
-    # path, row by row. Both run a row's arithmetic on the row's keys, so where one loop
-    # hands over to the other changes no bit.
     n_blocks = tl.cdiv(max_keys, BLOCK_N)
     first_path_block = tl.where(is_tree, tree_lo // BLOCK_N, n_blocks)
-    for b in range(split, first_path_block, NUM_SPLITS):
-        lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions = cache indices
-        loaded = lpos < max_keys
-        page = tl.load(table + lpos // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
-        row = page * stride_cb + (lpos % BLOCK_SIZE) * stride_cs + kv_head
-        m_i, l_i, acc = _attend_block(
-            q,
-            k_cache_ptr,
-            v_cache_ptr,
-            row,
-            loaded,
-            lpos[None, :] < n_keys[:, None],
-            offs_d,
-            d_mask,
-            m_i,
-            l_i,
-            acc,
-            scale_log2,
-            DOT_PRECISION,
-        )
-    # This split's first block at or past first_path_block.
-    behind = tl.maximum(first_path_block - split, 0)
-    path_start = split + tl.cdiv(behind, NUM_SPLITS) * NUM_SPLITS
-    for b in range(path_start, n_blocks, NUM_SPLITS):
-        lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions
-        for r in tl.static_range(TREE_TILE):  # tree row r of the tile, then the next
-            mine = in_tile == r  # [ROWS] its GQA group's rows
-            r_keys = tl.max(tl.where(mine, n_keys, 0), 0)  # 0 past the tile's rows
-            loaded = lpos < r_keys
-            in_tree = loaded & (lpos >= tree_lo)
-            anc = tl.load(paths + r * stride_pn + (lpos - tree_lo), mask=in_tree, other=0)
-            cidx = tl.where(in_tree, tree_lo + anc, lpos)  # [BLOCK_N] cache indices
-            page = tl.load(table + cidx // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
-            row = page * stride_cb + (cidx % BLOCK_SIZE) * stride_cs + kv_head
+    # The splits this program computes, one after another: each from its own empty state
+    # over its own blocks, exactly as a program of its own would.
+    for split in range(first_split, NUM_SPLITS, split_programs):
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        # This split's blocks: split, split + NUM_SPLITS, ... (fixed by position), in two
+        # loops that differ only in where a block's keys live: blocks wholly before the
+        # tree (every block of a plain tile) read cache index = logical position for every
+        # row at once, a table lookup the compiler can prefetch; the rest go through each
+        # tree row's path, row by row. Both run a row's arithmetic on the row's keys, so
+        # where one loop hands over to the other changes no bit.
+        for b in range(split, first_path_block, NUM_SPLITS):
+            lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions = cache indices
+            loaded = lpos < max_keys
+            page = tl.load(table + lpos // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
+            row = page * stride_cb + (lpos % BLOCK_SIZE) * stride_cs + kv_head
             m_i, l_i, acc = _attend_block(
                 q,
                 k_cache_ptr,
                 v_cache_ptr,
                 row,
                 loaded,
-                mine[:, None] & (lpos[None, :] < n_keys[:, None]),
+                lpos[None, :] < n_keys[:, None],
                 offs_d,
                 d_mask,
                 m_i,
@@ -312,12 +331,43 @@ def _invariant_split_kernel(
                 scale_log2,
                 DOT_PRECISION,
             )
+        # This split's first block at or past first_path_block.
+        behind = tl.maximum(first_path_block - split, 0)
+        path_start = split + tl.cdiv(behind, NUM_SPLITS) * NUM_SPLITS
+        for b in range(path_start, n_blocks, NUM_SPLITS):
+            lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions
+            for r in tl.static_range(TREE_TILE):  # tree row r of the tile, then the next
+                mine = in_tile == r  # [ROWS] its GQA group's rows
+                r_keys = tl.max(tl.where(mine, n_keys, 0), 0)  # 0 past the tile's rows
+                loaded = lpos < r_keys
+                in_tree = loaded & (lpos >= tree_lo)
+                anc = tl.load(paths + r * stride_pn + (lpos - tree_lo), mask=in_tree, other=0)
+                cidx = tl.where(in_tree, tree_lo + anc, lpos)  # [BLOCK_N] cache indices
+                page = tl.load(table + cidx // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
+                row = page * stride_cb + (cidx % BLOCK_SIZE) * stride_cs + kv_head
+                m_i, l_i, acc = _attend_block(
+                    q,
+                    k_cache_ptr,
+                    v_cache_ptr,
+                    row,
+                    loaded,
+                    mine[:, None] & (lpos[None, :] < n_keys[:, None]),
+                    offs_d,
+                    d_mask,
+                    m_i,
+                    l_i,
+                    acc,
+                    scale_log2,
+                    DOT_PRECISION,
+                )
 
-    # The partial states, empty (-inf, 0, 0) where a row has no key in this split.
-    part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
-    tl.store(part_m_ptr + part, m_i, mask=row_ok)
-    tl.store(part_l_ptr + part, l_i, mask=row_ok)
-    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+        # The partial states, empty (-inf, 0, 0) where a row has no key in this split.
+        part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(
+            part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None]
+        )
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_ot", "stride_oh"])
@@ -427,7 +477,8 @@ def invariant_paged_attention(
     part_acc = torch.empty(
         num_tokens, num_heads, splits, block_d, dtype=torch.float32, device=q.device
     )
-    _invariant_split_kernel[(num_tokens, num_kv_heads, splits)](
+    programs = split_programs(num_tokens, num_kv_heads, config, num_sms(q.device))
+    _invariant_split_kernel[(num_tokens, num_kv_heads, programs)](
         q,
         k_cache,
         v_cache,
@@ -445,6 +496,7 @@ def invariant_paged_attention(
         scale * _LOG2E,
         meta.num_seqs,
         int(meta.has_tree),
+        programs,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

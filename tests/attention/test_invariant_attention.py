@@ -16,7 +16,8 @@ these tests pin down, and on CUDA they run on the compiled kernel.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from itertools import accumulate
 
 import pytest
@@ -29,8 +30,10 @@ from specdec.attention.invariant_backend import InvariantTritonBackend
 from specdec.attention.tree_mask import build_tree_mask
 from specdec.attention.triton_backend import TritonAttentionBackend
 from specdec.kernels.invariant_attention import (
+    PROGRAMS_PER_SM,
     InvariantAttentionConfig,
     invariant_attention_ref,
+    split_programs,
 )
 from specdec.kernels.invariant_attention import (
     invariant_paged_attention as _invariant_paged_attention,
@@ -435,6 +438,39 @@ def test_outputs_do_not_depend_on_the_batch(dtype, tree_tile):
             results = launch(batch, invariant_paged_attention, seed=100 + i, **kw)
             for part, got in zip(batch, results, strict=True):
                 assert mismatches(got, wants[seqs.index(part.seq)]) == [], (i, part, kw)
+
+
+def test_split_programs_follow_the_launch_and_the_config():
+    """Every split its own program while the rows leave room (a decode at batch 1), fewer
+    programs doing more splits each as rows fill the GPU, never fewer than one; a config's
+    count wins, and a bad one is refused naming the value."""
+    config, sms = InvariantAttentionConfig(), 132  # 16 splits; an H100
+    assert PROGRAMS_PER_SM * sms == 2112
+    # rows x 3 KV heads x P within 2,112: P = 16 (capped), 16, 8, 2, and at least 1
+    for rows, programs in [(1, 16), (32, 16), (64, 8), (256, 2), (4096, 1)]:
+        assert split_programs(rows, 3, config, sms) == programs, rows
+    assert split_programs(1, 3, InvariantAttentionConfig(split_programs=2), sms) == 2
+    with pytest.raises(ValueError, match="split_programs 3 must be a power of two"):
+        InvariantAttentionConfig(split_programs=3)
+    with pytest.raises(ValueError, match="split_programs 32 must be"):
+        InvariantAttentionConfig(num_splits=16, split_programs=32)
+
+
+def test_programs_per_split_change_no_bit():
+    """One mixed batch (a decode, a prefill chunk, a tree after plain rows) launched with
+    every split its own program and with one program computing all splits: bitwise equal,
+    and equal to each sequence's solo oracle."""
+    seqs = [make_sequence(n, seed=40 + n, dtype=torch.bfloat16) for n in (70, 50, 60)]
+    wants = [oracle(seq) for seq in seqs]
+    s1, s2, s3 = seqs
+    batch = [Part(s1, 69, 1), Part(s2, 20, 25), Part(s3, 40, 3 + len(TREE_B), TREE_B, PATH_B)]
+    outs = []
+    for programs in (1, CONFIG.num_splits):
+        config = replace(CONFIG, split_programs=programs)
+        outs.append(launch(batch, partial(_invariant_paged_attention, config=config), seed=7))
+    for part, one, every in zip(batch, *outs, strict=True):
+        want = wants[seqs.index(part.seq)]
+        assert mismatches(one, want) == [] and mismatches(every, want) == [], part
 
 
 # --- negative controls: the same comparisons catch the non-invariant kernels -------------
