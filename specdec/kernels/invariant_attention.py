@@ -24,7 +24,7 @@ How the kernels keep it:
   (query tile, KV head), program ``p`` computing splits ``p, p + P, ...`` one after
   another, with ``P`` sized to the launch (every split its own program at batch 1, where
   a long context then spreads over ``num_splits`` programs; fewer, longer programs when
-  the query rows alone fill the GPU). The grouping of keys is the same for every token
+  the query tiles alone fill the GPU). The grouping of keys is the same for every token
   at every batch.
 * A program's tile holds the GQA groups of up to ``TILE_TOKENS`` consecutive query rows
   before a tree (``ops.query_tiles``; they share every K/V tile), or of up to
@@ -87,6 +87,7 @@ __all__ = [
     "invariant_paged_attention",
     "logical_key_indices",
     "split_programs",
+    "tile_bound",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -129,22 +130,31 @@ class InvariantAttentionConfig:
 PROGRAMS_PER_SM = 16
 """``split_programs`` keeps a launch within this many split-kernel programs per SM: one
 program per split while that fits (a batch-1 decode or tree, a batch of 16 chains on an
-H100), fewer and longer programs once the query rows alone fill the GPU (batch-64
-decodes: 8 per token and KV head; prefill chunks: 1-2, each tile's keys in one
-program, as FlashAttention walks them). A program's fixed work (its tile's metadata and
-queries) is then paid once for several splits, and empty splits cost no program."""
+H100), fewer and longer programs once the query tiles alone fill the GPU (batch-64
+decodes: 8 per token and KV head; a 1,024-row prefill chunk: 2, each covering half its
+tile's keys). A program's fixed work (its tile's metadata and queries) is then paid once
+for several splits, and fewer programs run empty splits."""
+
+
+def tile_bound(num_tokens: int, num_seqs: int, has_tree: bool) -> int:
+    """A host bound on a launch's query tiles (``ops.query_tiles``, built on the device):
+    every row where trees may hold one row a tile, else ``TILE_TOKENS`` rows a tile plus
+    one partial tile per sequence."""
+    if has_tree:
+        return num_tokens
+    return min(num_tokens, -(-num_tokens // TILE_TOKENS) + num_seqs)
 
 
 def split_programs(
-    num_tokens: int, num_kv_heads: int, config: InvariantAttentionConfig, sms: int
+    num_tiles: int, num_kv_heads: int, config: InvariantAttentionConfig, sms: int
 ) -> int:
-    """Programs per (query tile, KV head) of a launch of ``num_tokens`` query rows: the
-    config's, else the largest power of two up to ``num_splits`` that keeps
-    ``num_tokens * num_kv_heads * P`` within ``PROGRAMS_PER_SM * sms`` (at least 1). A
-    function of host ints alone: a CUDA graph of a batch size keeps its choice."""
+    """Programs per (query tile, KV head) of a launch of at most ``num_tiles`` query tiles
+    (``tile_bound``): the config's, else the largest power of two up to ``num_splits``
+    that keeps ``num_tiles * num_kv_heads * P`` within ``PROGRAMS_PER_SM * sms`` (at least
+    1). A function of host ints alone: a CUDA graph of a batch size keeps its choice."""
     if config.split_programs is not None:
         return config.split_programs
-    room = PROGRAMS_PER_SM * sms // max(1, num_tokens * num_kv_heads)
+    room = PROGRAMS_PER_SM * sms // max(1, num_tiles * num_kv_heads)
     p = 1
     while p * 2 <= min(room, config.num_splits):
         p *= 2
@@ -477,7 +487,8 @@ def invariant_paged_attention(
     part_acc = torch.empty(
         num_tokens, num_heads, splits, block_d, dtype=torch.float32, device=q.device
     )
-    programs = split_programs(num_tokens, num_kv_heads, config, num_sms(q.device))
+    tiles = tile_bound(num_tokens, meta.num_seqs, meta.has_tree)
+    programs = split_programs(tiles, num_kv_heads, config, num_sms(q.device))
     _invariant_split_kernel[(num_tokens, num_kv_heads, programs)](
         q,
         k_cache,

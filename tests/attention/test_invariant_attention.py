@@ -34,6 +34,7 @@ from specdec.kernels.invariant_attention import (
     InvariantAttentionConfig,
     invariant_attention_ref,
     split_programs,
+    tile_bound,
 )
 from specdec.kernels.invariant_attention import (
     invariant_paged_attention as _invariant_paged_attention,
@@ -323,6 +324,11 @@ def test_query_tiles_cover_every_row_once(tree_tile):
     )
     attached = with_query_tiles(meta)
     assert torch.equal(attached.tile_starts, starts) and with_query_tiles(attached) is attached
+    # The launch's host bound on the tiles holds, with trees and, for the plain rows
+    # alone (four a tile plus a partial one per sequence), without.
+    assert tile_bound(loc[-1] + padded, len(shapes), meta.has_tree) >= total
+    plain_tiles = sum(-(-q // 4) for q in (10, 1, 3, 6))
+    assert tile_bound(10 + 1 + 3 + 6, 4, False) >= plain_tiles
 
 
 def test_metadata_rejects_tree_paths_without_trees():
@@ -441,14 +447,27 @@ def test_outputs_do_not_depend_on_the_batch(dtype, tree_tile):
 
 
 def test_split_programs_follow_the_launch_and_the_config():
-    """Every split its own program while the rows leave room (a decode at batch 1), fewer
-    programs doing more splits each as rows fill the GPU, never fewer than one; a config's
-    count wins, and a bad one is refused naming the value."""
+    """Every split its own program while the tiles leave room (a decode or tree at batch 1,
+    16 chains), fewer programs doing more splits each as tiles fill the GPU, never fewer
+    than one; a config's count wins, and a bad one is refused naming the value."""
     config, sms = InvariantAttentionConfig(), 132  # 16 splits; an H100
     assert PROGRAMS_PER_SM * sms == 2112
-    # rows x 3 KV heads x P within 2,112: P = 16 (capped), 16, 8, 2, and at least 1
-    for rows, programs in [(1, 16), (32, 16), (64, 8), (256, 2), (4096, 1)]:
-        assert split_programs(rows, 3, config, sms) == programs, rows
+    # (rows, sequences, trees) -> tiles: trees one row a tile; plain rows four a tile plus
+    # one partial tile per sequence, at most one a row
+    launches = {
+        "b1 decode": ((1, 1, False), 1),
+        "b1 tree of 32": ((32, 1, True), 32),
+        "b16 chains of 6": ((96, 16, False), 40),
+        "b64 decode": ((64, 64, False), 64),
+        "1,024-row prefill": ((1024, 1, False), 257),
+    }
+    # tiles x 3 KV heads x P within 2,112
+    programs = {"b1 decode": 16, "b1 tree of 32": 16, "b16 chains of 6": 16, "b64 decode": 8}
+    programs["1,024-row prefill"] = 2
+    for name, (args, tiles) in launches.items():
+        assert tile_bound(*args) == tiles, name
+        assert split_programs(tiles, 3, config, sms) == programs[name], name
+    assert split_programs(8192, 3, config, sms) == 1
     assert split_programs(1, 3, InvariantAttentionConfig(split_programs=2), sms) == 2
     with pytest.raises(ValueError, match="split_programs 3 must be a power of two"):
         InvariantAttentionConfig(split_programs=3)
