@@ -152,6 +152,10 @@ def _f(value: float | None, digits: int, scale: float = 1.0) -> str:
     return "" if value is None else f"{value * scale:,.{digits}f}"
 
 
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{value:.0%}"
+
+
 PEER_NAMES = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
 
 
@@ -161,7 +165,8 @@ def markdown(report: Report) -> str:
     peers = [p for p in PEER_NAMES if any(r.peer == p for r in report.peers)]
     peer_rate = {(r.set, r.peer): r.timing.tokens_per_s for r in report.peers}
     head = (
-        "| set | proposer | batch | requests | in flight plain/spec | plain tok/s | spec tok/s "
+        "| set | proposer | batch | requests | in flight plain/spec, time at full batch "
+        "| plain tok/s | spec tok/s "
         "| speedup | τ | τ / verified "
         "| accept a1/a2/... | drafted | accepted | TTFT ms plain/spec | TPOT ms plain/spec "
         "| identical | coverage "
@@ -177,7 +182,10 @@ def markdown(report: Report) -> str:
         rates = "/".join(f"{a:.2f}" for a in r.acceptance_rates)
         ttft = f"{_f(plain and plain.ttft_s, 1, 1e3)}/{_f(spec and spec.ttft_s, 1, 1e3)}"
         tpot = f"{_f(plain and plain.tpot_s, 2, 1e3)}/{_f(spec and spec.tpot_s, 2, 1e3)}"
-        flight = f"{_f(plain and plain.mean_in_flight, 1)}/{_f(spec and spec.mean_in_flight, 1)}"
+        flight = (
+            f"{_f(plain and plain.mean_in_flight, 1)}/{_f(spec and spec.mean_in_flight, 1)}, "
+            f"{_pct(plain and plain.full_batch_share)}/{_pct(spec and spec.full_batch_share)}"
+        )
         same = f"{r.identical}/{r.compared}" if r.compared else ""
         coverage = "n/a" if r.vocab_coverage is None else f"{r.vocab_coverage:.3f}"
         cells = [

@@ -81,7 +81,10 @@ def test_writes_both_reports(report, bench_json):
     assert {r["label"] for r in report["rows"]} == {"ngram-k2", "ngram-k3"}
     assert len(report["rows"]) == 2 * len(SETS) * 2  # configs × sets × batch sizes
     table = bench_json.with_suffix(".md").read_text()
-    header = "| set | proposer | batch | requests | in flight plain/spec | plain tok/s |"
+    header = (
+        "| set | proposer | batch | requests | in flight plain/spec, time at full batch "
+        "| plain tok/s |"
+    )
     assert header in table
     assert len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + 12
     for row in report["rows"]:
