@@ -347,3 +347,32 @@ def test_first_divergences_skip_equal_and_length_only_differences():
         passes.Divergence(request=3, at=0, reference_token=1, spec_token=2),
     ]
     assert passes.divergence_gaps(None, [], [], []) == []  # nothing to rerun: no engine call
+
+
+def test_tier_tiles_keep_the_fastest_equal_bits_tile_over_every_tuned_row_count():
+    """benchmarks/skinny_gemm.py --write-tier: per weight shape, the tile whose times summed
+    over the tuned row counts are least, among tiles with the decode tile's bits at every
+    one of them (a tile that differed or failed at some row count is out); a fused
+    gate/up shape is keyed by its half width, as ``gemm_tiles`` looks it up."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from skinny_gemm import _tier_tiles
+
+    def tile(m, us, same=True):
+        return {"us": us, "same_bits": same, "block_m": m, "block_n": 16, "block_k": 128,
+                "num_warps": 4, "num_stages": 3}  # fmt: skip
+
+    o_proj = {"shape": "o_proj", "N": 576, "K": 576}
+    gate_up = {"shape": "gate_up+silu", "N": 3072, "K": 576}
+    rows = [
+        # m64 is fastest at 32 rows but differs at 64: out; m32 (3 + 3) beats m16 (4 + 5)
+        {**o_proj, "grid": [tile(16, 4), tile(32, 3), tile(64, 1)]},
+        {**o_proj, "grid": [tile(16, 5), tile(32, 3), tile(64, 2, same=False)]},
+        # m32 failed to launch at 64 rows (missing): m16 is the only tile timed at both
+        {**gate_up, "grid": [tile(16, 9), tile(32, 1)]},
+        {**gate_up, "grid": [tile(16, 9)]},
+        {"shape": "down", "N": 576, "K": 1536},  # not tuned
+    ]
+    got = _tier_tiles(rows)
+    assert set(got) == {"576,576", "1536,576"}
+    assert got["576,576"]["block_m"] == 32 and got["1536,576"]["block_m"] == 16
+    assert set(got["576,576"]) == {"block_m", "block_n", "block_k", "num_warps", "num_stages"}
