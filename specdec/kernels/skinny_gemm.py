@@ -197,10 +197,11 @@ up to ``DECODE_ROWS`` (the decode tile where a shape has none), ``prefill`` abov
 @dataclass(frozen=True)
 class GemmTiles:
     """The tiles of one weight shape: ``decode`` for launches of at most ``SMALL_ROWS``
-    rows, ``batch`` (optional) up to ``DECODE_ROWS`` rows, where a decode tile of 16 rows
-    would read the weight once per 16 rows (a batch-64 decode step, a wide verify tree),
-    ``prefill`` above. Invariant: all have one ``block_k``, the only tile field a row's
-    bits depend on (module docstring), so switching between them changes no bit."""
+    rows, ``batch`` (optional) up to ``DECODE_ROWS`` rows (a batch-64 decode step, a
+    32-node verify tree), where another row or column tile beats the decode tile (the LM
+    head's: its 32-column decode tile repeats the norm prologue in twice as many column
+    tiles), ``prefill`` above. Invariant: all have one ``block_k``, the only tile field a
+    row's bits depend on (module docstring), so switching between them changes no bit."""
 
     decode: GemmConfig
     prefill: GemmConfig
