@@ -385,18 +385,6 @@ class BlockProposer(PipelinedProposer):
         logits = self._logits(inputs.roots, inputs.block_tables, inputs.start, longest, captured)
         return self.drafts.deterministic(shape, inputs.roots, logits[:, : shape.depth])
 
-    def resume(
-        self,
-        request: Request,
-        start: int,
-        aux: torch.Tensor,  # [rows, catch_up_width, aux width]: a launch's catch-up aux
-        row: int,
-        num_rows: int,
-    ) -> None:
-        """After the engine read a pipelined step: the next catch-up starts at cache index
-        ``start`` with ``aux[row, :num_rows]`` (``AuxRows.resume``)."""
-        self.rows.resume(request, start, aux, row, num_rows)
-
     def capture_graphs(
         self, batch_sizes: dict[TreeShape, list[int]], block_table_width: int, max_seq_len: int
     ) -> Iterator[str]:

@@ -253,22 +253,6 @@ class Eagle3Proposer(PipelinedProposer):
             return self._graph_grow(shape, inputs, bound)
         return self.grower.grow(shape, inputs, max_seq_len)
 
-    def resume(
-        self,
-        request: Request,
-        start: int,
-        aux: torch.Tensor,  # [rows, catch_up_width, aux width]: a launch's catch-up aux
-        row: int,
-        num_rows: int,
-    ) -> None:
-        """After the engine read a pipelined step: the head's next catch-up starts at cache
-        index ``start`` with ``aux[row, :num_rows]`` (the step's root and accepted nodes,
-        ``SpecLaunch.state.aux``: valid until the next launch, and the engine reads the
-        step in flight before any synchronous step), exactly what ``observe`` would have
-        collected. Sliced only when a synchronous step reads them (a view would read the
-        same memory then), so a run of pipelined steps never pays for it."""
-        self.rows.resume(request, start, aux, row, num_rows)
-
     def capture_graphs(
         self, batch_sizes: dict[TreeShape, list[int]], block_table_width: int, max_seq_len: int
     ) -> Iterator[str]:

@@ -27,6 +27,7 @@ from specdec.step_hook import StepHook
 from specdec.tree_shapes import ChainShape, TreeShape
 
 if TYPE_CHECKING:
+    from specdec.spec.aux_rows import AuxRows
     from specdec.spec.tree_draft import GrowInputs
 
 _PROPOSERS: dict[str, type[Proposer]] = {}
@@ -202,6 +203,7 @@ class PipelinedProposer(Proposer):
     a synchronous step's lookahead)."""
 
     catch_up_width: int
+    rows: AuxRows  # each request's aux rows not yet caught up on
 
     @abstractmethod
     def pipeline_ready(self, request: Request) -> bool:
@@ -222,7 +224,6 @@ class PipelinedProposer(Proposer):
     ) -> TreeBatch:
         """Catch-up and growth of ``shape`` from device inputs (device ops only)."""
 
-    @abstractmethod
     def resume(
         self,
         request: Request,
@@ -232,4 +233,9 @@ class PipelinedProposer(Proposer):
         num_rows: int,
     ) -> None:
         """After the engine read a pipelined step: the next catch-up of ``request`` starts
-        at cache index ``start`` with ``aux[row, :num_rows]``."""
+        at cache index ``start`` with ``aux[row, :num_rows]`` (the step's root and accepted
+        nodes, ``SpecLaunch.state.aux``: valid until the next launch, and the engine reads
+        the step in flight before any synchronous step), exactly what ``observe`` would
+        have collected. Sliced only when a synchronous step reads them (``AuxRows.resume``
+        keeps the launch's tensor), so a run of pipelined steps never pays for it."""
+        self.rows.resume(request, start, aux, row, num_rows)
