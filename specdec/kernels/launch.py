@@ -87,6 +87,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @functools.cache
+@functools.cache  # launchers ask on every call, per layer
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors on ``device`` (1 off-GPU, where occupancy is moot)."""
     if device.type != "cuda":
