@@ -81,6 +81,7 @@ from specdec.ops.query_tiles import TILE_TOKENS, tree_tile_tokens, with_query_ti
 from specdec.ops.tree_paths import with_tree_paths
 
 __all__ = [
+    "MIN_SPLIT_PROGRAMS",
     "PROGRAMS_PER_SM",
     "InvariantAttentionConfig",
     "invariant_attention_ref",
@@ -127,13 +128,19 @@ class InvariantAttentionConfig:
             )
 
 
-PROGRAMS_PER_SM = 16
+PROGRAMS_PER_SM = 8
 """``split_programs`` keeps a launch within this many split-kernel programs per SM: one
-program per split while that fits (a batch-1 decode or tree, a batch of 16 chains on an
-H100), fewer and longer programs once the query tiles alone fill the GPU (batch-64
-decodes: 8 per token and KV head; a 1,024-row prefill chunk: 2, each covering half its
-tile's keys). A program's fixed work (its tile's metadata and queries) is then paid once
-for several splits, and fewer programs run empty splits."""
+program per split while that fits (a batch-1 decode, where a long context then spreads
+over all 16 splits' programs), fewer and longer programs as the query tiles grow (on an
+H100: a batch-1 tree of 32 or 16 chains get 8 programs per tile and KV head, batch-64
+decodes 4). A program's fixed work (its tile's metadata and queries) is then paid once for
+several splits, and fewer programs run empty splits. Measured on an H100 in the engine
+(deterministic humaneval): 8 against 16 and 4 was the fastest at batch 1 (tree) and 64."""
+
+MIN_SPLIT_PROGRAMS = 4
+"""The fewest programs per (query tile, KV head) however full the launch: one or two
+programs walk a long prompt's blocks nearly one after another (a 1,024-row prefill chunk:
+125 µs with one program per tile and KV head, 108 with four, on an H100)."""
 
 
 def tile_bound(num_tokens: int, num_seqs: int, has_tree: bool) -> int:
@@ -150,12 +157,13 @@ def split_programs(
 ) -> int:
     """Programs per (query tile, KV head) of a launch of at most ``num_tiles`` query tiles
     (``tile_bound``): the config's, else the largest power of two up to ``num_splits``
-    that keeps ``num_tiles * num_kv_heads * P`` within ``PROGRAMS_PER_SM * sms`` (at least
-    1). A function of host ints alone: a CUDA graph of a batch size keeps its choice."""
+    that keeps ``num_tiles * num_kv_heads * P`` within ``PROGRAMS_PER_SM * sms``, and at
+    least ``MIN_SPLIT_PROGRAMS`` (or ``num_splits`` where that is fewer). A function of
+    host ints alone: a CUDA graph of a batch size keeps its choice."""
     if config.split_programs is not None:
         return config.split_programs
     room = PROGRAMS_PER_SM * sms // max(1, num_tiles * num_kv_heads)
-    p = 1
+    p = min(MIN_SPLIT_PROGRAMS, config.num_splits)
     while p * 2 <= min(room, config.num_splits):
         p *= 2
     return p

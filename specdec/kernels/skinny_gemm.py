@@ -268,6 +268,9 @@ MEASURED_TILES: dict[tuple[int, int], GemmTiles] = {
     (960, 576): GemmTiles(  # qkv
         GemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4),
         GemmConfig(block_m=64, block_n=128, block_k=256, num_warps=8, num_stages=1),
+        # 17-64 rows: 5.8 / 5.8 µs at 32 / 64 rows against the decode tile's 5.8 / 6.1
+        # (a grid of 16- and 32-row tiles, same command as the LM head's below)
+        GemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4),
     ),
     (576, 576): GemmTiles(  # o_proj
         GemmConfig(block_m=64, block_n=16, block_k=128, num_warps=4),
@@ -286,8 +289,8 @@ MEASURED_TILES: dict[tuple[int, int], GemmTiles] = {
         GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8),
         # 17-64 rows (a verify tree, a batch-64 step): 29 / 36 µs at 32 / 64 rows against
         # the decode tile's 54 / 58 (`--cold --tune-rows 32,64 --tune-block-k decode
-        # --check-bits --write-tier batch`, docs/benchmarks.md); the projections' decode
-        # tiles beat every 32- and 64-row tile of that grid, so they have no batch tile.
+        # --check-bits --write-tier batch`, docs/benchmarks.md); o_proj, gate/up and down
+        # keep their decode tiles, ahead of or level with every 32- and 64-row tile tried.
         GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4),
     ),
 }

@@ -30,6 +30,7 @@ from specdec.attention.invariant_backend import InvariantTritonBackend
 from specdec.attention.tree_mask import build_tree_mask
 from specdec.attention.triton_backend import TritonAttentionBackend
 from specdec.kernels.invariant_attention import (
+    MIN_SPLIT_PROGRAMS,
     PROGRAMS_PER_SM,
     InvariantAttentionConfig,
     invariant_attention_ref,
@@ -447,11 +448,12 @@ def test_outputs_do_not_depend_on_the_batch(dtype, tree_tile):
 
 
 def test_split_programs_follow_the_launch_and_the_config():
-    """Every split its own program while the tiles leave room (a decode or tree at batch 1,
-    16 chains), fewer programs doing more splits each as tiles fill the GPU, never fewer
-    than one; a config's count wins, and a bad one is refused naming the value."""
+    """Every split its own program while the tiles leave room (a decode at batch 1), fewer
+    programs doing more splits each as tiles fill the GPU, never fewer than
+    ``MIN_SPLIT_PROGRAMS`` (nor more than the splits); a config's count wins, and a bad one
+    is refused naming the value."""
     config, sms = InvariantAttentionConfig(), 132  # 16 splits; an H100
-    assert PROGRAMS_PER_SM * sms == 2112
+    assert PROGRAMS_PER_SM * sms == 1056 and MIN_SPLIT_PROGRAMS == 4
     # (rows, sequences, trees) -> tiles: trees one row a tile; plain rows four a tile plus
     # one partial tile per sequence, at most one a row
     launches = {
@@ -461,13 +463,14 @@ def test_split_programs_follow_the_launch_and_the_config():
         "b64 decode": ((64, 64, False), 64),
         "1,024-row prefill": ((1024, 1, False), 257),
     }
-    # tiles x 3 KV heads x P within 2,112
-    programs = {"b1 decode": 16, "b1 tree of 32": 16, "b16 chains of 6": 16, "b64 decode": 8}
-    programs["1,024-row prefill"] = 2
+    # tiles x 3 KV heads x P within 1,056, P at least 4
+    programs = {"b1 decode": 16, "b1 tree of 32": 8, "b16 chains of 6": 8, "b64 decode": 4}
+    programs["1,024-row prefill"] = 4
     for name, (args, tiles) in launches.items():
         assert tile_bound(*args) == tiles, name
         assert split_programs(tiles, 3, config, sms) == programs[name], name
-    assert split_programs(8192, 3, config, sms) == 1
+    assert split_programs(8192, 3, config, sms) == 4
+    assert split_programs(8192, 3, InvariantAttentionConfig(num_splits=2), sms) == 2
     assert split_programs(1, 3, InvariantAttentionConfig(split_programs=2), sms) == 2
     with pytest.raises(ValueError, match="split_programs 3 must be a power of two"):
         InvariantAttentionConfig(split_programs=3)
