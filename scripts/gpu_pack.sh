@@ -4,9 +4,12 @@
 #
 #   .whl/*.whl             packages the machine lacks (Python 3.12, manylinux x86_64): gguf
 #                          for GGUF loading, the server's stack, httpx for bench-serve
-#   .gpu/gguf/gguf.xz.partNN
+#   .gpu/gguf/N/gguf.xz.partNN
 #                          SmolLM2-135M-Instruct's GGUF, xz-compressed, split into parts of
-#                          at most PART_MB (31) MB: carry them over several calls
+#                          at most PART_MB (31) MB, grouped two parts a folder: carry one
+#                          folder per call (.gpu/gguf/1, then .gpu/gguf/2 ...)
+#   .gpu/heads/NAME/       the shipped heads' weights, to carry while the tree travels
+#                          without them (`stash`)
 #   .gpu/bench_sets/*.jsonl
 #                          the bench sets' prompts (`specdec bench --export-prompts`)
 #   .gpu/dev.sh            sourced on the machine (below)
@@ -15,11 +18,17 @@
 #   scripts/gpu_pack.sh wheels PKG==VER ...  # more wheels into .whl/
 #   scripts/gpu_pack.sh code NAME [REV]      # the code at REV (default: the working tree)
 #                                            # as .gpu/code/NAME.tar.xz, for A/B runs
+#   scripts/gpu_pack.sh stash | unstash      # move the shipped heads' and adapters'
+#                                            # weights out of the tree (to /tmp/gpu_stash)
+#                                            # and back: a call carrying GGUF parts stays
+#                                            # under the upload limit
 #
 # On the machine, from the repository root, at the start of every command:
 #
 #   source .gpu/dev.sh       # wheels into /tmp/site, the GGUF joined once all parts came,
-#                            # SPECDEC_SMOLLM2_135M_INSTRUCT, SPECDEC_CACHE, PYTHONPATH
+#                            # heads carried in .gpu/heads put in place,
+#                            # SPECDEC_SMOLLM2_135M_INSTRUCT, SPECDEC_CACHE, PYTHONPATH,
+#                            # and a `specdec` command where none is installed
 #   use NAME                 # optional: run .gpu/code/NAME.tar.xz's code (cd /tmp/code/NAME)
 #
 # /tmp survives between calls while the machine stays warm, so parts, wheels and weights
@@ -54,7 +63,7 @@ PY
 }
 
 pack_gguf() {
-    compgen -G "$GPU/gguf/gguf.xz.part*" >/dev/null && return
+    compgen -G "$GPU/gguf/*/gguf.xz.part*" >/dev/null && return
     local gguf xz size parts
     gguf=$(python3 -c "import specdec.models.aliases as a; print(a.ALIASES['$MODEL'].locate())")
     mkdir -p "$GPU/gguf"
@@ -64,13 +73,37 @@ pack_gguf() {
     parts=$(((size + PART_MB * 1000000 - 1) / (PART_MB * 1000000)))
     split -d -n "$parts" "$xz" "$GPU/gguf/gguf.xz.part"
     rm -f "$xz"
+    local i=0 part
+    for part in "$GPU"/gguf/gguf.xz.part*; do  # two parts (~60 MB) a carried folder
+        mkdir -p "$GPU/gguf/$((i / 2 + 1))" && mv "$part" "$GPU/gguf/$((i / 2 + 1))/"
+        i=$((i + 1))
+    done
     basename "$gguf" > "$GPU/gguf/name"
+}
+
+WEIGHTS=(specdec/heads/*/ specdec/targets/*/)
+
+stash() {  # the shipped weights out of the tree: copies in .gpu/heads to carry, originals
+    local d  # kept in /tmp/gpu_stash until unstash
+    for d in "${WEIGHTS[@]}"; do
+        compgen -G "$d*.safetensors" >/dev/null || continue
+        mkdir -p "$GPU/heads/$d" "/tmp/gpu_stash/$d"
+        cp "$d"*.safetensors "$GPU/heads/$d" && mv "$d"*.safetensors "/tmp/gpu_stash/$d"
+    done
+}
+
+unstash() {
+    local d
+    for d in "${WEIGHTS[@]}"; do
+        compgen -G "/tmp/gpu_stash/$d*.safetensors" >/dev/null && mv "/tmp/gpu_stash/$d"*.safetensors "$d"
+    done
+    git status --short -- specdec/heads specdec/targets
 }
 
 write_dev_sh() {
     local name parts
     name=$(cat "$GPU/gguf/name" 2>/dev/null || echo SmolLM2-135M-Instruct.Q4_1.gguf)
-    parts=$(shopt -s nullglob; p=("$GPU"/gguf/gguf.xz.part*); echo ${#p[@]})
+    parts=$(shopt -s nullglob; p=("$GPU"/gguf/*/gguf.xz.part*); echo ${#p[@]})
     sed -e "s/@NAME@/$name/" -e "s/@PARTS@/$parts/" > "$GPU/dev.sh" <<'SH'
 # Source from the repository root on the GPU machine (written by scripts/gpu_pack.sh).
 mkdir -p /tmp/site /tmp/gguf /tmp/weights /tmp/code
@@ -82,7 +115,7 @@ if compgen -G ".whl/*.whl" >/dev/null \
         .whl/*.whl && echo "$whl_set" > /tmp/site/.wheels
 fi
 # GGUF: its @PARTS@ parts arrive over several calls; joined once all are here.
-cp .gpu/gguf/gguf.xz.part* /tmp/gguf/ 2>/dev/null
+cp .gpu/gguf/*/gguf.xz.part* /tmp/gguf/ 2>/dev/null
 export SMOLLM2_GGUF=/tmp/gguf/@NAME@
 if [ ! -f "$SMOLLM2_GGUF" ] && [ @PARTS@ -gt 0 ] \
     && [ "$(ls /tmp/gguf/gguf.xz.part* 2>/dev/null | wc -l)" -ge @PARTS@ ]; then
@@ -90,8 +123,12 @@ if [ ! -f "$SMOLLM2_GGUF" ] && [ @PARTS@ -gt 0 ] \
         && mv "$SMOLLM2_GGUF.tmp" "$SMOLLM2_GGUF"
 fi
 [ -f "$SMOLLM2_GGUF" ] && export SPECDEC_SMOLLM2_135M_INSTRUCT=$SMOLLM2_GGUF
-# Heads and adapters: kept in /tmp when a call carries them, put back when the tree
-# travels without them (to leave room for the GGUF's parts).
+# Heads and adapters: kept in /tmp when a call carries them (in the tree or in
+# .gpu/heads), put back when the tree travels without them (to leave room for the GGUF's
+# parts).
+for d in .gpu/heads/specdec/*/*/; do
+    [ -d "$d" ] && t=${d#.gpu/heads/} && mkdir -p "$t" && cp "$d"*.safetensors "$t"
+done
 for d in specdec/heads/*/ specdec/targets/*/; do
     compgen -G "$d*.safetensors" >/dev/null \
         && mkdir -p "/tmp/weights/$d" && cp -r "$d". "/tmp/weights/$d"
@@ -112,6 +149,11 @@ for archive in .gpu/code/*.tar.xz; do  # code variants (scripts/gpu_pack.sh code
     [ -d /tmp/weights/specdec ] && cp -r /tmp/weights/specdec "$v/"
 done
 use() { export PYTHONPATH=/tmp/site:/tmp/code/${1:?use NAME}; cd "/tmp/code/$1" || return; }
+# The console script where specdec is not installed (the machine runs it from the tree).
+if ! command -v specdec >/dev/null; then
+    specdec() { python3 -m specdec.cli "$@"; }
+    export -f specdec
+fi
 export PYTHONPATH=/tmp/site:$PWD SPECDEC_CACHE=/tmp/specdec_cache PYTHONUNBUFFERED=1
 SH
 }
@@ -139,6 +181,9 @@ case ${1:-all} in
         write_dev_sh ;;
     wheels) shift; download "$@" ;;
     code) shift; pack_code "$@"; [ -f "$GPU/dev.sh" ] || write_dev_sh ;;
-    *) echo "usage: $0 [all | wheels PKG==VER... | code NAME [REV]]" >&2; exit 2 ;;
+    stash) stash ;;
+    unstash) unstash; exit ;;
+    *) echo "usage: $0 [all | wheels PKG==VER... | code NAME [REV] | stash | unstash]" >&2
+        exit 2 ;;
 esac
 du -sh "$WHL" "$GPU"/* 2>/dev/null || true
