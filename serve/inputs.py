@@ -46,8 +46,10 @@ def completion_prompt_ids(tokenizer, prompt: str | list) -> list[int]:
         raise APIError(400, f"prompt cannot be tokenized: {e}", param="prompt") from None
 
 
-def chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The conversation rendered with the tokenizer's chat template, as token ids."""
+def chat_prompt_text(tokenizer, body: ChatCompletionRequest) -> str:
+    """The conversation rendered with the tokenizer's chat template (special tokens
+    written as text); ``chat_prompt_ids`` encodes it, the server's ``PromptEncoder``
+    encodes it off the event loop."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(
             400, "this model has no chat template; use /v1/completions with a plain prompt"
@@ -63,14 +65,22 @@ def chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
         for m in body.messages
     ]
     try:
-        ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=body.add_generation_prompt, tokenize=True
+        return tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=body.add_generation_prompt, tokenize=False
         )
     except (TemplateError, ValueError, TypeError) as e:
         raise APIError(400, f"messages cannot be rendered: {e}", param="messages") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer HF
-        ids = ids["input_ids"]
-    return list(ids)
+
+
+def chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The conversation rendered with the tokenizer's chat template, as token ids: the
+    rendered text encoded without special tokens added (the template writes its own),
+    which is what ``apply_chat_template(tokenize=True)`` (the offline ``LLM.chat``) gives."""
+    text = chat_prompt_text(tokenizer, body)
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"messages cannot be tokenized: {e}", param="messages") from None
 
 
 def refuse_unsupported(body: SamplingFields) -> None:

@@ -30,7 +30,7 @@ from specdec.serve.async_engine import (
 from specdec.serve.config import ServeConfig
 from specdec.serve.errors import APIError, error_body
 from specdec.serve.inputs import (
-    chat_prompt_ids,
+    chat_prompt_text,
     completion_prompt_ids,
     refuse_unsupported,
     resolve_max_tokens,
@@ -38,6 +38,7 @@ from specdec.serve.inputs import (
     sampling_params,
 )
 from specdec.serve.metrics import ServerMetrics
+from specdec.serve.prompt_encoder import PromptEncoder
 from specdec.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -76,6 +77,8 @@ class OpenAIServing:
         # The event loop's tokenizer (the streams detokenize with the same one, on the same
         # thread: HF tokenizers must not be used from two threads at once).
         self.tokenizer = tokenizer
+        # Chat prompts are encoded off the loop, in batches, on a copy of the tokenizer.
+        self.encoder = PromptEncoder(tokenizer)
         self.metrics = metrics
         self.max_model_len = engine.info.max_model_len
         # SpecExit settings under each request's, lowest precedence first: the draft head's
@@ -255,7 +258,11 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response | BaseModel:
         model = self.check_model(body.model)
         refuse_unsupported(body)
-        prompt_ids = chat_prompt_ids(self.tokenizer, body)
+        text = chat_prompt_text(self.tokenizer, body)
+        try:
+            prompt_ids = await self.encoder.encode(text)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"messages cannot be tokenized: {e}", param="messages") from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -1,0 +1,148 @@
+"""``PromptEncoder``: prompt texts encoded off the event loop, in batches, to exactly the
+ids the server's /tokenize and the offline ``LLM.chat`` give."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+
+import pytest
+
+from specdec.serve.inputs import chat_prompt_ids, chat_prompt_text
+from specdec.serve.prompt_encoder import PromptEncoder
+from specdec.serve.protocol import ChatCompletionRequest
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Write a haiku about paged attention."}],
+    [
+        {"role": "system", "content": "You answer in French."},
+        {"role": "user", "content": "Name three rivers."},
+    ],
+    [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And times 3? Show <|im_end|> literally."},
+    ],
+    [{"role": "user", "content": "Ünïcödé, emoji 🚀, tabs\tand\nnewlines  "}],
+    [{"role": "user", "content": ""}],
+]
+
+
+def _template_ids(tokenizer, conversation, add_generation_prompt: bool) -> list[int]:
+    """What the offline ``LLM.chat`` uses: the template's own tokenization."""
+    ids = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+
+
+def _body(conversation, add_generation_prompt: bool = True) -> ChatCompletionRequest:
+    return ChatCompletionRequest(
+        model="m", messages=conversation, add_generation_prompt=add_generation_prompt
+    )
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_encoded_chats_equal_the_templates_tokenization(
+    smollm2_tokenizer, add_generation_prompt: bool, add_bos: bool
+):
+    """Batched (the encoder), one at a time (/tokenize's ``chat_prompt_ids``) and the
+    template's own tokenization agree, also for a tokenizer that adds a BOS on encode:
+    the template writes its special tokens, so no path may add one."""
+    tokenizer = smollm2_tokenizer
+    if add_bos:
+        tokenizer = copy.deepcopy(smollm2_tokenizer)
+        tokenizer.add_bos_token = True
+        assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id  # the setting took
+    bodies = [_body(c, add_generation_prompt) for c in CONVERSATIONS]
+    want = [_template_ids(tokenizer, c, add_generation_prompt) for c in CONVERSATIONS]
+    assert [chat_prompt_ids(tokenizer, b) for b in bodies] == want
+
+    async def encode_all() -> list[list[int]]:
+        encoder = PromptEncoder(tokenizer)
+        texts = [chat_prompt_text(tokenizer, b) for b in bodies]
+        return await asyncio.gather(*(encoder.encode(t) for t in texts))
+
+    assert asyncio.run(encode_all()) == want
+
+
+def test_a_burst_is_encoded_in_few_batches_and_each_request_gets_its_own_ids(
+    smollm2_tokenizer,
+):
+    """64 concurrent prompts of real WritingBench-length text: every future gets its own
+    text's ids, and texts queued while a batch encodes go in the next batch, not one call
+    each."""
+    texts = [f"request {i}: " + "a paged attention kernel " * (20 + i) for i in range(64)]
+    want = [smollm2_tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    async def burst():
+        encoder = PromptEncoder(smollm2_tokenizer)
+        got = await asyncio.gather(*(encoder.encode(t) for t in texts))
+        return got, encoder.num_batches
+
+    got, batches = asyncio.run(burst())
+    assert got == want
+    assert 1 <= batches <= 2, batches
+
+
+def test_a_text_that_cannot_be_encoded_fails_only_its_own_request():
+    """The batch call raises; each text is then encoded alone and only the bad one's
+    future carries the error."""
+
+    class Tokenizer:
+        calls = 0
+
+        def __call__(self, texts, add_special_tokens):
+            Tokenizer.calls += 1
+            if any("\udcff" in t for t in texts):
+                raise ValueError("lone surrogate")
+            return {"input_ids": [self.encode(t, add_special_tokens) for t in texts]}
+
+        def encode(self, text, add_special_tokens):
+            if "\udcff" in text:
+                raise ValueError(f"cannot encode {text!r}")
+            return [ord(c) for c in text]
+
+    async def run():
+        encoder = PromptEncoder(Tokenizer())
+        return await asyncio.gather(
+            encoder.encode("ok"),
+            encoder.encode("bad \udcff"),
+            encoder.encode("fine"),
+            return_exceptions=True,
+        )
+
+    ok, bad, fine = asyncio.run(run())
+    assert ok == [ord("o"), ord("k")] and fine == [ord(c) for c in "fine"]
+    assert isinstance(bad, ValueError) and "cannot encode" in str(bad)
+
+
+def test_encoding_runs_off_the_event_loops_thread():
+    """The tokenizer is called on a worker thread, never the loop's own (which keeps
+    streaming meanwhile), and on the encoder's copy, not the loop's tokenizer."""
+
+    threads: set[int] = set()
+
+    class Tokenizer:
+        def __call__(self, texts, add_special_tokens):
+            threads.add(threading.get_ident())
+            return {"input_ids": [[len(t)] for t in texts]}
+
+    original = Tokenizer()
+
+    async def run():
+        encoder = PromptEncoder(original)
+        assert encoder._tokenizer is not original
+        ids = await asyncio.gather(*(encoder.encode("x" * i) for i in range(5)))
+        return ids, threading.get_ident()
+
+    ids, loop_thread = asyncio.run(run())
+    assert ids == [[i] for i in range(5)]
+    assert threads and loop_thread not in threads
+
+
+def test_max_batch_is_validated():
+    with pytest.raises(ValueError, match="max_batch=0 must be >= 1"):
+        PromptEncoder(None, max_batch=0)
