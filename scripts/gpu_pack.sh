@@ -8,8 +8,9 @@
 #                          SmolLM2-135M-Instruct's GGUF, xz-compressed, split into parts of
 #                          at most PART_MB (31) MB, grouped two parts a folder: carry one
 #                          folder per call (.gpu/gguf/1, then .gpu/gguf/2 ...)
-#   .gpu/heads/NAME/       the shipped heads' weights, to carry while the tree travels
-#                          without them (`stash`)
+#   .gpu/heads/specdec/{heads,targets}/NAME/
+#                          the shipped weights, to carry while the tree travels without
+#                          them (`stash`)
 #   .gpu/bench_sets/*.jsonl
 #                          the bench sets' prompts (`specdec bench --export-prompts`)
 #   .gpu/dev.sh            sourced on the machine (below)
@@ -95,7 +96,8 @@ stash() {  # the shipped weights out of the tree: copies in .gpu/heads to carry,
 unstash() {
     local d
     for d in "${WEIGHTS[@]}"; do
-        compgen -G "/tmp/gpu_stash/$d*.safetensors" >/dev/null && mv "/tmp/gpu_stash/$d"*.safetensors "$d"
+        compgen -G "/tmp/gpu_stash/$d*.safetensors" >/dev/null \
+            && mv "/tmp/gpu_stash/$d"*.safetensors "$d"
     done
     git status --short -- specdec/heads specdec/targets
 }

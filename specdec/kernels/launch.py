@@ -86,7 +86,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@functools.cache
 @functools.cache  # launchers ask on every call, per layer
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors on ``device`` (1 off-GPU, where occupancy is moot)."""
