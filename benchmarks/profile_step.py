@@ -11,7 +11,8 @@ step over the timed generation. ``--spec`` and ``--batch`` take lists: one engin
 spec, every batch size on it. "graphed" counts target forwards replayed from a CUDA graph
 and whole proposals replayed from the proposer's growth graphs; ``--kernels N`` adds the
 N costliest device kernels of the timed generation (torch profiler, unsynchronised run).
-EAGLE-3 specs draft with a random head: their timings are real, their τ is ~1.
+EAGLE-3 specs draft with a random head: their timings are real, their τ is ~1; ``default``
+is the model's shipped head with its own tree and batch-size bands.
 ``--deterministic`` builds every engine in deterministic mode (batch-invariant kernels on
 the target's path); run the two modes as two invocations, one engine per process.
 
@@ -41,10 +42,13 @@ from prompts import varied_conversations
 from specdec import LLM, SamplingParams
 from specdec.bench.driver import draft_graph_replays, graph_replays
 from specdec.config import SpeculativeConfig
+from specdec.models.packaged_heads import default_speculative
 from specdec.spec.metrics import SpecStats
 
+DEFAULT = "default"  # the model's shipped head (``packaged_heads.default_speculative``)
 SPECS = {
     "none": None,
+    DEFAULT: None,
     "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3},
     "eagle3-k3": {"method": "eagle3", "num_speculative_tokens": 3},
     "eagle3-tree": {
@@ -86,17 +90,22 @@ def main() -> None:
             if spec is not None and spec["method"] == "eagle3":
                 head = head or str(random_head(a.model, Path(tmp)))
                 spec = {**spec, "model": head}
-            llm = build(a, spec)
+            config = SpeculativeConfig(**spec) if spec else None
+            if name == DEFAULT:
+                config = default_speculative(a.model)
+                if config is None:
+                    p.error(f"--spec {DEFAULT}: {a.model!r} ships no head")
+            llm = build(a, config)
             for batch in a.batch:
                 profile(llm, name, batch, a.max_tokens, a.kernels)
             del llm
     del plain
 
 
-def build(a: argparse.Namespace, spec: dict | None) -> LLM:
+def build(a: argparse.Namespace, spec: SpeculativeConfig | None) -> LLM:
     return LLM(
         a.model,
-        speculative=SpeculativeConfig(**spec) if spec else None,
+        speculative=spec,
         max_model_len=2048,
         max_num_seqs=max(a.batch),
         cuda_graph_max_batch_size=max(a.batch),

@@ -9,7 +9,9 @@ bench-serve`` (a separate client process) at each concurrency, and samples the C
 every thread of the server's processes while the largest concurrency runs (where the host
 time goes: the event loop, the engine loop, the core's pipe threads; with ``--py-spy``,
 py-spy's stacks too). Then ``specdec bench`` runs offline at the same batch sizes on the
-same prompts (plain and default speculation, ``--waves``).
+same prompts (plain and default speculation, ``--waves``). The servers run with prefix
+caching off, as the offline engine does: the runs cycle the same prompts (and the warm-up
+sends the first of them), so a cache would skip prefills offline pays for.
 
     python benchmarks/serve_load.py --prompts wb.jsonl --concurrency 1,4,16,64,128 \
         --max-tokens 256 --json out.json [--server-args "--dtype bfloat16"]
@@ -170,6 +172,7 @@ def run_server(variant: str, args, work: Path) -> dict:
     url = f"http://127.0.0.1:{port}"
     log = work / f"serve_{variant}.log"
     cmd = [sys.executable, "-m", "specdec.serve", "--port", str(port), *VARIANT_ARGS[variant],
+           *([] if args.prefix_caching else ["--no-enable-prefix-caching"]),
            *shlex.split(args.server_args)]  # fmt: skip
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -266,7 +269,13 @@ def main() -> int:
     p.add_argument("--no-offline", action="store_true")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--json", help="write every figure here")
-    p.add_argument("--logs", help="copy each server's time-stamped log into this folder")
+    p.add_argument("--logs", help="copy each server's stamped log and the offline report here")
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="leave the servers' prefix caching on (off by default, as offline: the runs "
+        "cycle the same prompts, whose prefill a cache would skip)",
+    )
     p.add_argument(
         "--py-spy", default="",
         help="py-spy executable: sample the server's processes at the largest concurrency",
@@ -286,6 +295,8 @@ def main() -> int:
             shutil.copy(s["log"], args.logs)
             if s.get("stacks"):
                 shutil.copy(s["stacks"], args.logs)
+        if (work / "offline.json").exists():  # the offline bench's whole report
+            shutil.copy(work / "offline.json", args.logs)
     print("\n| c | variant | server tok/s | offline tok/s | server/offline | TPOT p50 ms | τ |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for c in args.concurrency:

@@ -50,21 +50,43 @@ from specdec.bench.sets.jsonl import write_prompt_file
 from specdec.config import SpeculativeConfig
 from specdec.data_gen.records import Conversation
 from specdec.engine.llm import LLM
+from specdec.engine.runtime import engine_dtype, kv_bytes_per_block
+from specdec.models import load_config
 
 _GIB = 1 << 30
+
+
+# The KV cache of every engine a GPU bench builds, unless the engine keywords size it: what
+# this many bytes hold in the target's K/V layout.
+BENCH_KV_BYTES = 8 * _GIB
 
 
 def build_llm(
     model: str, engine: dict[str, Any], spec: SpeculativeConfig | None, largest_batch: int
 ) -> LLM:
     """An engine for measuring: ``engine``'s ``LLM`` keywords, prefix caching off (repeats
-    would skip their prefill), batch limits at the largest batch measured."""
+    would skip their prefill), batch limits at the largest batch measured. On the GPU,
+    unless ``engine`` sizes the KV cache, every engine holds the same number of tokens
+    (``bench_kv_blocks``)."""
     kwargs = {**engine, "speculative": spec, "enable_prefix_caching": False}
     kwargs.update(max_num_seqs=largest_batch, cuda_graph_max_batch_size=largest_batch)
-    if kwargs.get("kv_cache_memory") is None and torch.cuda.is_available():
-        # Two engines share the GPU: sizing each from free memory would starve the second.
-        kwargs["kv_cache_memory"] = 4 * _GIB
+    sized = any(kwargs.get(k) is not None for k in ("kv_cache_memory", "num_blocks"))
+    if not sized and torch.cuda.is_available():
+        kwargs["num_blocks"] = bench_kv_blocks(model, kwargs)
     return LLM(model, **kwargs)
+
+
+def bench_kv_blocks(model: str, engine: dict[str, Any]) -> int:
+    """KV blocks for a GPU bench engine: ``BENCH_KV_BYTES`` of the target's K/V. Two
+    engines share the GPU, so sizing each from free memory would starve the second; and a
+    count of blocks rather than bytes, since an EAGLE-3 engine also keeps each slot's aux
+    states (~15% more bytes per token on SmolLM2): at a byte budget it would hold fewer
+    tokens, and a batch near that capacity would measure memory instead of speed."""
+    config = load_config(model, engine.get("cache_dir"))
+    on_gpu = str(engine.get("device", "auto")).split(":")[0] in ("auto", "cuda")
+    dtype = engine_dtype(engine.get("dtype", "auto"), on_gpu)
+    per_block = kv_bytes_per_block(config, engine.get("block_size", 16), dtype)
+    return max(2, BENCH_KV_BYTES // per_block)
 
 
 def _build(config: BenchConfig, spec: SpeculativeConfig | None) -> LLM:

@@ -55,10 +55,7 @@ def choose_runtime(config: EngineConfig) -> RuntimeChoice:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={config.device!r} but no CUDA device is visible")
     on_gpu = device.type == "cuda"
-    if config.dtype == "auto":
-        dtype = torch.bfloat16 if on_gpu else torch.float32
-    else:
-        dtype = _DTYPES[config.dtype]
+    dtype = engine_dtype(config.dtype, on_gpu)
     backend = config.attention_backend
     if backend == "auto":
         backend = INVARIANT_ATTENTION if config.deterministic else "triton" if on_gpu else "torch"
@@ -107,6 +104,13 @@ def decide_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int
             f"use max_model_len <= {limit}"
         )
     return asked
+
+
+def engine_dtype(name: str, on_gpu: bool) -> torch.dtype:
+    """``EngineConfig.dtype`` resolved: "auto" is bf16 on the GPU, fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if on_gpu else torch.float32
+    return _DTYPES[name]
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

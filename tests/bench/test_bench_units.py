@@ -376,3 +376,35 @@ def test_tier_tiles_keep_the_fastest_equal_bits_tile_over_every_tuned_row_count(
     assert set(got) == {"576,576", "1536,576"}
     assert got["576,576"]["block_m"] == 32 and got["1536,576"]["block_m"] == 16
     assert set(got["576,576"]) == {"block_m", "block_n", "block_k", "num_warps", "num_stages"}
+
+
+def test_step_timeline_splits_a_run_into_full_batch_and_drain_at_the_cutoff():
+    """benchmarks/step_timeline.py: steps with every slot taken are the full-batch phase,
+    the rest the drain, split again at the speculation cutoff; shares are of the run's
+    wall time, tokens and steps summed per (phase, mode)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from step_timeline import StepRow, summarize
+
+    rows = [
+        StepRow(0.0, 0.5, 4, 0, 4, "AsyncStep", 0),
+        StepRow(0.5, 0.25, 4, 4, 0, "AsyncStep", 4),
+        StepRow(0.75, 0.125, 3, 3, 0, "AsyncStep", 3),
+        StepRow(0.875, 0.125, 2, 2, 0, "SyncStep", 4),
+        StepRow(1.0, 0.0, 1, 1, 0, "", 1),
+    ]
+    lines = summarize("default", rows, batch=4, cutoff=2)
+    assert lines[0] == "default: 5 steps, 1.000 s, 12 tokens, 12 tok/s"
+    body = {tuple(cell.strip() for cell in line.split("|")[1:3]): line for line in lines[3:]}
+    assert set(body) == {
+        ("full batch", "AsyncStep"),
+        ("drain", "AsyncStep"),
+        ("drain <= 2", "SyncStep"),
+        ("drain <= 2", "(read)"),
+    }
+    assert (
+        body["full batch", "AsyncStep"]
+        == "| full batch | AsyncStep | 2 | 0.750 | 75.0% | 4 | 375.00 |"
+    )
+    assert body["drain <= 2", "SyncStep"].split("|")[3:6] == [" 1 ", " 0.125 ", " 12.5% "]
+    plain = summarize("none", rows, batch=4, cutoff=None)
+    assert {line.split("|")[1].strip() for line in plain[3:]} == {"full batch", "drain"}
