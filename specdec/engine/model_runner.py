@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from specdec.attention import get_attention_backend
+from specdec.attention.base import AttentionBackend
 from specdec.attention.custom_op import OpaqueAttention
 from specdec.config import EngineConfig
 from specdec.engine.cuda_graph import (
@@ -54,13 +55,15 @@ class ModelRunner:
         self.dtype = self.runtime.dtype
         self.block_size = config.cache.block_size
         # Under torch.compile attention must be one opaque op (see custom_op.py), wherever
-        # something compiles: the target's layers, or a draft head sharing this backend.
+        # something compiles: the target's layers, or a draft model's.
         self.use_compile = self.runtime.compile_target
         self.compile_draft = self.runtime.compile_draft
-        if self.compile_draft:
-            self.attention = OpaqueAttention(self.runtime.attention_backend)
-        else:
-            self.attention = get_attention_backend(self.runtime.attention_backend)
+        self.attention = self._attention(self.runtime.attention_backend)
+        # A draft model's attention (RuntimeChoice.draft_attention_backend): the target's
+        # backend, or in deterministic mode the fast one, its drafts deciding no token.
+        draft = self.runtime.draft_attention_backend
+        same = draft == self.runtime.attention_backend
+        self.draft_attention = self.attention if same else self._attention(draft)
         self.model_config: ModelConfig = load_config(model_source)
         self.max_model_len = decide_max_model_len(config, self.model_config)
         t0 = time.perf_counter()
@@ -116,6 +119,10 @@ class ModelRunner:
             self._move_kv_slots = move_kv_slots
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+
+    def _attention(self, name: str) -> AttentionBackend:
+        """Backend ``name``, behind the opaque op where something compiles."""
+        return OpaqueAttention(name) if self.compile_draft else get_attention_backend(name)
 
     # ---- memory ------------------------------------------------------------------------
     def _decide_num_blocks(self) -> int:

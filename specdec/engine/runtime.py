@@ -35,6 +35,15 @@ class RuntimeChoice:
     compile_target: bool = False  # torch.compile the target's layers (compile_regions)
     compile_draft: bool = False  # the draft side may compile (SpeculativeConfig.compile_head)
     deterministic: bool = False  # batch-invariant kernels on the target's path
+    # What a draft model's attention runs (None: the target's backend). Deterministic mode
+    # gives the draft the backend the mode would otherwise pick: only the target's logits
+    # decide the output, and the invariant kernels (query tiles built per layer, every
+    # split stored) would only slow the draft down.
+    draft_attention: str | None = None
+
+    @property
+    def draft_attention_backend(self) -> str:
+        return self.draft_attention or self.attention_backend
 
     @property
     def triton_kernels(self) -> bool:
@@ -57,8 +66,9 @@ def choose_runtime(config: EngineConfig) -> RuntimeChoice:
     on_gpu = device.type == "cuda"
     dtype = engine_dtype(config.dtype, on_gpu)
     backend = config.attention_backend
+    fast = "triton" if on_gpu else "torch"  # the backend a mode without invariance takes
     if backend == "auto":
-        backend = INVARIANT_ATTENTION if config.deterministic else "triton" if on_gpu else "torch"
+        backend = INVARIANT_ATTENTION if config.deterministic else fast
     if config.deterministic:
         _require_deterministic_runtime(device, backend)
     graphs = on_gpu and not config.enforce_eager
@@ -71,6 +81,7 @@ def choose_runtime(config: EngineConfig) -> RuntimeChoice:
         compile_target=compiles and not config.deterministic,
         compile_draft=compiles,
         deterministic=config.deterministic,
+        draft_attention=fast if config.deterministic else None,
     )
 
 

@@ -66,7 +66,7 @@ class DraftModelProposer(Proposer):
             resolved,
             dtype=runner.dtype,
             device=runner.device,
-            attention=runner.attention,
+            attention=runner.draft_attention,
             max_positions=runner.max_model_len,
         )
         shape = (

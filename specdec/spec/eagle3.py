@@ -72,7 +72,7 @@ class Eagle3Proposer(PipelinedProposer):
             target_config=runner.model_config,
             dtype=runner.dtype,
             device=runner.device,
-            attention=runner.attention,
+            attention=runner.draft_attention,
             embed=runner.model.embed,
             max_positions=runner.max_model_len,
         )

@@ -547,7 +547,8 @@ def test_an_invariant_model_refuses_compiled_regions() -> None:
 def test_the_runtime_refuses_deterministic_mode_where_it_cannot_hold(monkeypatch) -> None:
     """Resolved with the device: the invariant attention backend must be registered (no
     substitute), and the Triton kernels need CUDA or the interpreter. Where both hold,
-    the target's layers stay uncompiled and the draft side may compile."""
+    the target's layers stay uncompiled and the draft side may compile, on the attention
+    backend the mode would take without invariance."""
     from specdec.config import INVARIANT_ATTENTION, EngineConfig
     from specdec.engine import runtime
 
@@ -560,6 +561,8 @@ def test_the_runtime_refuses_deterministic_mode_where_it_cannot_hold(monkeypatch
     choice = runtime.choose_runtime(config)
     assert (choice.attention_backend, choice.deterministic) == (INVARIANT_ATTENTION, True)
     assert not choice.compile_target
+    assert choice.draft_attention_backend == "torch"  # the draft keeps the fast backend
+    assert runtime.choose_runtime(EngineConfig(device="cpu")).draft_attention_backend == "torch"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"need a CUDA device; device='cpu': use device='cuda'"):
         runtime.choose_runtime(config)
@@ -575,14 +578,19 @@ def test_deterministic_engine_runs_the_target_on_invariant_kernels(
     """The mode switch, config -> runner -> modules, with the batch-invariant attention
     backend and with ``RowByRowAttention`` standing in for it (registered under its name
     for this test only): every target projection and norm is switched, the target is not
-    compiled, and n-gram speculation (verify steps of 4 rows) gives plain decoding's
-    tokens. What the mode guarantees bit for bit is checked per token above; the
-    engine-level check that speculative bf16 output equals plain needs the GPU."""
+    compiled, and n-gram speculation (verify steps of 4 rows) and an EAGLE-3 head (a
+    dynamic tree) give plain decoding's tokens. The head drafts on the backend the mode
+    would take without invariance, since only the target's logits decide the output. What
+    the mode guarantees bit for bit is checked per token above; the engine-level check
+    that speculative bf16 output equals plain needs the GPU."""
     from tiny_models import make_tiny_model_dir
 
-    from specdec.attention import base
+    from specdec.attention import base, get_attention_backend
     from specdec.config import INVARIANT_ATTENTION, SpeculativeConfig
     from specdec.engine.llm import LLM
+    from specdec.models import load_config
+    from specdec.models.eagle3_formats import save_eagle3
+    from specdec.models.eagle3_head import Eagle3Config, Eagle3Head
     from specdec.models.llama import RMSNorm
     from specdec.sampling_params import SamplingParams
 
@@ -592,20 +600,32 @@ def test_deterministic_engine_runs_the_target_on_invariant_kernels(
     model_dir = make_tiny_model_dir(tmp_path, smollm2_dir, seed=3, vocab_size=256)
     kwargs = dict(device=DEVICE.type, dtype="float32", kv_cache_memory=16 << 20)
     kwargs.update(max_model_len=128, deterministic=True, enforce_eager=True)
+    torch.manual_seed(0)
+    head = Eagle3Head(
+        Eagle3Config.for_target(load_config(str(model_dir)), 128, aux_layer_ids=(0, 1, 1)),
+        get_attention_backend("torch"),
+    )
+    save_eagle3(head, tmp_path / "head")
     plain = LLM(str(model_dir), **kwargs)
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1)
-    spec = LLM(str(model_dir), speculative=ngram, **kwargs)
-    for llm in (plain, spec):
+    tree = {"tree": "dynamic", "num_speculative_tokens": 3, "top_k": 2, "total_tokens": 6}
+    eagle3 = SpeculativeConfig(method="eagle3", model=str(tmp_path / "head"), **tree)
+    specs = [LLM(str(model_dir), speculative=s, **kwargs) for s in (ngram, eagle3)]
+    for llm in (plain, *specs):
         runner = llm.engine.runner
         assert runner.runtime.attention_backend == INVARIANT_ATTENTION
         assert type(runner.attention) is base._BACKENDS[INVARIANT_ATTENTION]
+        assert type(runner.draft_attention) is base._BACKENDS["torch"]  # the draft's
         assert not runner.use_compile
         switched = [m for m in runner.model.modules() if isinstance(m, Linear | RMSNorm)]
         assert len(switched) == 6 * runner.model_config.num_layers + 2  # 4 Linear, 2 norms a layer
         assert all(m.invariant for m in switched)
+    assert specs[1].engine.proposer.head.attention is specs[1].engine.runner.draft_attention
     prompts = [[7, 8, 9, 7, 8, 9, 7, 8], [40, 41, 40, 41, 40, 41, 40, 2, 3, 4]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-    assert spec.engine.spec_stats.accepted_tokens > 0  # verify steps really ran
+    for spec in specs:
+        got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        assert spec.engine.spec_stats.steps > 0  # verify steps really ran
+    assert specs[0].engine.spec_stats.accepted_tokens > 0
