@@ -83,9 +83,9 @@ def bench_kv_blocks(model: str, engine: dict[str, Any]) -> int:
     states (~15% more bytes per token on SmolLM2): at a byte budget it would hold fewer
     tokens, and a batch near that capacity would measure memory instead of speed."""
     config = load_config(model, engine.get("cache_dir"))
-    on_gpu = str(engine.get("device", "auto")).split(":")[0] in ("auto", "cuda")
-    dtype = engine_dtype(engine.get("dtype", "auto"), on_gpu)
-    per_block = kv_bytes_per_block(config, engine.get("block_size", 16), dtype)
+    on_gpu = str(engine.get("device") or "auto").split(":")[0] in ("auto", "cuda")
+    dtype = engine_dtype(engine.get("dtype") or "auto", on_gpu)
+    per_block = kv_bytes_per_block(config, engine.get("block_size") or 16, dtype)
     return max(2, BENCH_KV_BYTES // per_block)
 
 

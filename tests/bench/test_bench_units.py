@@ -408,3 +408,26 @@ def test_step_timeline_splits_a_run_into_full_batch_and_drain_at_the_cutoff():
     assert body["drain <= 2", "SyncStep"].split("|")[3:6] == [" 1 ", " 0.125 ", " 12.5% "]
     plain = summarize("none", rows, batch=4, cutoff=None)
     assert {line.split("|")[1].strip() for line in plain[3:]} == {"full batch", "drain"}
+
+
+def test_gpu_bench_engines_hold_the_same_kv_slots_with_and_without_speculation(monkeypatch):
+    """On the GPU every engine the bench builds gets the same number of KV blocks (what
+    ``BENCH_KV_BYTES`` hold in the target's bf16 K/V layout), whatever its proposer keeps
+    per slot; a size the user gave is kept as given."""
+    import torch
+
+    from specdec.bench import runner
+    from specdec.config import SpeculativeConfig
+
+    built = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runner, "LLM", lambda model, **kwargs: built.append(kwargs))
+    spec_config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    for spec in (None, spec_config):
+        runner.build_llm("smollm2-135m-instruct", {"dtype": "auto"}, spec, 64)
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, K and V, bf16, 16-token blocks.
+    blocks = runner.BENCH_KV_BYTES // (2 * 30 * 3 * 64 * 2 * 16)
+    assert [kw["num_blocks"] for kw in built] == [blocks, blocks]
+    assert [kw["speculative"] for kw in built] == [None, spec_config]
+    runner.build_llm("smollm2-135m-instruct", {"kv_cache_memory": 1 << 30}, None, 64)
+    assert "num_blocks" not in built[-1] and built[-1]["kv_cache_memory"] == 1 << 30
