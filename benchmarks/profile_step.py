@@ -7,7 +7,9 @@ sum is an upper bound of a step; the split is what matters (under async scheduli
 decoding's default on the GPU, the phases lose their overlap entirely: `step (total)` is
 then a synchronous step's cost, not the async loop's). Greedy decoding of
 ``--batch`` chat prompts, ``--max-tokens`` each, after one warm-up generation; medians per
-step over the timed generation. ``--spec`` and ``--batch`` take lists: one engine per
+step over the timed generation (``--prompts FILE``: that file's chats that fit, cycled to
+the batch, instead; with ``--max-tokens 1`` a run is its prompts' prefill steps). ``--spec`` and
+``--batch`` take lists: one engine per
 spec, every batch size on it. "graphed" counts target forwards replayed from a CUDA graph
 and whole proposals replayed from the proposer's growth graphs; ``--kernels N`` adds the
 N costliest device kernels of the timed generation (torch profiler, unsynchronised run).
@@ -41,6 +43,7 @@ from prompts import varied_conversations
 
 from specdec import LLM, SamplingParams
 from specdec.bench.driver import draft_graph_replays, graph_replays
+from specdec.bench.sets import SetOptions, file_set
 from specdec.config import SpeculativeConfig
 from specdec.models.packaged_heads import default_speculative
 from specdec.spec.metrics import SpecStats
@@ -67,6 +70,7 @@ def main() -> None:
     p.add_argument("--spec", type=parse_str_list, default=["none"], help=" | ".join(SPECS))
     p.add_argument("--batch", type=parse_int_list, default=[1])
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--prompts", help=".jsonl of {prompt} or {messages} (default: varied chats)")
     p.add_argument("--kernels", type=int, default=0, help="also list the N costliest kernels")
     p.add_argument(
         "--deterministic",
@@ -97,7 +101,7 @@ def main() -> None:
                     p.error(f"--spec {DEFAULT}: {a.model!r} ships no head")
             llm = build(a, config)
             for batch in a.batch:
-                profile(llm, name, batch, a.max_tokens, a.kernels)
+                profile(llm, name, batch, a.max_tokens, a.kernels, a.prompts)
             del llm
     del plain
 
@@ -115,13 +119,20 @@ def build(a: argparse.Namespace, spec: SpeculativeConfig | None) -> LLM:
     )
 
 
-def profile(llm: LLM, name: str, batch: int, max_tokens: int, kernels: int) -> None:
+def profile(
+    llm: LLM, name: str, batch: int, max_tokens: int, kernels: int, prompts_file: str | None
+) -> None:
     engine = llm.engine
     tok = engine.tokenizer
-    prompts = [
+    ids = [
         list(tok.apply_chat_template(c, add_generation_prompt=True)["input_ids"])
-        for c in varied_conversations(batch)
+        for c in conversations(batch, prompts_file)
     ]
+    limit = engine.max_model_len - max_tokens  # a file's longest chats may not fit
+    ids = [p for p in ids if len(p) <= limit]
+    if not ids:
+        raise SystemExit(f"no prompt of {prompts_file} fits the {limit}-token limit")
+    prompts = [ids[i % len(ids)] for i in range(batch)]
     times: dict[str, list[float]] = defaultdict(list)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -181,6 +192,13 @@ def profile(llm: LLM, name: str, batch: int, max_tokens: int, kernels: int) -> N
             f"| {phase} | {len(values)} | {statistics.median(values) * 1e3:.3f} | "
             f"{sum(values) * 1e3:.1f} |"
         )
+
+
+def conversations(n: int, prompts_file: str | None) -> list[list[dict]]:
+    """The file's chats, else ``n`` of ``tests/prompts.py``'s varied ones."""
+    if prompts_file is None:
+        return varied_conversations(n)
+    return [list(c.messages) for c in file_set(prompts_file).load(SetOptions())]
 
 
 def print_kernels(llm: LLM, prompts, params, top: int) -> None:
