@@ -2,8 +2,11 @@
 # What a remote GPU machine without network needs, packed here into git-ignored folders so
 # that it travels with the working tree under a per-call upload limit (~64 MiB):
 #
-#   .whl/*.whl             packages the machine lacks (Python 3.12, manylinux x86_64): gguf
-#                          for GGUF loading, the server's stack, httpx for bench-serve
+#   .whl/model/*.whl       packages the machine lacks (Python 3.12, manylinux x86_64) to
+#                          load the model: gguf (120 kB; the call that carries the GGUF's
+#                          last folder and a head has room for this folder only)
+#   .whl/serve/*.whl       the server's stack, httpx for bench-serve (~4 MB)
+#   .whl/extra/*.whl       `wheels PKG==VER ...`
 #   .gpu/gguf/N/gguf.xz.partNN
 #                          SmolLM2-135M-Instruct's GGUF, xz-compressed, split into parts of
 #                          at most PART_MB (31) MB, grouped two parts a folder: carry one
@@ -16,7 +19,7 @@
 #   .gpu/dev.sh            sourced on the machine (below)
 #
 #   scripts/gpu_pack.sh                      # all of the above; idempotent
-#   scripts/gpu_pack.sh wheels PKG==VER ...  # more wheels into .whl/
+#   scripts/gpu_pack.sh wheels PKG==VER ...  # more wheels into .whl/extra/
 #   scripts/gpu_pack.sh code NAME [REV]      # the code at REV (default: the working tree)
 #                                            # as .gpu/code/NAME.tar.xz, for A/B runs
 #   scripts/gpu_pack.sh stash | unstash      # move the shipped heads' and adapters'
@@ -40,18 +43,21 @@ cd "$(dirname "$0")/.."
 GPU=${GPU_DIR:-.gpu} WHL=${WHL_DIR:-.whl} PART_MB=${PART_MB:-31}
 MODEL=smollm2-135m-instruct
 # --no-deps: the machine has torch, numpy, transformers and their dependencies.
-WHEELS=(gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection
+MODEL_WHEELS=(gguf)
+SERVE_WHEELS=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection
     typing-extensions anyio sniffio idna uvicorn click h11 httpx httpcore certifi
     prometheus-client opentelemetry-api importlib-metadata zipp)
 
-download() {  # PKG[==VER]...: wheels for the machine's Python and platform
-    mkdir -p "$WHL"
+download() {  # DIR PKG[==VER]...: wheels for the machine's Python and platform into DIR
+    local dir=$1
+    shift
+    mkdir -p "$dir"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --platform manylinux2014_x86_64 -d "$WHL" "$@"
+        --platform manylinux2014_x86_64 -d "$dir" "$@"
 }
 
-pinned() {  # WHEELS at the versions installed here, so both machines run the same code
-    python3 - "${WHEELS[@]}" <<'PY'
+pinned() {  # PKG...: at the versions installed here, so both machines run the same code
+    python3 - "$@" <<'PY'
 import importlib.metadata as md
 import sys
 
@@ -109,12 +115,12 @@ write_dev_sh() {
     sed -e "s/@NAME@/$name/" -e "s/@PARTS@/$parts/" > "$GPU/dev.sh" <<'SH'
 # Source from the repository root on the GPU machine (written by scripts/gpu_pack.sh).
 mkdir -p /tmp/site /tmp/gguf /tmp/weights /tmp/code
-# Wheels: installed once per set of wheels.
-whl_set=$(ls .whl/*.whl 2>/dev/null | xargs -r -n1 basename | md5sum | cut -c1-12)
-if compgen -G ".whl/*.whl" >/dev/null \
+# Wheels: the folders of .whl/ this call carried, installed once per set.
+whl_set=$(ls .whl/*/*.whl 2>/dev/null | xargs -r -n1 basename | md5sum | cut -c1-12)
+if compgen -G ".whl/*/*.whl" >/dev/null \
     && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$whl_set" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-        .whl/*.whl && echo "$whl_set" > /tmp/site/.wheels
+        .whl/*/*.whl && echo "$whl_set" > /tmp/site/.wheels
 fi
 # GGUF: its @PARTS@ parts arrive over several calls; joined once all are here.
 cp .gpu/gguf/*/gguf.xz.part* /tmp/gguf/ 2>/dev/null
@@ -175,13 +181,16 @@ pack_code() {  # NAME [REV]
 
 case ${1:-all} in
     all)
-        mapfile -t specs < <(pinned)
-        download "${specs[@]}"
+        rm -f "$WHL"/*.whl  # the flat layout of earlier packs
+        mapfile -t specs < <(pinned "${MODEL_WHEELS[@]}")
+        download "$WHL/model" "${specs[@]}"
+        mapfile -t specs < <(pinned "${SERVE_WHEELS[@]}")
+        download "$WHL/serve" "${specs[@]}"
         pack_gguf
         [ -f "$GPU/bench_sets/writingbench.jsonl" ] \
             || specdec bench --export-prompts "$GPU/bench_sets"
         write_dev_sh ;;
-    wheels) shift; download "$@" ;;
+    wheels) shift; download "$WHL/extra" "$@" ;;
     code) shift; pack_code "$@"; [ -f "$GPU/dev.sh" ] || write_dev_sh ;;
     stash) stash ;;
     unstash) unstash; exit ;;
