@@ -27,6 +27,7 @@ from specdec.models import load_config, load_model
 from specdec.models.config import ModelConfig
 from specdec.models.invariant import use_invariant_kernels
 from specdec.models.linear import use_triton_gemm
+from specdec.models.llama import use_kernel_norms
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.paged_attention import move_kvcache_ref
 from specdec.ops.step_inputs import BlockTables, PendingTokens, StepInputs
@@ -87,6 +88,10 @@ class ModelRunner:
             config.triton_gemm_max_tokens if self.runtime.use_cuda_graphs else 0
         )
         use_triton_gemm(self.model, self.triton_gemm_max_rows)
+        if self.runtime.use_cuda_graphs and self.runtime.triton_kernels:
+            # Steps with prefill tokens run the eager modules (captured as prefill graphs,
+            # so a kernel's launch costs no host time there): one launch per norm.
+            use_kernel_norms(self.model)
         if self.runtime.deterministic:
             # Every projection and norm at every row count, prefill included (on top of
             # the few-row switch above, which it overrides).

@@ -47,9 +47,16 @@ class RMSNorm(nn.Module):
 
     ``invariant`` (set by ``models.invariant.use_invariant_kernels``): the Triton kernel of
     ``kernels/rmsnorm.py``, one program per row, whose results do not depend on the rows
-    around it; same roundings, its own summation order."""
+    around it; same roundings, its own summation order. ``eager_kernel`` (set by
+    ``use_kernel_norms``): the same kernel where the module runs uncompiled (the engine's
+    prefill steps), code that ``torch.compile`` traces keeping the torch ops it fuses."""
 
     invariant: bool = False
+    eager_kernel: bool = False
+
+    @property
+    def _on_kernel(self) -> bool:
+        return self.invariant or (self.eager_kernel and not torch.compiler.is_compiling())
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -57,7 +64,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        if self.invariant:
+        if self._on_kernel:
             from specdec.kernels.rmsnorm import rmsnorm  # triton loads only when used
 
             return rmsnorm(x, self.weight, self.eps)
@@ -70,14 +77,28 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [..., dim]
         residual: torch.Tensor,  # [..., dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (self(x + residual), x + residual)
-        """The norm of the stream ``x + residual``, and the stream; one launch when
-        ``invariant``."""
-        if self.invariant:
+        """The norm of the stream ``x + residual``, and the stream; one launch on the
+        kernel (``invariant``, or ``eager_kernel`` uncompiled)."""
+        if self._on_kernel:
             from specdec.kernels.rmsnorm import add_rmsnorm
 
             return add_rmsnorm(x, residual, self.weight, self.eps)
         stream = x + residual
         return self(stream), stream
+
+
+def use_kernel_norms(model: nn.Module) -> int:
+    """Run every ``RMSNorm`` of ``model`` on the one-launch Triton kernel wherever it runs
+    uncompiled (``RMSNorm.eager_kernel``): eager, a norm over a prefill step's rows is
+    nine elementwise passes over them in float32 (the add before it, cast, square, mean,
+    add eps, rsqrt, scale, cast back, weight), each a launch over the whole [tokens,
+    hidden]. Returns how many modules it set."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.eager_kernel = True
+            count += 1
+    return count
 
 
 class Attention(nn.Module):

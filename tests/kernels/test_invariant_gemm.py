@@ -629,3 +629,28 @@ def test_deterministic_engine_runs_the_target_on_invariant_kernels(
         assert got == want
         assert spec.engine.spec_stats.steps > 0  # verify steps really ran
     assert specs[0].engine.spec_stats.accepted_tokens > 0
+
+
+def test_kernel_norms_run_the_kernel_uncompiled_and_torch_ops_where_traced(monkeypatch) -> None:
+    """``use_kernel_norms`` (the engine's prefill steps on the Triton path): every RMSNorm
+    of the model runs the one-launch kernel when called eagerly, norm and residual add
+    alike, and the torch ops when ``torch.compile`` traces it (which fuses them itself)."""
+    from specdec.models.llama import RMSNorm, use_kernel_norms
+
+    model = _tiny("LlamaForCausalLM", torch.float32, invariant=False)
+    assert use_kernel_norms(model) == 2 * model.config.num_layers + 1
+    norm = model.layers[0].post_attention_layernorm
+    assert isinstance(norm, RMSNorm) and norm.eager_kernel
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(7, norm.weight.shape[0], generator=g).to(DEVICE) * 3 for _ in range(2))
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+        eager, eager_stream = norm.add_forward(x, r)
+        kernel, kernel_stream = add_rmsnorm(x, r, norm.weight, norm.eps)
+        assert torch.equal(eager, kernel) and torch.equal(eager_stream, kernel_stream)
+        assert torch.equal(norm(x), rmsnorm(x, norm.weight, norm.eps))
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        traced, traced_stream = norm.add_forward(x, r)
+        ref, ref_stream = add_rmsnorm_ref(x, r, norm.weight, norm.eps)
+        assert torch.equal(traced, ref) and torch.equal(traced_stream, ref_stream)
+        assert torch.equal(norm(x), rmsnorm_ref(x, norm.weight, norm.eps))
