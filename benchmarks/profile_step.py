@@ -8,11 +8,11 @@ decoding's default on the GPU, the phases lose their overlap entirely: `step (to
 then a synchronous step's cost, not the async loop's). Greedy decoding of
 ``--batch`` chat prompts, ``--max-tokens`` each, after one warm-up generation; medians per
 step over the timed generation (``--prompts FILE``: that file's chats that fit, cycled to
-the batch, instead; with ``--max-tokens 1`` a run is its prompts' prefill steps). ``--spec`` and
-``--batch`` take lists: one engine per
-spec, every batch size on it. "graphed" counts target forwards replayed from a CUDA graph
-and whole proposals replayed from the proposer's growth graphs; ``--kernels N`` adds the
-N costliest device kernels of the timed generation (torch profiler, unsynchronised run).
+the batch, instead; with ``--max-tokens 1`` a run is its prompts' prefill steps).
+``--spec`` and ``--batch`` take lists: one engine per spec, every batch size on it.
+"graphed" counts target forwards replayed from a CUDA graph and whole proposals replayed
+from the proposer's growth graphs; ``--kernels N`` adds the N costliest device kernels of
+the timed generation (torch profiler, unsynchronised run).
 EAGLE-3 specs draft with a random head: their timings are real, their τ is ~1; ``default``
 is the model's shipped head with its own tree and batch-size bands.
 ``--deterministic`` builds every engine in deterministic mode (batch-invariant kernels on

@@ -48,10 +48,13 @@ class StepRow:
     tokens: int  # output tokens the call returned
 
 
-def record_modes(llm: LLM, last: list[str]) -> None:
-    """Wrap each step mode's ``step`` so ``last[0]`` names the one that ran."""
+def record_modes(llm: LLM) -> list[str]:
+    """Wrap each step mode's ``step`` (once per engine) so the returned list's one item
+    names the mode whose step ran last."""
+    last = [""]
     for mode in llm.engine.modes:
         mode.step = _named_step(mode.step, type(mode).__name__, last)
+    return last
 
 
 def _named_step(original, name: str, last: list[str]):
@@ -62,14 +65,16 @@ def _named_step(original, name: str, last: list[str]):
     return step
 
 
-def timeline(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> list[StepRow]:
+def timeline(
+    llm: LLM, last: list[str], prompts: list[list[int]], batch: int, max_tokens: int
+) -> list[StepRow]:
+    """Drive ``prompts`` at ``batch`` in flight; ``last``: ``record_modes``'s list."""
     engine = llm.engine
     params = SamplingParams(
         temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.TOKENS
     )
     pending = iter(prompts)
-    in_flight, rows, last = 0, [], [""]
-    record_modes(llm, last)
+    in_flight, rows = 0, []
     synchronize(engine.runner.device)
     t0 = time.perf_counter()
     while True:
@@ -145,9 +150,10 @@ def main() -> int:
         ids = [encode(llm, c.messages) for c in convs]
         n = max(len(ids), a.waves * a.batch)
         prompts = [ids[i % len(ids)] for i in range(n)]
-        timeline(llm, prompts[: 2 * a.batch], a.batch, 16)  # warm-up
+        last = record_modes(llm)
+        timeline(llm, last, prompts[: 2 * a.batch], a.batch, 16)  # warm-up
         preempted = llm.engine.scheduler.num_preemptions
-        rows = timeline(llm, prompts, a.batch, a.max_tokens)
+        rows = timeline(llm, last, prompts, a.batch, a.max_tokens)
         preempted = llm.engine.scheduler.num_preemptions - preempted
         slots = llm.engine.kv_manager.pool.num_usable_blocks * llm.engine.block_size
         lines.append(f"{variant}: {slots:,} KV slots, {preempted} preemptions")

@@ -32,6 +32,7 @@ from torch import nn
 
 from specdec.models.linear import Linear
 from specdec.models.llama import RMSNorm
+from specdec.models.module_flags import set_on_modules
 
 # Modules that may hold parameters on an invariant path: each has a batch-invariant
 # forward (an embedding is a gather). Anything else with weights is refused.
@@ -61,9 +62,4 @@ def use_invariant_kernels(model: nn.Module) -> int:
                 f"{', '.join(str(d) for d in _FLOATS)} weights: load the model in one of "
                 "them (dtype=bfloat16) or turn deterministic off"
             )
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear | RMSNorm):
-            module.invariant = True
-            count += 1
-    return count
+    return set_on_modules(model, (Linear, RMSNorm), "invariant", True)

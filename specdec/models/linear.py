@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.models.module_flags import set_on_modules
+
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -191,9 +193,4 @@ def use_triton_gemm(module: nn.Module, max_rows: int) -> int:
     the Triton GEMM (0: cuBLAS always). Returns how many modules it set."""
     if max_rows < 0:
         raise ValueError(f"max_rows={max_rows} must be >= 0 (0 turns the Triton GEMM off)")
-    count = 0
-    for m in module.modules():
-        if isinstance(m, Linear):
-            m.max_rows = max_rows
-            count += 1
-    return count
+    return set_on_modules(module, Linear, "max_rows", max_rows)

@@ -24,6 +24,7 @@ from specdec.attention.base import AttentionBackend
 from specdec.models.compiling import compile_region
 from specdec.models.config import ModelConfig
 from specdec.models.linear import Linear, add_norm_gate_up_silu, add_norm_linear
+from specdec.models.module_flags import set_on_modules
 from specdec.models.rope import RotaryEmbedding
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.rope import apply_rotary
@@ -93,12 +94,7 @@ def use_kernel_norms(model: nn.Module) -> int:
     nine elementwise passes over them in float32 (the add before it, cast, square, mean,
     add eps, rsqrt, scale, cast back, weight), each a launch over the whole [tokens,
     hidden]. Returns how many modules it set."""
-    count = 0
-    for m in model.modules():
-        if isinstance(m, RMSNorm):
-            m.eager_kernel = True
-            count += 1
-    return count
+    return set_on_modules(model, RMSNorm, "eager_kernel", True)
 
 
 class Attention(nn.Module):
