@@ -16,6 +16,11 @@
 #                          them (`stash`)
 #   .gpu/bench_sets/*.jsonl
 #                          the bench sets' prompts (`specdec bench --export-prompts`)
+#   .gpu/shape/            the target's config and tokenizer, no weights (3 MB): carried
+#                          alone, the machine makes random weights of that shape
+#                          ($SMOLLM2_SHAPE), so plain-path timings (kernels, prefill steps,
+#                          deterministic mode's cost, with --ignore-eos) take one call
+#                          instead of waiting for the GGUF's folders; τ needs the GGUF
 #   .gpu/dev.sh            sourced on the machine (below)
 #
 #   scripts/gpu_pack.sh                      # all of the above; idempotent
@@ -88,6 +93,17 @@ pack_gguf() {
     basename "$gguf" > "$GPU/gguf/name"
 }
 
+pack_shape() {  # the converted target's files but its weights
+    local dir
+    dir=$(python3 -c "
+from specdec.models.aliases import ALIASES
+from specdec.models.gguf import gguf_to_hf_dir
+print(gguf_to_hf_dir(ALIASES['$MODEL'].locate()))")
+    mkdir -p "$GPU/shape"
+    find "$dir" -maxdepth 1 -type f ! -name '*.safetensors' ! -name 'specdec_source.json' \
+        -exec cp {} "$GPU/shape/" \;
+}
+
 WEIGHTS=(specdec/heads/*/ specdec/targets/*/)
 
 stash() {  # the shipped weights out of the tree: copies in .gpu/heads to carry, originals
@@ -131,6 +147,19 @@ if [ ! -f "$SMOLLM2_GGUF" ] && [ @PARTS@ -gt 0 ] \
         && mv "$SMOLLM2_GGUF.tmp" "$SMOLLM2_GGUF"
 fi
 [ -f "$SMOLLM2_GGUF" ] && export SPECDEC_SMOLLM2_135M_INSTRUCT=$SMOLLM2_GGUF
+# Random bf16 weights of the target's shape, once per machine, where .gpu/shape came: a
+# step's time does not depend on the weights' values (greedy runs need --ignore-eos).
+if [ -f .gpu/shape/config.json ] && [ ! -f /tmp/shape/model.safetensors ]; then
+    mkdir -p /tmp/shape && cp .gpu/shape/* /tmp/shape/ && python3 - <<'PY'
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+torch.manual_seed(0)
+config = AutoConfig.from_pretrained("/tmp/shape")
+AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained("/tmp/shape")
+PY
+fi
+[ -f /tmp/shape/model.safetensors ] && export SMOLLM2_SHAPE=/tmp/shape
 # Heads and adapters: kept in /tmp when a call carries them (in the tree or in
 # .gpu/heads), put back when the tree travels without them (to leave room for the GGUF's
 # parts).
@@ -187,6 +216,7 @@ case ${1:-all} in
         mapfile -t specs < <(pinned "${SERVE_WHEELS[@]}")
         download "$WHL/serve" "${specs[@]}"
         pack_gguf
+        pack_shape
         [ -f "$GPU/bench_sets/writingbench.jsonl" ] \
             || specdec bench --export-prompts "$GPU/bench_sets"
         write_dev_sh ;;
