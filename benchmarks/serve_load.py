@@ -136,6 +136,36 @@ def summarize_stacks(path: Path, top: int = 25) -> list[tuple[float, str]]:
     return [(n / per_process[proc], f"{proc[:60]} | {leaf}") for (proc, leaf), n in ranked]
 
 
+TTFT_PHASES = ("queue", "prefill")  # the server's request_<phase>_time_seconds
+
+
+def latency_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the server's TTFT histogram and of its TTFT phases, from /metrics."""
+    from specdec.serve.spec_metrics import parse_exposition
+
+    samples = parse_exposition(httpx.get(f"{url}/metrics", timeout=10).text)
+    names = {"ttft": "time_to_first_token"} | {p: f"request_{p}_time" for p in TTFT_PHASES}
+    out = {}
+    for key, name in names.items():
+        total = samples.get(f"specdec_{name}_seconds_sum", [({}, 0.0)])[0][1]
+        count = samples.get(f"specdec_{name}_seconds_count", [({}, 0.0)])[0][1]
+        out[key] = (total, count)
+    return out
+
+
+def ttft_split_ms(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean ms of TTFT and of each phase over the requests finished between two
+    ``latency_sums``; ``rest`` is TTFT less the phases: the first token's way back."""
+    means: dict[str, float | None] = {}
+    for key, (total, count) in after.items():
+        n = count - before[key][1]
+        means[key] = 1e3 * (total - before[key][0]) / n if n else None
+    parts = [means[p] for p in TTFT_PHASES]
+    ttft = means["ttft"]
+    means["rest"] = None if ttft is None or None in parts else ttft - sum(parts)
+    return means
+
+
 def bench_serve(url: str, args, c: int, out: Path) -> dict:
     """``specdec bench-serve`` at concurrency ``c``, split over one client process per
     ``--client-concurrency`` streams: one Python client parsing 128 SSE streams is
@@ -199,8 +229,10 @@ def run_server(variant: str, args, work: Path) -> dict:
             if before is not None and args.py_spy:
                 stacks = work / f"stacks_{variant}_c{c}.txt"
                 spy = py_spy_record(args.py_spy, proc.pid, args.py_spy_s, stacks)
+            sums = latency_sums(url)
             t0 = time.monotonic()
             report = bench_serve(url, args, c, work / f"serve_{variant}_c{c}.json")
+            split = ttft_split_ms(sums, latency_sums(url))
             if spy is not None:
                 spy.wait()
                 result["stacks"] = str(stacks)
@@ -217,6 +249,7 @@ def run_server(variant: str, args, work: Path) -> dict:
                 "tok_s": report["output_throughput"],
                 "tpot_p50_ms": report["tpot_ms"]["p50"],
                 "ttft_p50_ms": report["ttft_ms"]["p50"],
+                "ttft_split_ms": split,
                 "tau": (report.get("speculation") or {}).get("tau"),
             }
             print(f"[{variant}] c={c}: {result['rows'][c]}", flush=True)
@@ -308,6 +341,20 @@ def main() -> int:
             tau = row.get("tau")
             print(f"| {c} | {s['variant']} | {row.get('tok_s', 0):,.0f} | {off_s} | {share} | "
                   f"{row.get('tpot_p50_ms', 0):.2f} | {f'{tau:.2f}' if tau else ''} |")  # fmt: skip
+    print("\nServer TTFT, mean ms over each run's requests (/metrics): the prompt encoded and")
+    print("sent to the engine core -> first step (queue) -> first token (prefill) -> the")
+    print("request's stream (rest)")
+    print("\n| c | variant | TTFT | queue | prefill | rest |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for c in args.concurrency:
+        for s in servers:
+            split = s["rows"].get(c, {}).get("ttft_split_ms") or {}
+            cells = [split.get(k) for k in ("ttft", *TTFT_PHASES, "rest")]
+            print(
+                f"| {c} | {s['variant']} | "
+                + " | ".join("" if v is None else f"{v:.1f}" for v in cells)
+                + " |"
+            )
     for s in servers:
         top = max(args.concurrency)
         print(f"{s['variant']}: /health after {s.get('health_s', float('nan')):.1f} s, "

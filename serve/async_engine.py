@@ -64,6 +64,7 @@ class RequestStats:
     finished_time: float | None = None
     num_output_tokens: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    core: RequestMetrics | None = None  # the engine core's timeline, once it finished it
 
 
 class RequestStream:
@@ -260,7 +261,7 @@ class AsyncLLMEngine:
         self._live[request_id] = stream
         accepted: asyncio.Future[None] = self._loop.create_future()
         self._adding[request_id] = accepted
-        self._core.send(("add", request_id, prompt_token_ids, params))
+        self._core.send(("add", request_id, prompt_token_ids, params, time.monotonic()))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -289,6 +290,7 @@ class AsyncLLMEngine:
         stats = stream.stats
         stats.finished_time = time.monotonic()
         stats.finish_reason = reason
+        stats.core = stream._metrics
         if reason != "error":
             for listener in self._finish_listeners:
                 listener(stats)

@@ -9,7 +9,13 @@ process (``core_client.InprocCoreClient``: tests and embedding). Both speak the 
 below; only the transport differs.
 
 Commands (API side → core), tuples:
-    ("add", request_id, prompt_token_ids, SamplingParams)
+    ("add", request_id, prompt_token_ids, SamplingParams, sent_at)
+                                               sent_at: the API side's time.monotonic()
+                                               as it sent the request (system-wide, so
+                                               comparable here): the request's arrival
+                                               time in the engine, whose queue time then
+                                               counts the channel and the step it waited
+                                               out before the loop read it
     ("abort", request_id)
     ("shutdown",)
 Messages (core → API side), tuples:
@@ -216,10 +222,10 @@ class EngineCore:
         kind = command[0]
         self._changed = True
         if kind == "add":
-            _, request_id, prompt, params = command
+            _, request_id, prompt, params, sent_at = command
             error = None
             try:
-                self.engine.add_request(prompt, core_params(params), request_id)
+                self.engine.add_request(prompt, core_params(params), request_id, sent_at)
             except (ValueError, TypeError) as e:  # bad input: the engine state is unchanged
                 error = str(e)
             self.emit(("added", request_id, error))

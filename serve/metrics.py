@@ -14,6 +14,15 @@ read at scrape time from the engine core's latest ``EngineSnapshot``. Names (all
 - ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
   ``e2e_request_latency_seconds``: histograms measured from the request's arrival at the
   server; TPOT = (e2e - TTFT) / (output tokens - 1), for requests with >= 2 tokens.
+- Where a request's time to first token went, from the engine core's timeline of each
+  finished request: ``request_queue_time_seconds`` (arrival, i.e. sent to the engine
+  core, until a step first admits it: the channel, the step the core loop was running,
+  the scheduler's queue) and ``request_prefill_time_seconds`` (first admitted to first
+  token: its prefill steps, chunks and any wait beside other requests' work);
+  ``request_decode_time_seconds`` covers first token to finish in the core. Queue +
+  prefill <= TTFT per request; the rest of TTFT is the first token's way back to the
+  request's stream. (Arrival is when the API side, having encoded the prompt, hands the
+  request to the engine.)
 - ``spec_decode_num_steps`` / ``spec_decode_num_draft_tokens`` /
   ``spec_decode_num_accepted_tokens``: a *step* is one target verification forward for
   one request with a draft; ``spec_decode_mean_acceptance_length`` is τ = 1 +
@@ -46,6 +55,7 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0,
 )  # fmt: skip
+_PHASE_BUCKETS = (0.001, 0.0025, *_LATENCY_BUCKETS)  # a queue wait may be one step
 _TPOT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -160,6 +170,20 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        phases = {
+            "queue": "arrival (sent to the engine core) to the first step admitting it",
+            "prefill": "first step to first token, in the engine core",
+            "decode": "first token to finish, in the engine core",
+        }
+        self.phases = {
+            name: Histogram(
+                f"{PREFIX}request_{name}_time_seconds",
+                f"Seconds from {span}.",
+                buckets=_PHASE_BUCKETS,
+                registry=r,
+            )
+            for name, span in phases.items()
+        }
         self.success = Counter(
             PREFIX + "request_success",
             "Requests finished, by finish reason.",
@@ -200,6 +224,13 @@ class ServerMetrics:
         self.e2e.observe(e2e)
         if stats.num_output_tokens > 1:
             self.tpot.observe((e2e - ttft) / (stats.num_output_tokens - 1))
+        core = stats.core
+        if core is None or core.first_scheduled_time is None or core.first_token_time is None:
+            return  # finished at the server (a stop string) before the core reported
+        self.phases["queue"].observe(core.first_scheduled_time - core.arrival_time)
+        self.phases["prefill"].observe(core.first_token_time - core.first_scheduled_time)
+        if core.finished_time is not None:
+            self.phases["decode"].observe(core.finished_time - core.first_token_time)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,11 +27,13 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    # time.monotonic() seconds (system-wide on Linux: a server's processes compare them).
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # first admitted to a step: queue time ends
     # Speculation (zero without it): verify steps with a draft, draft tokens, accepted ones.
     spec_steps: int = 0
     spec_drafted_tokens: int = 0

@@ -54,6 +54,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None  # first admitted to a step (not re-admissions)
     first_token_time: float | None = None
     finished_time: float | None = None
 

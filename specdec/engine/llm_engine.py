@@ -259,9 +259,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         """Validate and queue one request; returns its id. Raises ValueError on bad input
-        without changing the engine's state."""
+        without changing the engine's state. ``arrival_time``: when the request arrived,
+        ``time.monotonic()`` seconds (default: now), where a caller queued it earlier."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs.states:
@@ -282,6 +284,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_tokens=max_tokens,
         )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         self.outputs.add(request, text)  # the step hooks admit it (or refuse: ValueError)
         self.scheduler.add_request(request)
         return request_id

@@ -225,6 +225,7 @@ class OutputProcessor:
             finished_time=request.finished_time,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
+            first_scheduled_time=request.first_scheduled_time,
             spec_steps=spec.steps,
             spec_drafted_tokens=spec.drafted_tokens,
             spec_accepted_tokens=spec.accepted_tokens,

@@ -11,6 +11,7 @@ produced, so nothing is lost or repeated.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -170,6 +171,8 @@ class Scheduler:
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))

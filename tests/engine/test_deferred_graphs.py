@@ -9,6 +9,7 @@ EAGLE-3 head, the GPU path's graphs as CPU stand-ins (test_engine.py)."""
 from __future__ import annotations
 
 import queue
+import time
 
 import pytest
 from test_engine import greedy, make_llm, token_ids
@@ -132,7 +133,7 @@ def test_the_idle_serving_core_captures_the_deferred_graphs(
     sent: list[tuple] = []
     core = EngineCore(engine, inbox, sent.append)
     prompt = chats[PICKED[0]]
-    inbox.put(("add", "a", prompt, core_params(greedy(LENGTHS[0]))))
+    inbox.put(("add", "a", prompt, core_params(greedy(LENGTHS[0])), time.monotonic()))
     assert core._iteration()  # the add, then a (plain) step: no capture
     assert ("added", "a", None) in sent
     assert not engine.deferred_graphs.times
@@ -144,7 +145,7 @@ def test_the_idle_serving_core_captures_the_deferred_graphs(
         captures += 1
     assert captures == 10  # nine graphs, then the iteration that finds none left
     assert inbox.empty()
-    inbox.put(("add", "b", prompt, core_params(greedy(LENGTHS[0]))))
+    inbox.put(("add", "b", prompt, core_params(greedy(LENGTHS[0])), time.monotonic()))
     while True:
         assert core._iteration()
         if not engine.has_unfinished_requests():

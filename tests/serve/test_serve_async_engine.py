@@ -63,8 +63,11 @@ class ScriptedEngine:
         self.threads.add(threading.get_ident())
         self.calls.append((name, request_id))
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str) -> str:
+    def add_request(
+        self, prompt, params: SamplingParams, request_id: str, arrival_time: float
+    ) -> str:
         self._touch("add", request_id)
+        assert arrival_time <= time.monotonic()  # the API side's send time
         if not prompt:
             raise ValueError("the prompt is empty; pass at least one token")
         # The core asks for token ids per step and leaves text to the API side.
