@@ -181,6 +181,9 @@ def test_preemption_keeps_outputs(smollm2_dir, mixed, tight_sync):
     assert_same_outputs(got, expected)
     assert tight.engine.scheduler.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in got) > 0
+    # A request's timeline stays ordered; re-admission after a preemption keeps the first.
+    for m in (o.metrics for o in got):
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert {o.outputs[0].finish_reason for o in got} == {"stop", "length"}
     floors = [p.min_tokens for p in mixed[1]]
     assert all(len(o.outputs[0].token_ids) >= m for o, m in zip(got, floors, strict=True))
