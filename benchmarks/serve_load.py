@@ -136,7 +136,7 @@ def summarize_stacks(path: Path, top: int = 25) -> list[tuple[float, str]]:
     return [(n / per_process[proc], f"{proc[:60]} | {leaf}") for (proc, leaf), n in ranked]
 
 
-TTFT_PHASES = ("queue", "prefill")  # the server's request_<phase>_time_seconds
+TTFT_PHASES = ("prepare", "queue", "prefill")  # the server's request_<phase>_time_seconds
 
 
 def latency_sums(url: str) -> dict[str, tuple[float, float]]:
@@ -341,11 +341,11 @@ def main() -> int:
             tau = row.get("tau")
             print(f"| {c} | {s['variant']} | {row.get('tok_s', 0):,.0f} | {off_s} | {share} | "
                   f"{row.get('tpot_p50_ms', 0):.2f} | {f'{tau:.2f}' if tau else ''} |")  # fmt: skip
-    print("\nServer TTFT, mean ms over each run's requests (/metrics): the prompt encoded and")
-    print("sent to the engine core -> first step (queue) -> first token (prefill) -> the")
-    print("request's stream (rest)")
-    print("\n| c | variant | TTFT | queue | prefill | rest |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("\nServer TTFT, mean ms over each run's requests (/metrics): arrival -> sent to the")
+    print("engine core (prepare: template, encoding) -> first step (queue) -> first token")
+    print("(prefill) -> the request's stream (rest)")
+    print("\n| c | variant | TTFT | prepare | queue | prefill | rest |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for c in args.concurrency:
         for s in servers:
             split = s["rows"].get(c, {}).get("ttft_split_ms") or {}

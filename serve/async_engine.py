@@ -83,9 +83,11 @@ class RequestStream:
         engine: AsyncLLMEngine,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
-        self.stats = RequestStats(request_id, time.monotonic(), len(prompt_token_ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.stats = RequestStats(request_id, arrival, len(prompt_token_ids))
         self.done = False  # nothing more will be delivered (finished, closed or failed)
         self._engine = engine
         self._prompt_token_ids = prompt_token_ids
@@ -242,9 +244,15 @@ class AsyncLLMEngine:
 
     # ---- requests -----------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
     ) -> RequestStream:
-        """Queue a request and wait until the engine accepts it.
+        """Queue a request and wait until the engine accepts it. ``arrival_time``: when
+        the request reached the server (``time.monotonic()``; default: now), the start of
+        its latencies.
 
         Raises ``QueueFullError`` when ``max_in_flight`` requests are in flight,
         ``EngineDeadError`` when the engine loop has stopped, and ``ValueError`` (the
@@ -257,7 +265,7 @@ class AsyncLLMEngine:
                 f"{len(self._live)} requests are in flight, the most this server queues "
                 f"(max_num_seqs + max_waiting_requests = {self.max_in_flight}); retry later"
             )
-        stream = RequestStream(request_id, self, prompt_token_ids, params)
+        stream = RequestStream(request_id, self, prompt_token_ids, params, arrival_time)
         self._live[request_id] = stream
         accepted: asyncio.Future[None] = self._loop.create_future()
         self._adding[request_id] = accepted

@@ -15,14 +15,14 @@ read at scrape time from the engine core's latest ``EngineSnapshot``. Names (all
   ``e2e_request_latency_seconds``: histograms measured from the request's arrival at the
   server; TPOT = (e2e - TTFT) / (output tokens - 1), for requests with >= 2 tokens.
 - Where a request's time to first token went, from the engine core's timeline of each
-  finished request: ``request_queue_time_seconds`` (arrival, i.e. sent to the engine
-  core, until a step first admits it: the channel, the step the core loop was running,
-  the scheduler's queue) and ``request_prefill_time_seconds`` (first admitted to first
-  token: its prefill steps, chunks and any wait beside other requests' work);
-  ``request_decode_time_seconds`` covers first token to finish in the core. Queue +
-  prefill <= TTFT per request; the rest of TTFT is the first token's way back to the
-  request's stream. (Arrival is when the API side, having encoded the prompt, hands the
-  request to the engine.)
+  finished request: ``request_prepare_time_seconds`` (arrival at the server until the API
+  side sends the request to the engine core: validation, chat template, the prompt's
+  encoding), ``request_queue_time_seconds`` (sent until a step first admits it: the
+  channel, the step the core loop was running, the scheduler's queue) and
+  ``request_prefill_time_seconds`` (first admitted to first token: its prefill steps,
+  chunks and any wait beside other requests' work); ``request_decode_time_seconds``
+  covers first token to finish in the core. Prepare + queue + prefill <= TTFT per
+  request; the rest of TTFT is the first token's way back to the request's stream.
 - ``spec_decode_num_steps`` / ``spec_decode_num_draft_tokens`` /
   ``spec_decode_num_accepted_tokens``: a *step* is one target verification forward for
   one request with a draft; ``spec_decode_mean_acceptance_length`` is τ = 1 +
@@ -171,7 +171,8 @@ class ServerMetrics:
             registry=r,
         )
         phases = {
-            "queue": "arrival (sent to the engine core) to the first step admitting it",
+            "prepare": "arrival at the server to its send to the engine core",
+            "queue": "its send to the engine core to the first step admitting it",
             "prefill": "first step to first token, in the engine core",
             "decode": "first token to finish, in the engine core",
         }
@@ -227,6 +228,7 @@ class ServerMetrics:
         core = stats.core
         if core is None or core.first_scheduled_time is None or core.first_token_time is None:
             return  # finished at the server (a stop string) before the core reported
+        self.phases["prepare"].observe(core.arrival_time - stats.arrival_time)
         self.phases["queue"].observe(core.first_scheduled_time - core.arrival_time)
         self.phases["prefill"].observe(core.first_token_time - core.first_scheduled_time)
         if core.finished_time is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Literal
@@ -114,8 +115,11 @@ class OpenAIServing:
         body,
         max_tokens: tuple[int | None, int | None],
         logprobs: int | None,
+        arrival: float,
     ) -> RequestStream:
-        """Submit the request; ``max_tokens`` is (asked, the endpoint's default)."""
+        """Submit the request; ``max_tokens`` is (asked, the endpoint's default);
+        ``arrival``: ``time.monotonic()`` when the handler began (the prompt's encoding
+        then counts in its TTFT)."""
         asked, default = max_tokens
         limit = self.config.max_tokens_limit
         resolved = resolve_max_tokens(asked, default, len(prompt_ids), self.max_model_len, limit)
@@ -123,7 +127,7 @@ class OpenAIServing:
         spec_exit = resolve_spec_exit(body.spec_exit, self.spec_exit_base, cfg.spec_exit_by_default)
         params = sampling_params(body, resolved, logprobs, spec_exit)
         try:
-            return await self.engine.add_request(request_id, prompt_ids, params)
+            return await self.engine.add_request(request_id, prompt_ids, params, arrival)
         except QueueFullError as e:
             self.metrics.rejected.labels("queue_full").inc()
             retry = str(self.config.retry_after_s)
@@ -178,6 +182,7 @@ class OpenAIServing:
 
     # ---- /v1/completions ----------------------------------------------------------------
     async def completions(self, body: CompletionRequest, raw: Request) -> Response | BaseModel:
+        arrival = time.monotonic()
         model = self.check_model(body.model)
         refuse_unsupported(body)
         prompt_ids = completion_prompt_ids(self.tokenizer, body.prompt)
@@ -185,7 +190,9 @@ class OpenAIServing:
         # OpenAI's default of 16 applies when max_tokens is left out; null means no limit.
         asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
         default = None if "max_tokens" in body.model_fields_set else 16
-        stream = await self._start(request_id, prompt_ids, body, (asked, default), body.logprobs)
+        stream = await self._start(
+            request_id, prompt_ids, body, (asked, default), body.logprobs, arrival
+        )
         want_logprobs = body.logprobs is not None
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -256,6 +263,7 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions -----------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response | BaseModel:
+        arrival = time.monotonic()
         model = self.check_model(body.model)
         refuse_unsupported(body)
         text = chat_prompt_text(self.tokenizer, body)
@@ -266,7 +274,9 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        stream = await self._start(request_id, prompt_ids, body, (max_tokens, None), logprobs)
+        stream = await self._start(
+            request_id, prompt_ids, body, (max_tokens, None), logprobs, arrival
+        )
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return EngineEventStream(self._chat_events(stream, model, body.logprobs, usage), stream)

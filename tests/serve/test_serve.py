@@ -200,14 +200,14 @@ def test_64_concurrent_streams_match_offline_and_metrics_add_up(offline, server)
     for histogram in ("time_to_first_token", "e2e_request_latency"):
         assert delta(f"specdec_{histogram}_seconds_count") == 64
     # Where TTFT went, from the core's timeline (another process, the same clock): every
-    # phase observed once a request and never negative; queue + prefill end at the core's
-    # first token, which the server's stream can only see after.
+    # phase observed once a request and never negative; prepare + queue + prefill end at
+    # the core's first token, which the server's stream can only see after.
     phases = {p: delta(f"specdec_request_{p}_time_seconds_sum")
-              for p in ("queue", "prefill", "decode")}  # fmt: skip
+              for p in ("prepare", "queue", "prefill", "decode")}  # fmt: skip
     for p in phases:
         assert delta(f"specdec_request_{p}_time_seconds_count") == 64, p
     assert min(phases.values()) >= 0.0, phases
-    to_first = phases["queue"] + phases["prefill"]
+    to_first = phases["prepare"] + phases["queue"] + phases["prefill"]
     assert to_first <= delta("specdec_time_to_first_token_seconds_sum"), phases
     # Speculation was on and its counters are consistent.
     steps = delta("specdec_spec_decode_num_steps_total")
