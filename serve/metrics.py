@@ -55,7 +55,7 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0,
 )  # fmt: skip
-_PHASE_BUCKETS = (0.001, 0.0025, *_LATENCY_BUCKETS)  # a queue wait may be one step
+_PHASE_BUCKETS = (0.001, 0.0025, *_LATENCY_BUCKETS)  # prepare and queue: often milliseconds
 _TPOT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
