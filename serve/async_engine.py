@@ -83,11 +83,10 @@ class RequestStream:
         engine: AsyncLLMEngine,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        arrival_time: float | None = None,
+        arrival_time: float,  # time.monotonic() when the request reached the server
     ) -> None:
         self.request_id = request_id
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.stats = RequestStats(request_id, arrival, len(prompt_token_ids))
+        self.stats = RequestStats(request_id, arrival_time, len(prompt_token_ids))
         self.done = False  # nothing more will be delivered (finished, closed or failed)
         self._engine = engine
         self._prompt_token_ids = prompt_token_ids
@@ -265,7 +264,8 @@ class AsyncLLMEngine:
                 f"{len(self._live)} requests are in flight, the most this server queues "
                 f"(max_num_seqs + max_waiting_requests = {self.max_in_flight}); retry later"
             )
-        stream = RequestStream(request_id, self, prompt_token_ids, params, arrival_time)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        stream = RequestStream(request_id, self, prompt_token_ids, params, arrival)
         self._live[request_id] = stream
         accepted: asyncio.Future[None] = self._loop.create_future()
         self._adding[request_id] = accepted

@@ -283,9 +283,8 @@ class LLMEngine:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_tokens=max_tokens,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
         self.outputs.add(request, text)  # the step hooks admit it (or refuse: ValueError)
         self.scheduler.add_request(request)
         return request_id

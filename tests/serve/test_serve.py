@@ -200,8 +200,8 @@ def test_64_concurrent_streams_match_offline_and_metrics_add_up(offline, server)
     for histogram in ("time_to_first_token", "e2e_request_latency"):
         assert delta(f"specdec_{histogram}_seconds_count") == 64
     # Where TTFT went, from the core's timeline (another process, the same clock): every
-    # phase observed once a request and never negative; prepare + queue + prefill end at
-    # the core's first token, which the server's stream can only see after.
+    # phase observed once a request, no phase's total negative; prepare + queue + prefill
+    # end at the core's first token, which the server's stream can only see after.
     phases = {p: delta(f"specdec_request_{p}_time_seconds_sum")
               for p in ("prepare", "queue", "prefill", "decode")}  # fmt: skip
     for p in phases:
