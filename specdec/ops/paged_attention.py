@@ -80,6 +80,13 @@ def gather_contexts(
     table = block_tables[:, :num_blocks].reshape(-1).long()
     blocks = cache.index_select(0, table)  # [num_seqs * num_blocks, block_size, kvh, d]
     ctx = blocks.view(block_tables.shape[0], -1, *cache.shape[2:])
+    if ctx.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Each padded tail is one contiguous memset; a broadcast masked_fill over the
+        # whole gather costs several times the gather itself on CPU (reading the lengths
+        # there is free, where a GPU would have to sync).
+        for row, length in zip(ctx, seq_lens.tolist(), strict=True):
+            row[length:].zero_()
+        return ctx
     valid = torch.arange(ctx.shape[1], device=ctx.device)[None, :] < seq_lens[:, None]
     return ctx.masked_fill_(~valid[:, :, None, None], 0)
 

@@ -33,7 +33,10 @@ if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 triton = pytest.importorskip("triton")
 
 from specdec.attention.base import get_attention_backend  # noqa: E402
-from specdec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from specdec.attention.torch_backend import (  # noqa: E402
+    TorchAttentionBackend,
+    paged_attention_batched_ref,
+)
 from specdec.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from specdec.kernels import (  # noqa: E402
     DecodeConfig,
@@ -700,6 +703,34 @@ def test_backend_forward_rope_matches_torch_backend():
     torch.testing.assert_close(out, ref, **TOL)
     torch.testing.assert_close(case.k_cache, k_ref, **TOL)
     assert torch.equal(case.v_cache, v_ref)
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "seq_lens"),
+    [([1, 1, 1, 1, 1], [1, 64, 200, 17, 33]), ([1, 4, 7, 1], [90, 12, 150, 33])],
+    ids=["decode_only", "short_queries"],
+)
+def test_padded_references_ignore_nan_outside_every_context(q_lens, seq_lens):
+    """The CPU backend's padded one-call paths (decode-only batches, short-query batches)
+    gather every context padded to the longest: slots no context covers may hold anything
+    (here NaN, which a zero attention weight would still spread) and must leave each
+    output equal to the per-sequence loop's, which never reads them."""
+    case = make_case(q_lens, seq_lens, group=3, num_kv_heads=3, num_padded=2, seed=11)
+    expected = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    block_size = case.k_cache.shape[1]
+    table = case.meta.block_tables.cpu()
+    covered = torch.zeros(case.k_cache.shape[0] * block_size, dtype=torch.bool)
+    for s, seq_len in enumerate(case.meta.seq_lens.tolist()):  # padding sequences: slot 0
+        pos = torch.arange(seq_len)
+        covered[table[s, pos // block_size].long() * block_size + pos % block_size] = True
+    for cache in (case.k_cache, case.v_cache):
+        cache.view(-1, *cache.shape[2:])[~covered.to(DEVICE)] = float("nan")
+    padded = paged_decode_ref if max(q_lens) == 1 else paged_attention_batched_ref
+
+    out = padded(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOL)
 
 
 def test_mismatched_heads_are_rejected():
