@@ -4,8 +4,10 @@
 ``kernels.skinny_gemm`` when the input has at most ``max_rows`` rows, and cuBLAS
 otherwise. ``max_rows`` is 0 (off) until ``use_triton_gemm`` sets it: the engine does so
 on CUDA when ``EngineConfig.triton_gemm_max_tokens`` asks (off by default: in the engine
-on the H200 it is slower than cuBLAS, docs/benchmarks.md); training, the CPU and
-prefills keep ``F.linear``.
+on the H200 it is slower than cuBLAS, docs/benchmarks.md); training and prefills keep
+``F.linear``. On CPU, float32 inference of up to ``CPU_WEIGHT_MAJOR_MAX_ROWS`` rows
+multiplies in the weight-major form (``weight_major_linear``), which MKL streams 2.4-3.8
+times faster than ``x @ W.T`` at one to four rows and ~1.1 times at 16 to 32.
 
 In the engine's deterministic mode (``use_invariant_kernels``, ``models/invariant.py``)
 every ``Linear`` is ``invariant``: inputs of any number of rows, prefill included, take
@@ -106,10 +108,47 @@ def _run(op, launcher: str, *args):
     return getattr(skinny_gemm, launcher)(*args)
 
 
+# On CPU, float32 inputs of up to this many rows take ``weight_major_linear``: MKL's
+# kernels for ``x @ W.T`` with one row (a matrix-vector product) or a few rows stream the
+# weight at a fraction of the bandwidth that its general GEMM reaches on ``W @ x.T``
+# (docs/benchmarks.md, "CPU projections").
+CPU_WEIGHT_MAJOR_MAX_ROWS = 32
+
+
+def takes_weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inference on CPU in float32 (no autograd) with at most ``CPU_WEIGHT_MAJOR_MAX_ROWS``
+    rows; from about 64 rows up ``F.linear`` is as fast or faster. Traced code takes it
+    too, so a compiled step multiplies as the eager one does."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= CPU_WEIGHT_MAJOR_MAX_ROWS
+        and x.dtype == weight.dtype == torch.float32
+        and not torch.is_grad_enabled()
+    )
+
+
+def weight_major_linear(
+    x: torch.Tensor,  # [rows, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None,  # [out_features]
+) -> torch.Tensor:  # [rows, out_features], contiguous
+    """``F.linear(x, weight, bias)`` computed as ``(weight @ x.T).T`` by MKL's general
+    GEMM instead of its matrix-vector and few-rows kernels: the same sums up to float
+    rounding (bitwise the same from a dozen rows up). One row goes in twice, since a
+    one-column ``x.T`` would take the matrix-vector kernel again."""
+    rows = x.shape[0]
+    if rows == 1:
+        x = torch.cat([x, x])
+    out = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias[:, None], weight, x.t())
+    return out[:, :rows].t().contiguous()
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that multiplies inputs of at most ``max_rows`` rows (2-d, contiguous
     rows, a float dtype) with the skinny Triton GEMM; same results up to float rounding
-    (float32 accumulation either way). ``invariant``: every input, whatever its rows."""
+    (float32 accumulation either way). ``invariant``: every input, whatever its rows.
+    Otherwise CPU float32 inference of few rows takes ``weight_major_linear``."""
 
     max_rows: int = 0  # off; use_triton_gemm sets it per module
     invariant: bool = False  # off; use_invariant_kernels sets it per module
@@ -137,9 +176,11 @@ class Linear(nn.Linear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.takes_triton(x):
-            return F.linear(x, self.weight, self.bias)
-        return _run(skinny_linear_op, "skinny_linear", x, self.weight, self.bias)
+        if self.takes_triton(x):
+            return _run(skinny_linear_op, "skinny_linear", x, self.weight, self.bias)
+        if takes_weight_major(x, self.weight):
+            return weight_major_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` in one launch when this is an MLP's fused gate/up projection
