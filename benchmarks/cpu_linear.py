@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import env_info, parse_int_list, print_env
+from common import env_info, measure, parse_int_list, print_env
 
 from specdec.models.linear import CPU_WEIGHT_MAJOR_MAX_ROWS, weight_major_linear
 
@@ -48,7 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    env = env_info(torch.device("cpu"), torch.float32) | {"threads": str(torch.get_num_threads())}
+    cpu = torch.device("cpu")
+    env = env_info(cpu, torch.float32) | {"threads": str(torch.get_num_threads())}
     print_env(env)
 
     gen = torch.Generator().manual_seed(0)
@@ -61,17 +60,16 @@ def main() -> None:
             inputs = {k: torch.randn(rows, k, generator=gen) for k in {s[1] for s in shapes}}
             row: dict[str, float] = {"rows": rows}
             for name, form in FORMS.items():
-                times = []
-                for _ in range(args.repeats + 1):  # the first is the warm-up
-                    start = time.perf_counter()
+
+                def step(form=form, inputs=inputs) -> None:
                     for w in weights:
                         form(inputs[w.shape[1]], w)
-                    times.append(time.perf_counter() - start)
-                row[name] = statistics.median(times[1:]) * 1e3
+
+                row[name] = measure(step, cpu, warmup=1, repeats=args.repeats) * 1e3
             w = weights[-1]
             x = inputs[w.shape[1]]
             row["max_diff"] = float(
-                (FORMS["F.linear"](x, w) - weight_major_linear(x, w, None)).abs().max()
+                (FORMS["F.linear"](x, w) - FORMS["weight-major"](x, w)).abs().max()
             )
             results.append(row)
             print(json.dumps(row), flush=True)

@@ -6,8 +6,9 @@ otherwise. ``max_rows`` is 0 (off) until ``use_triton_gemm`` sets it: the engine
 on CUDA when ``EngineConfig.triton_gemm_max_tokens`` asks (off by default: in the engine
 on the H200 it is slower than cuBLAS, docs/benchmarks.md); training and prefills keep
 ``F.linear``. On CPU, float32 inference of up to ``CPU_WEIGHT_MAJOR_MAX_ROWS`` rows
-multiplies in the weight-major form (``weight_major_linear``), which MKL streams 2.4-3.8
-times faster than ``x @ W.T`` at one to four rows and ~1.1 times at 16 to 32.
+multiplies in the weight-major form (``weight_major_linear``), which MKL runs 2.5-4.4
+times faster than ``x @ W.T`` at one to four rows and ~1.1 times at 16 to 32
+(docs/benchmarks.md, "CPU projections").
 
 In the engine's deterministic mode (``use_invariant_kernels``, ``models/invariant.py``)
 every ``Linear`` is ``invariant``: inputs of any number of rows, prefill included, take
