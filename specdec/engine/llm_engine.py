@@ -98,9 +98,9 @@ class LLMEngine:
         )
         self.step_sampler = StepSampler(self.sampler, self.runner.device)
         self.lookahead = self.proposer.lookahead_slots if self.proposer is not None else 0
-        # The tree-mask variants only verify steps need: now, or with speculation's
+        # The tree-mask variants only speculative steps need: now, or with speculation's
         # deferred graphs (``_capture_graphs``).
-        self.runner.warm_up_kernels(trees=False)
+        self.runner.warm_up_kernels(trees=False, draft=self._drafts_attend)
         # Pipelined speculative steps (spec/pipeline.py), on by default where steps replay
         # CUDA graphs.
         self.pipeline: SpecPipeline | None = None
@@ -149,7 +149,7 @@ class LLMEngine:
         on_graphs = runner.runtime.use_cuda_graphs
         sizes = self._band_graph_sizes() if on_graphs and self.proposer is not None else {}
         if self.proposer is not None and not sizes:  # no speculation graphs to wait for
-            runner.warm_up_kernels(plain=False, trees=True)
+            runner.warm_up_kernels(plain=False, trees=True, draft=self._drafts_attend)
         if not on_graphs:
             return
         # Chains need no tree mask, so a step that mixes prompt tokens with them (an
@@ -196,8 +196,13 @@ class LLMEngine:
         """The tree-mask attention variants' compilation as the first item of speculation's
         graphs: before speculation starts either way, and after the engine reports ready
         when they are deferred (seconds of compilation where Triton's cache is cold)."""
-        if self.runner.warm_up_kernels(plain=False, trees=True):
+        if self.runner.warm_up_kernels(plain=False, trees=True, draft=self._drafts_attend):
             yield "attention warm-up: tree-mask kernel variants"
+
+    @property
+    def _drafts_attend(self) -> bool:
+        """Whether the proposer's drafts run attention kernels (``warm_up_kernels``)."""
+        return self.proposer is not None and self.proposer.uses_draft_attention
 
     @property
     def tokenizer(self):

@@ -253,17 +253,23 @@ class ModelRunner:
         hidden, aux = self._forward(input_ids, positions, meta)
         return self.model.compute_logits(hidden.index_select(0, logits_indices)), aux
 
-    @property
-    def warms_up_kernels(self) -> bool:
-        """Whether ``warm_up_kernels`` compiles anything here: the Triton path on a GPU."""
-        return self.device.type == "cuda" and self.runtime.attention_backend == "triton"
+    def warms_up_kernels(self, *, draft: bool = False) -> bool:
+        """Whether ``warm_up_kernels`` compiles anything here: on a GPU, where the target's
+        attention or, with ``draft``, a draft model's runs the Triton backend (in
+        deterministic mode only the draft's does)."""
+        backends = {self.runtime.attention_backend}
+        if draft:
+            backends.add(self.runtime.draft_attention_backend)
+        return self.device.type == "cuda" and "triton" in backends
 
-    def warm_up_kernels(self, *, plain: bool = True, trees: bool) -> int:
+    def warm_up_kernels(self, *, plain: bool = True, trees: bool, draft: bool = False) -> int:
         """Compile the Triton attention variants serving could need (kernels/warmup.py)
         now rather than on some request's first token: those of steps without a tree mask
-        when ``plain``, the tree-mask ones of verify steps when ``trees``. Returns the
-        variants launched; none off the Triton path."""
-        if not self.warms_up_kernels or not (plain or trees):
+        when ``plain``, the tree-mask ones of verify and draft steps when ``trees``, for
+        the target and, with ``draft`` (a proposer whose drafts attend,
+        ``Proposer.uses_draft_attention``), for its draft model. Returns the variants
+        launched; none off the Triton path."""
+        if not self.warms_up_kernels(draft=draft) or not (plain or trees):
             return 0
         from specdec.kernels.warmup import warm_up_attention  # imports triton
 

@@ -46,6 +46,7 @@ class _DraftState:
 
 class DraftModelProposer(Proposer):
     name = "draft_model"
+    uses_draft_attention = True
 
     def __init__(self, config: SpeculativeConfig, *, runner) -> None:
         super().__init__(config, runner=runner)

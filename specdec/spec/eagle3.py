@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 class Eagle3Proposer(PipelinedProposer):
     name = "eagle3"
+    uses_draft_attention = True
 
     def __init__(self, config: SpeculativeConfig, *, runner) -> None:
         super().__init__(config, runner=runner)

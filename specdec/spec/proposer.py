@@ -92,6 +92,12 @@ class Proposer(ABC):
     # fields, ``Eagle3Config.spec_exit_defaults``): the base requests' settings override.
     spec_exit_defaults: dict[str, Any] | None = None
 
+    # Whether its drafts attend through the runner's ``draft_attention`` backend (a draft
+    # model, an EAGLE-3 head): the runner then compiles that backend's kernel variants
+    # before serving even where the target's attention is another backend
+    # (``ModelRunner.warm_up_kernels``).
+    uses_draft_attention: ClassVar[bool] = False
+
     # Whether the growth its captured graphs run is one compiled region
     # (``SpeculativeConfig.compile_growth``); a pipeline then compiles its own draft
     # side, which inlines the growth, as one region too. Set by ``capture_graphs``.

@@ -209,7 +209,8 @@ def test_tree_kernels_compile_first_among_speculations_deferred_graphs(
 
     warmed: list[tuple[bool, bool]] = []
 
-    def warm_up(self, *, plain: bool = True, trees: bool) -> int:
+    def warm_up(self, *, plain: bool = True, trees: bool, draft: bool = False) -> int:
+        assert draft, "an EAGLE-3 head's drafts attend: their variants are warmed too"
         warmed.append((plain, trees))
         return 8
 

@@ -568,6 +568,39 @@ def test_the_runtime_refuses_deterministic_mode_where_it_cannot_hold(monkeypatch
         runtime.choose_runtime(config)
 
 
+def test_the_drafts_fast_attention_is_warmed_up_where_the_target_runs_invariant_kernels():
+    """The warm-up compiles the fast Triton backend's variants before serving for whichever
+    side launches them: the target in the default mode, and in deterministic mode the draft
+    model alone (its drafts decide no token, so it keeps that backend), only when a
+    proposer's drafts attend. Without it a deterministic engine compiled them inside its
+    first speculative steps."""
+    from types import SimpleNamespace
+
+    from specdec.config import INVARIANT_ATTENTION
+    from specdec.engine.model_runner import ModelRunner
+    from specdec.engine.runtime import RuntimeChoice
+    from specdec.spec.block_proposer import BlockProposer
+    from specdec.spec.draft_model import DraftModelProposer
+    from specdec.spec.eagle3 import Eagle3Proposer
+    from specdec.spec.ngram_proposer import NgramProposer
+
+    cuda = torch.device("cuda")  # the check reads the device type only; nothing launches
+
+    def runner(device: torch.device, backend: str, draft: str | None) -> SimpleNamespace:
+        runtime = RuntimeChoice(device, torch.bfloat16, backend, True, draft_attention=draft)
+        return SimpleNamespace(device=device, runtime=runtime)
+
+    warms = ModelRunner.warms_up_kernels
+    default = runner(cuda, "triton", None)
+    deterministic = runner(cuda, INVARIANT_ATTENTION, "triton")
+    assert warms(default) and warms(default, draft=True)
+    assert not warms(deterministic) and warms(deterministic, draft=True)
+    assert not warms(runner(torch.device("cpu"), "torch", None), draft=True)
+    assert Eagle3Proposer.uses_draft_attention and DraftModelProposer.uses_draft_attention
+    # n-gram drafts attend nowhere; a block drafter launches its own block kernel.
+    assert not NgramProposer.uses_draft_attention and not BlockProposer.uses_draft_attention
+
+
 # ------------------------------------------------------------------ the engine
 
 
