@@ -6,10 +6,13 @@ verify trees (a case ending in ``t``: its query rows are one random tree per seq
 Each case is timed as a CUDA graph of ``--calls`` back-to-back calls (no host gaps, as
 inside the engine's graphs; ``skinny_gemm.time_graph``), median of ``--repeats`` replays,
 for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
-``--tree-tile`` x ``--split-programs`` config of the invariant one (``--tree-tile``: tree
-rows per query tile, ``ops.query_tiles.TREE_TILE_TOKENS``; ``--split-programs``: programs
-per query tile and KV head, ``auto`` for the launch's own choice). The invariant rows also check
-their output against the default kernel's.
+``--tree-tile`` x ``--split-programs`` x ``--num-warps`` config of the invariant one
+(``--tree-tile``: tree rows per query tile, ``ops.query_tiles.TREE_TILE_TOKENS``;
+``--split-programs``: programs per query tile and KV head, ``auto`` for the launch's own
+choice; ``--num-warps``: the split kernel's warps, a constant of the result like
+``block_n``). The invariant rows also check their output against the default kernel's,
+and the column ``bits`` whether every config of one ``block_n`` x ``num_splits`` x
+``num_warps`` gave the same bits (the tree tile and the programs must change none).
 
     python benchmarks/bench_invariant_attention.py --json out/invariant_attention.json
     python benchmarks/bench_invariant_attention.py --cases 1x300x32t,1x1000x32t,64x300x1 \
@@ -96,6 +99,7 @@ def main() -> None:
         default=[None],
         help="programs per query tile and KV head, or auto: sized to the launch (default)",
     )
+    p.add_argument("--num-warps", type=parse_int_list, default=[4])
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the rows here")
@@ -104,9 +108,9 @@ def main() -> None:
     scale = HEAD_DIM**-0.5
     rows = []
     configs = [
-        (bn, splits, tt, sp)
-        for bn, splits, tt, sp in itertools.product(
-            a.block_n, a.num_splits, a.tree_tile, a.split_programs
+        (bn, splits, tt, sp, warps)
+        for bn, splits, tt, sp, warps in itertools.product(
+            a.block_n, a.num_splits, a.tree_tile, a.split_programs, a.num_warps
         )
         if sp is None or sp <= splits
     ]
@@ -114,7 +118,8 @@ def main() -> None:
         f"n{bn}s{splits}"
         + (f"t{tt}" if len(a.tree_tile) > 1 else "")
         + (f"p{sp or 'auto'}" if len(a.split_programs) > 1 else "")
-        for bn, splits, tt, sp in configs
+        + (f"w{warps}" if len(a.num_warps) > 1 else "")
+        for bn, splits, tt, sp, warps in configs
     ]
     for case in a.cases.split(","):
         tree = case.endswith("t")
@@ -127,24 +132,31 @@ def main() -> None:
         base_us = time_graph(default, a.calls, a.repeats)
         row = {"case": case, "batch": batch, "context": context, "q_len": q_len, "tree": tree}
         row["default_us"] = base_us
-        for key, (bn, splits, tree_tile, programs) in zip(keys, configs, strict=True):
+        outputs: dict[tuple[int, int, int], torch.Tensor] = {}  # the first of each grouping
+        row["bits"] = True
+        for key, (bn, splits, tree_tile, programs, warps) in zip(keys, configs, strict=True):
             query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read it
             tiled = with_query_tiles(meta)
-            cfg = InvariantAttentionConfig(block_n=bn, num_splits=splits, split_programs=programs)
+            cfg = InvariantAttentionConfig(
+                block_n=bn, num_splits=splits, num_warps=warps, split_programs=programs
+            )
             invariant = partial(
                 invariant_paged_attention, q, k_cache, v_cache, tiled, scale, config=cfg
             )
-            err = (invariant().float() - ref).abs().max().item()
+            out = invariant()
+            first = outputs.setdefault((bn, splits, warps), out)
+            row["bits"] = row["bits"] and torch.equal(out, first)
             row[f"{key}_us"] = time_graph(invariant, a.calls, a.repeats)
-            row[f"{key}_err"] = err
+            row[f"{key}_err"] = (out.float() - ref).abs().max().item()
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("| batch x context x q | default µs | " + " | ".join(keys) + " | max abs diff |")
-    print("|---|---:|" + "---:|" * (len(keys) + 1))
+    print("| batch x context x q | default µs | " + " | ".join(keys) + " | max abs diff | bits |")
+    print("|---|---:|" + "---:|" * (len(keys) + 1) + "---|")
     for r in rows:
         cells = " | ".join(f"{r[k + '_us']:.1f}" for k in keys)
         err = max(r[k + "_err"] for k in keys)
-        print(f"| {r['case']} | {r['default_us']:.1f} | {cells} | {err:.1e} |")
+        bits = "equal" if r["bits"] else "DIFFER"
+        print(f"| {r['case']} | {r['default_us']:.1f} | {cells} | {err:.1e} | {bits} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -97,15 +97,19 @@ _LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class InvariantAttentionConfig:
     """Launch constants. ``block_n`` and ``num_splits`` fix the reduction's grouping of
-    keys, so they are part of the result: outputs are invariant only between launches with
-    the same config."""
+    keys and ``num_warps`` may order a block's sums, so they are part of the result:
+    outputs are invariant only between launches with the same config."""
 
     # Measured on an H100 against other block sizes and split counts (decodes at batch 1
     # to 64 over 300 and 1,500 keys): 32 x 16 was fastest at batch 1 and within 20% of
     # the best elsewhere.
     block_n: int = 32  # logical positions per online-softmax block
     num_splits: int = 16  # key block b goes to split b % num_splits
-    num_warps: int = 4
+    # The split kernel's warps: they lay a tile's rows and keys out over threads, which
+    # may order a row's sums differently, so every launch shares them. One warp measured
+    # 2-12% faster than four at every shape on an H100 but the lone decode row (6.6
+    # against 5.4 µs over 300 keys), two and eight slower (docs/benchmarks.md).
+    num_warps: int = 1
     # Programs per query tile and KV head, each computing splits p, p + P, ... in turn (P
     # a power of two dividing num_splits); None: ``split_programs`` picks P from the
     # launch's rows. Which program computes a split changes none of its arithmetic, so P is
