@@ -171,13 +171,19 @@ def profile(
     ]:
         if obj is None:
             continue
-        originals.append((obj, attr))
-        setattr(obj, attr, timed("step (total)" if attr == "step" else attr, getattr(obj, attr)))
+        original = getattr(obj, attr)
+        originals.append((obj, attr, obj.__dict__.get(attr)))
+        setattr(obj, attr, timed("step (total)" if attr == "step" else attr, original))
     replays, draft_replays = graph_replays(engine), draft_graph_replays(engine)
     engine.spec_stats = SpecStats()
     llm.generate(prompts, params, use_tqdm=False)
-    for obj, attr in originals:  # instance attributes shadowing the methods
-        delattr(obj, attr)
+    # Restored for the next batch size: an instance's wrapper shadowing its class's method
+    # is deleted, a module's function put back.
+    for obj, attr, own in originals:
+        if own is None:
+            delattr(obj, attr)
+        else:
+            setattr(obj, attr, own)
     steps = len(times["step (total)"])
     print(
         f"spec={name} batch={batch} deterministic={engine.config.deterministic} "
