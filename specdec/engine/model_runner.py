@@ -267,8 +267,10 @@ class ModelRunner:
         now rather than on some request's first token: those of steps without a tree mask
         when ``plain``, the tree-mask ones of verify and draft steps when ``trees``, for
         the target and, with ``draft`` (a proposer whose drafts attend,
-        ``Proposer.uses_draft_attention``), for its draft model. Returns the variants
-        launched; none off the Triton path."""
+        ``Proposer.uses_draft_attention``), for its draft model: the variants of the
+        target's head layout, which an EAGLE-3 head shares (a draft model with other head
+        counts compiles its own on first use). Returns the variants launched; none off the
+        Triton path."""
         if not self.warms_up_kernels(draft=draft) or not (plain or trees):
             return 0
         from specdec.kernels.warmup import warm_up_attention  # imports triton
