@@ -12,7 +12,9 @@ for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
 choice; ``--num-warps``: the split kernel's warps, a constant of the result like
 ``block_n``). The invariant rows also check their output against the default kernel's,
 and the column ``bits`` whether every config of one ``block_n`` x ``num_splits`` x
-``num_warps`` gave the same bits (the tree tile and the programs must change none).
+``num_warps`` gave the same bits (the tree tile and the programs must change none), and
+``warps`` whether the configs differing only in ``num_warps`` did too (where they do, the
+warps could follow the launch like the programs).
 
     python benchmarks/bench_invariant_attention.py --json out/invariant_attention.json
     python benchmarks/bench_invariant_attention.py --cases 1x300x32t,1x1000x32t,64x300x1 \
@@ -133,7 +135,8 @@ def main() -> None:
         row = {"case": case, "batch": batch, "context": context, "q_len": q_len, "tree": tree}
         row["default_us"] = base_us
         outputs: dict[tuple[int, int, int], torch.Tensor] = {}  # the first of each grouping
-        row["bits"] = True
+        by_split: dict[tuple[int, int], torch.Tensor] = {}  # ... whatever the warps
+        row["bits"] = row["warps_bits"] = True
         for key, (bn, splits, tree_tile, programs, warps) in zip(keys, configs, strict=True):
             query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read it
             tiled = with_query_tiles(meta)
@@ -146,16 +149,19 @@ def main() -> None:
             out = invariant()
             first = outputs.setdefault((bn, splits, warps), out)
             row["bits"] = row["bits"] and torch.equal(out, first)
+            same = torch.equal(out, by_split.setdefault((bn, splits), out))
+            row["warps_bits"] = row["warps_bits"] and same
             row[f"{key}_us"] = time_graph(invariant, a.calls, a.repeats)
             row[f"{key}_err"] = (out.float() - ref).abs().max().item()
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("| batch x context x q | default µs | " + " | ".join(keys) + " | max abs diff | bits |")
-    print("|---|---:|" + "---:|" * (len(keys) + 1) + "---|")
+    head = "| batch x context x q | default µs | " + " | ".join(keys)
+    print(head + " | max abs diff | bits | warps |")
+    print("|---|---:|" + "---:|" * (len(keys) + 1) + "---|---|")
     for r in rows:
         cells = " | ".join(f"{r[k + '_us']:.1f}" for k in keys)
         err = max(r[k + "_err"] for k in keys)
-        bits = "equal" if r["bits"] else "DIFFER"
+        bits = " | ".join("equal" if r[k] else "DIFFER" for k in ("bits", "warps_bits"))
         print(f"| {r['case']} | {r['default_us']:.1f} | {cells} | {err:.1e} | {bits} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
