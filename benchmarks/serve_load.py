@@ -139,6 +139,16 @@ def summarize_stacks(path: Path, top: int = 25) -> list[tuple[float, str]]:
 TTFT_PHASES = ("prepare", "queue", "prefill")  # the server's request_<phase>_time_seconds
 
 
+def engine_steps(url: str) -> tuple[float, float]:
+    """(steps, steps replayed from a CUDA graph) the server's engine has run, from /metrics."""
+    from specdec.serve.spec_metrics import parse_exposition
+
+    samples = parse_exposition(httpx.get(f"{url}/metrics", timeout=10).text)
+    names = ("specdec_engine_steps_total", "specdec_engine_graph_steps_total")
+    steps, graphs = (samples.get(n, [({}, 0.0)])[0][1] for n in names)
+    return steps, graphs
+
+
 def latency_sums(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of the server's TTFT histogram and of its TTFT phases, from /metrics."""
     from specdec.serve.spec_metrics import parse_exposition
@@ -229,10 +239,11 @@ def run_server(variant: str, args, work: Path) -> dict:
             if before is not None and args.py_spy:
                 stacks = work / f"stacks_{variant}_c{c}.txt"
                 spy = py_spy_record(args.py_spy, proc.pid, args.py_spy_s, stacks)
-            sums = latency_sums(url)
+            sums, steps0 = latency_sums(url), engine_steps(url)
             t0 = time.monotonic()
             report = bench_serve(url, args, c, work / f"serve_{variant}_c{c}.json")
             split = ttft_split_ms(sums, latency_sums(url))
+            steps1 = engine_steps(url)
             if spy is not None:
                 spy.wait()
                 result["stacks"] = str(stacks)
@@ -250,6 +261,9 @@ def run_server(variant: str, args, work: Path) -> dict:
                 "tpot_p50_ms": report["tpot_ms"]["p50"],
                 "ttft_p50_ms": report["ttft_ms"]["p50"],
                 "ttft_split_ms": split,
+                "output_tokens": report["total_output_tokens"],
+                "steps": steps1[0] - steps0[0],
+                "graph_steps": steps1[1] - steps0[1],
                 "tau": (report.get("speculation") or {}).get("tau"),
             }
             print(f"[{variant}] c={c}: {result['rows'][c]}", flush=True)
@@ -261,6 +275,15 @@ def run_server(variant: str, args, work: Path) -> dict:
             proc.kill()
         result["total_s"] = time.monotonic() - start
     return result
+
+
+def steps_cells(tokens: float | None, steps: float | None, graphs: float | None) -> str:
+    """``steps | eager | tokens per step`` table cells (blank where unknown)."""
+    if not steps:
+        return " |  | "
+    eager = "" if graphs is None else f"{steps - graphs:,.0f}"
+    per_step = "" if tokens is None else f"{tokens / steps:.1f}"
+    return f"{steps:,.0f} | {eager} | {per_step}"
 
 
 def run_offline(args, work: Path) -> dict:
@@ -281,6 +304,12 @@ def run_offline(args, work: Path) -> dict:
             "default": row["spec"]["tokens_per_s"] if row.get("spec") else None,
             "none_tpot_ms": 1e3 * (row["plain"].get("tpot_s") or 0) if row.get("plain") else None,
             "tau": row.get("tau"),
+            # per variant: (output tokens, engine steps, steps replayed from a graph)
+            "steps": {
+                variant: (r["output_tokens"], r.get("engine_steps"), r.get("graph_steps"))
+                for variant, r in (("none", row.get("plain")), ("default", row.get("spec")))
+                if r
+            },
         }
     return rows
 
@@ -355,6 +384,17 @@ def main() -> int:
                 + " | ".join("" if v is None else f"{v:.1f}" for v in cells)
                 + " |"
             )
+    print("\nEngine steps per run (/metrics; offline: the bench's), the eager ones (no CUDA")
+    print("graph replayed) and output tokens per step")
+    print("\n| c | variant | server steps | eager | tok/step | offline steps | eager | tok/step |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for c in args.concurrency:
+        for s in servers:
+            row = s["rows"].get(c, {})
+            off = offline.get(c, {}).get("steps", {}).get(s["variant"])
+            server = steps_cells(row.get("output_tokens"), row.get("steps"), row.get("graph_steps"))
+            offline_cells = steps_cells(*off) if off else " |  | "
+            print(f"| {c} | {s['variant']} | {server} | {offline_cells} |")
     for s in servers:
         top = max(args.concurrency)
         print(f"{s['variant']}: /health after {s.get('health_s', float('nan')):.1f} s, "

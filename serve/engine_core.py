@@ -65,6 +65,7 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0  # blocks looked up in the prefix cache
     prefix_cache_hits: int = 0  # blocks found there
     num_steps: int = 0
+    num_graph_steps: int = 0  # target forwards replayed from a CUDA graph (the rest ran eagerly)
     num_preemptions: int = 0
     spec_depth: int = 0  # draft positions (0 without speculation)
     spec_steps: int = 0
@@ -134,6 +135,7 @@ def take_snapshot(engine) -> EngineSnapshot:
         prefix_cache_queries=pool.prefix_queries,
         prefix_cache_hits=pool.prefix_hits,
         num_steps=engine.num_steps,
+        num_graph_steps=engine.runner.num_graph_replays,
         num_preemptions=engine.scheduler.num_preemptions,
         spec_depth=engine.proposer.max_depth if engine.proposer is not None else 0,
         spec_steps=spec.steps,

@@ -8,6 +8,9 @@ read at scrape time from the engine core's latest ``EngineSnapshot``. Names (all
 - ``kv_cache_usage_perc``: fraction (0..1) of usable KV blocks held by requests;
   ``kv_cache_free_blocks`` / ``kv_cache_total_blocks``: the pool in blocks.
 - ``prefix_cache_queries`` / ``prefix_cache_hits`` (blocks) and ``prefix_cache_hit_rate``.
+- ``engine_steps`` and ``engine_graph_steps``: steps run, and target forwards replayed from
+  a CUDA graph; the difference ran eagerly (several times slower for a decode batch), so
+  a server stepping more eagerly than the offline engine on the same load shows it here.
 - ``request_success{finished_reason}``, ``request_aborted``, ``request_rejected{reason}``,
   ``prompt_tokens``, ``generation_tokens``: request counters (aborts include their
   tokens generated before the abort).
@@ -88,6 +91,11 @@ class _EngineCollector(Collector):
         rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         yield _gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries (blocks).", rate)
         yield _counter("engine_steps", "Engine steps run.", s.num_steps)
+        yield _counter(
+            "engine_graph_steps",
+            "Target forwards replayed from a CUDA graph (the rest of the steps ran eagerly).",
+            s.num_graph_steps,
+        )
         yield _counter(
             "num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions
         )

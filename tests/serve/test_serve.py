@@ -216,6 +216,9 @@ def test_64_concurrent_streams_match_offline_and_metrics_add_up(offline, server)
     tau = after["specdec_spec_decode_mean_acceptance_length"]
     a1 = after['specdec_spec_decode_acceptance_rate{position="1"}']
     assert tau >= 1.0 and 0.0 <= a1 <= 1.0
+    # Steps replayed from a CUDA graph are some of the steps (none off CUDA).
+    assert 0 <= delta("specdec_engine_graph_steps_total") <= delta("specdec_engine_steps_total")
+    assert delta("specdec_engine_steps_total") > 0
     assert after["specdec_num_requests_running"] == 0
     assert after["specdec_kv_cache_usage_perc"] == 0.0
 
@@ -351,6 +354,8 @@ def test_open_routes_models_and_docs(server):
         "num_requests_waiting",
         "kv_cache_usage_perc",
         "prefix_cache_hit_rate",
+        "engine_steps_total",
+        "engine_graph_steps_total",
         "spec_decode_num_steps_total",
         "spec_decode_num_draft_tokens_total",
         "spec_decode_num_accepted_tokens_total",
