@@ -18,6 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from specdec.train.model import (
     init_head_state,
     load_vocab,
 )
+from specdec.train.norm_init import calibrate_fresh_norms
 from specdec.train.spec_exit_labels import ExitLabeler
 from specdec.train.spec_exit_loss import SpecExitLoss
 from specdec.train.ttt import TTTOutput
@@ -160,7 +162,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         )
     drafter = DRAFTERS[config.model.drafter]
     # A checkpoint in output_dir (loaded below) replaces the weights model.init_head gave.
-    model = drafter.build(config, target, device, aux_ids)
+    model = drafter.build(config, target, device, aux_ids, partial(_aux_sample, source))
     if config.data.max_seq_len > model.head.rotary.num_positions:
         # Positions past the head's RoPE table are clamped (train/ttt.py unroll): harmless
         # for padding, silently wrong for tokens that carry loss.
@@ -235,9 +237,15 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
 
 def _build_eagle3(
-    config: TrainConfig, target: TargetIO, device: torch.device, aux_ids: tuple[int, ...]
+    config: TrainConfig,
+    target: TargetIO,
+    device: torch.device,
+    aux_ids: tuple[int, ...],
+    aux_sample: Callable[[], torch.Tensor | None],
 ) -> TTTModel:
-    """A fresh or continued (``model.init_head``) EAGLE-3 head in its TTT objective."""
+    """A fresh or continued (``model.init_head``) EAGLE-3 head in its TTT objective;
+    ``aux_sample`` gives fused aux states of the run's data, for a continued head's fresh
+    norms (train/norm_init.py)."""
     init = _read_init_head(config.model.init_head, target) if config.model.init_head else None
     if init is not None and not config.model.vocab:
         d2t, t2d = init.d2t.cpu(), init.t2d.cpu()  # a head continues with its own vocabulary
@@ -267,7 +275,7 @@ def _build_eagle3(
                       exit_signals=exit_cfg.signals, intermediate_size=width,
                       num_layers=depth, variant=variant)  # fmt: skip
     if init is not None:
-        _load_init_head(head, init)
+        _load_init_head(head, init, aux_sample)
     exit_loss = None
     if exit_cfg.signals:
         exit_loss = SpecExitLoss(exit_cfg.weights, exit_cfg.remaining_loss)
@@ -280,7 +288,11 @@ def _build_eagle3(
 
 
 def _build_block(
-    config: TrainConfig, target: TargetIO, device: torch.device, aux_ids: tuple[int, ...]
+    config: TrainConfig,
+    target: TargetIO,
+    device: torch.device,
+    aux_ids: tuple[int, ...],
+    aux_sample: Callable[[], torch.Tensor | None],  # unused: a block drafter has no norms to fit
 ) -> BlockModel:
     """A fresh or continued (``model.init_head``, train/block_init.py) block drafter in its
     block objective (train/block_loss.py)."""
@@ -338,11 +350,15 @@ def _save_block(head, directory: Path) -> None:
 @dataclass(frozen=True)
 class Drafter:
     """One kind of drafter train-draft trains: ``build`` its model (a module whose
-    ``forward(batch)`` returns a ``TTTOutput`` and whose ``head`` is the drafter saved at
-    the end), ``positions`` of its per-position figures (loss_i, acc_i) for a config and
-    its built model, ``save`` its head in the project format."""
+        ``forward(batch)`` returns a ``TTTOutput`` and whose ``head`` is the drafter saved at
+        the end), ``positions`` of its per-position figures (loss_i, acc_i) for a config and
+        its built model, ``save`` its head in the project format. ``build`` gets the aux layer ids
+    and a loader of fused aux states from the run's data (``_aux_sample``)."""
 
-    build: Callable[[TrainConfig, TargetIO, torch.device, tuple[int, ...]], torch.nn.Module]
+    build: Callable[
+        [TrainConfig, TargetIO, torch.device, tuple[int, ...], Callable[[], torch.Tensor | None]],
+        torch.nn.Module,
+    ]
     positions: Callable[[TrainConfig, torch.nn.Module], int]
     save: Callable[[torch.nn.Module, Path], None]
 
@@ -424,13 +440,20 @@ def _vocab_path(config: TrainConfig) -> Path:
     )
 
 
+def _aux_sample(source: Source) -> torch.Tensor | None:
+    """Fused aux states of the first held-out batch (else the first training batch), read
+    without moving the run's place in its data; None where batches carry none."""
+    plan = source.eval_plan() or source.epoch_plan(0)
+    return source.load(plan[0]).aux_hidden if plan else None
+
+
 def _read_init_head(directory: str, target: TargetIO):
     from specdec.models.eagle3_formats import load_eagle3
 
     return load_eagle3(directory, target_config=target.config)
 
 
-def _load_init_head(head, init) -> None:
+def _load_init_head(head, init, aux_sample: Callable[[], torch.Tensor | None]) -> None:
     have, want = init.config.exit_signals, head.config.exit_signals
     if have and have != want:
         raise ValueError(
@@ -446,10 +469,6 @@ def _load_init_head(head, init) -> None:
         for prefix, flag in (("fc_norm.", "fc_norm"), ("input_norm.", "norm_before_fc"))
         if getattr(head.config, flag) and not getattr(init.config, flag)
     )
-    if fresh_norms:
-        logger.info("model.init_head (%s) continues as %s: its %s start at weight 1, so its "
-                    "first drafts differ until training adapts them", init.config.variant,
-                    head.config.variant, ", ".join(p.rstrip(".") for p in fresh_norms))  # fmt: skip
     missing, unexpected = head.load_state_dict(state, strict=False)
     lacking = [k for k in missing
                if not (fresh_channels and k.startswith("spec_exit."))
@@ -468,6 +487,24 @@ def _load_init_head(head, init) -> None:
         )
     if rows is not None:
         carry_init_rows(head, init, rows)
+    if fresh_norms:
+        _init_fresh_norms(head, init, fresh_norms, aux_sample)
+
+
+def _init_fresh_norms(head, init, fresh_norms: tuple[str, ...], aux_sample) -> None:
+    names = ", ".join(p.rstrip(".") for p in fresh_norms)
+    sample = aux_sample()
+    if sample is None:
+        logger.warning("model.init_head (%s) continues as %s: no aux states in the data to "
+                       "calibrate its new %s on, so they start at weight 1 and its first "
+                       "drafts differ until training adapts them", init.config.variant,
+                       head.config.variant, names)  # fmt: skip
+        return
+    weights = calibrate_fresh_norms(head, fresh_norms, sample)
+    logger.info("model.init_head (%s) continues as %s: its new %s start at the median RMS "
+                "of their input rows in the data (%s), so its first drafts stay close to "
+                "the original's", init.config.variant, head.config.variant, names,
+                ", ".join(f"{k} {v:.3g}" for k, v in weights.items()))  # fmt: skip
 
 
 def _save_head(accelerator, model, out_dir: Path, save: Callable[..., None]) -> Path:

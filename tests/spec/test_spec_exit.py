@@ -311,12 +311,14 @@ def test_frozen_draft_trains_only_the_channels_on_top_of_a_trained_head(tmp_path
     trained = build_head(target, "t", d2t, t2d, (1, 2, 3), TTTAttention())
     save_eagle3(trained, tmp_path / "trained")
     head = build_head(target, "t", d2t, t2d, (1, 2, 3), TTTAttention(), exit_signals=SIGNALS)
-    _load_init_head(head, _read_init_head(str(tmp_path / "trained"), target))
+    _load_init_head(head, _read_init_head(str(tmp_path / "trained"), target), lambda: None)
     assert torch.equal(head.fc.weight, trained.fc.weight)
     save_eagle3(head, tmp_path / "with_channels")
     other = build_head(target, "t", d2t, t2d, (1, 2, 3), TTTAttention(), exit_signals=("progress",))
     with pytest.raises(ValueError, match=r"set spec_exit\.signals="):
-        _load_init_head(other, _read_init_head(str(tmp_path / "with_channels"), target))
+        _load_init_head(
+            other, _read_init_head(str(tmp_path / "with_channels"), target), lambda: None
+        )
 
     model = TTTModel(head, target, steps=2, decay=0.8, exit_loss=SpecExitLoss({}),
                      freeze_draft=True)  # fmt: skip

@@ -102,7 +102,7 @@ def test_init_head_starts_from_the_saved_weights(trained, data, tmp_path, saved)
     head_dir = out / "head" if saved == "float32" else half
     cfg = config(data, tmp_path, model={"init_head": str(head_dir)})
     target = TargetIO.load(cfg.model.target)
-    head = DRAFTERS["block"].build(cfg, target, torch.device("cpu"), AUX).head
+    head = DRAFTERS["block"].build(cfg, target, torch.device("cpu"), AUX, lambda: None).head
     saved_state = weights(out / "head", data)
     built = head.state_dict()
     assert built.keys() == saved_state.keys()
@@ -172,7 +172,7 @@ def test_init_head_under_another_vocabulary_carries_rows_by_token(trained, data,
     run_vocab(VocabConfig(inputs=(str(data / "dump"),), output=str(other), draft_vocab_size=64))
     cfg = config(data, tmp_path, model={"init_head": str(out / "head"), "vocab": str(other)})
     head = DRAFTERS["block"].build(cfg, TargetIO.load(cfg.model.target), torch.device("cpu"),
-                                   AUX).head  # fmt: skip
+                                   AUX, lambda: None).head  # fmt: skip
     saved = weights(out / "head", data)
     old = torch.arange(128) + saved["d2t"]
     new = torch.arange(64) + head.d2t
@@ -188,7 +188,7 @@ def test_settings_the_head_cannot_take_are_refused(trained, data, tmp_path):
 
     def build(**sections):
         cfg = config(data, tmp_path, **sections)
-        DRAFTERS["block"].build(cfg, target, torch.device("cpu"), AUX)
+        DRAFTERS["block"].build(cfg, target, torch.device("cpu"), AUX, lambda: None)
 
     init = {"init_head": head_dir}
     with pytest.raises(ValueError, match=r"block.block_size=16 but model.init_head was trained "

@@ -419,7 +419,10 @@ def test_an_eagle3_1_head_trains_and_an_eagle3_head_continues_as_one(trained, da
     """model.variant=eagle3.1: a fresh head trains with a norm on each fused aux state and
     its post-norm states fed back (the loss falls; config.json records both switches), and
     a trained EAGLE-3 head continues as EAGLE-3.1 with every weight it had and fresh norms
-    (weight 1). Continuing an EAGLE-3.1 head as EAGLE-3 would drop its norms: refused."""
+    calibrated to the data's aux states (train/norm_init.py), so that its first draft
+    step starts where the original's stands: held-out step-0 loss and acc_0 before any
+    training step equal the original's final ones within a few percent. Continuing an
+    EAGLE-3.1 head as EAGLE-3 would drop its norms: refused."""
     from specdec.models.eagle3_formats import load_eagle3
     from specdec.train.model import TargetIO
 
@@ -443,9 +446,16 @@ def test_an_eagle3_1_head_trains_and_an_eagle3_head_continues_as_one(trained, da
     tensors = _head_tensors(tmp_path / "cont/head")
     for key, value in original.items():
         torch.testing.assert_close(tensors[key].float(), value.float(), atol=1e-6, rtol=0)
-    for i in range(3):
-        torch.testing.assert_close(tensors[f"fc_norm.{i}.weight"].float(),
-                                   torch.ones(target.hidden_size), atol=1e-6, rtol=0)  # fmt: skip
+    for i in range(3):  # one scale a norm, the median RMS of its aux state's rows
+        weight = tensors[f"fc_norm.{i}.weight"].float()
+        assert torch.all(weight == weight[0]) and weight[0] > 0, weight
+    # Measured (CPU, fp32): held-out step-0 loss 6.85 against the original's 6.82, acc_0
+    # 0.19 and 0.19; norms at weight 1 gave 12.2 and 0.09. Later steps read post-norm
+    # states now (norm_output), which no initialisation keeps, so only step 0 is compared.
+    start = next(e for e in log(tmp_path / "cont") if "eval/loss" in e and e["step"] == 0)
+    _, result = trained
+    assert start["eval/loss_0"] == pytest.approx(result["eval/loss_0"], rel=0.02)
+    assert start["eval/acc_0"] == pytest.approx(result["eval/acc_0"], abs=0.03)
     back = config(data, tmp_path / "back",
                   model={"init_head": str(tmp_path / "fresh/head"), "variant": "eagle3"},
                   optim={"max_steps": 1, "grad_accum": 1})  # fmt: skip
