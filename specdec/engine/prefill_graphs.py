@@ -26,14 +26,18 @@ vocab], aux [n, A] or None)``: the forward with the lm_head on the given rows on
 def prefill_graph_buckets(
     max_tokens: int, max_seqs: int, max_model_len: int
 ) -> tuple[list[int], list[int]]:
-    """Token buckets (powers of two from 64 up to ``max_tokens``, the last one
-    ``max_tokens`` itself, never past ``max_model_len``) and sequence buckets (powers of
-    two from 2 up to ``max_seqs + 1``: a step always keeps a padding sequence). Empty when
+    """Token buckets and sequence buckets for steps of up to ``limit = min(max_tokens,
+    max_model_len)`` real tokens over up to ``max_seqs`` sequences. Sequence buckets:
+    powers of two from 2 up to ``max_seqs + 1`` (a step always keeps a padding sequence).
+    Token buckets: powers of two from 64 below ``limit``, then ``limit + max_seqs``, which
+    holds ``limit`` tokens and the padding any step of them needs (``S - s < max_seqs + 1``
+    tokens for ``s`` sequences in bucket ``S``): the scheduler fills a step's token budget
+    exactly while prompts wait, and such a step would otherwise run eagerly. Empty when
     ``max_tokens`` is 0 (the graphs off)."""
     limit = min(max_tokens, max_model_len)
     if limit < 2 or max_seqs < 1:
         return [], []
-    tokens = [t for t in (2**i for i in range(6, 20)) if t < limit] + [limit]
+    tokens = [t for t in (2**i for i in range(6, 20)) if t < limit] + [limit + max_seqs]
     seqs = [s for s in (2**i for i in range(1, 20)) if s <= max_seqs] + [max_seqs + 1]
     return tokens, sorted(set(seqs))
 
