@@ -16,8 +16,10 @@ sends the first of them), so a cache would skip prefills offline pays for.
     python benchmarks/serve_load.py --prompts wb.jsonl --concurrency 1,4,16,64,128 \
         --max-tokens 256 --json out.json [--server-args "--dtype bfloat16"]
 
-The table printed last: output tok/s and TPOT p50 per (concurrency, variant) for the
-server and the offline engine, the server's share of offline, and each server's start-up.
+The tables printed last: output tok/s and TPOT p50 per (concurrency, variant) for the
+server and the offline engine and the server's share of offline; the server's TTFT split
+into its phases; each run's engine steps, the eager ones (no CUDA graph replayed) and
+tokens per step beside the offline engine's; and each server's start-up.
 """
 
 from __future__ import annotations
