@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -279,13 +280,13 @@ def run_server(variant: str, args, work: Path) -> dict:
     return result
 
 
-def steps_cells(tokens: float | None, steps: float | None, graphs: float | None) -> str:
-    """``steps | eager | tokens per step`` table cells (blank where unknown)."""
+def steps_cells(tokens: float | None, steps: float | None, graphs: float | None) -> list[str]:
+    """The ``steps | eager | tokens per step`` table cells (blank where unknown)."""
     if not steps:
-        return " |  | "
+        return ["", "", ""]
     eager = "" if graphs is None else f"{steps - graphs:,.0f}"
     per_step = "" if tokens is None else f"{tokens / steps:.1f}"
-    return f"{steps:,.0f} | {eager} | {per_step}"
+    return [f"{steps:,.0f}", eager, per_step]
 
 
 def run_offline(args, work: Path) -> dict:
@@ -361,42 +362,47 @@ def main() -> int:
                 shutil.copy(s["stacks"], args.logs)
         if (work / "offline.json").exists():  # the offline bench's whole report
             shutil.copy(work / "offline.json", args.logs)
-    print("\n| c | variant | server tok/s | offline tok/s | server/offline | TPOT p50 ms | τ |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    for c in args.concurrency:
-        for s in servers:
-            row = s["rows"].get(c, {})
-            off = offline.get(c, {}).get(s["variant"])
-            share = f"{row['tok_s'] / off:.2f}" if off and row else ""
-            off_s = f"{off:,.0f}" if off else ""
-            tau = row.get("tau")
-            print(f"| {c} | {s['variant']} | {row.get('tok_s', 0):,.0f} | {off_s} | {share} | "
-                  f"{row.get('tpot_p50_ms', 0):.2f} | {f'{tau:.2f}' if tau else ''} |")  # fmt: skip
+
+    def table(header: str, cells: Callable[[int, dict], list[str]]) -> None:
+        """One row per (concurrency, server): ``| c | variant | cells... |``."""
+        names = ["c", "variant", *header.split(" | ")]
+        print("\n| " + " | ".join(names) + " |")
+        print("|---:|---|" + "---:|" * (len(names) - 2))
+        for c in args.concurrency:
+            for s in servers:
+                print(f"| {c} | {s['variant']} | " + " | ".join(cells(c, s)) + " |")
+
+    def throughput(c: int, s: dict) -> list[str]:
+        row = s["rows"].get(c, {})
+        off = offline.get(c, {}).get(s["variant"])
+        tau = row.get("tau")
+        return [
+            f"{row.get('tok_s', 0):,.0f}",
+            f"{off:,.0f}" if off else "",
+            f"{row['tok_s'] / off:.2f}" if off and row else "",
+            f"{row.get('tpot_p50_ms', 0):.2f}",
+            f"{tau:.2f}" if tau else "",
+        ]
+
+    def ttft(c: int, s: dict) -> list[str]:
+        split = s["rows"].get(c, {}).get("ttft_split_ms") or {}
+        cells = [split.get(k) for k in ("ttft", *TTFT_PHASES, "rest")]
+        return ["" if v is None else f"{v:.1f}" for v in cells]
+
+    def steps(c: int, s: dict) -> list[str]:
+        row = s["rows"].get(c, {})
+        off = offline.get(c, {}).get("steps", {}).get(s["variant"])
+        server = steps_cells(row.get("output_tokens"), row.get("steps"), row.get("graph_steps"))
+        return [*server, *(steps_cells(*off) if off else ["", "", ""])]
+
+    table("server tok/s | offline tok/s | server/offline | TPOT p50 ms | τ", throughput)
     print("\nServer TTFT, mean ms over each run's requests (/metrics): arrival -> sent to the")
     print("engine core (prepare: template, encoding) -> first step (queue) -> first token")
     print("(prefill) -> the request's stream (rest)")
-    print("\n| c | variant | TTFT | prepare | queue | prefill | rest |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    for c in args.concurrency:
-        for s in servers:
-            split = s["rows"].get(c, {}).get("ttft_split_ms") or {}
-            cells = [split.get(k) for k in ("ttft", *TTFT_PHASES, "rest")]
-            print(
-                f"| {c} | {s['variant']} | "
-                + " | ".join("" if v is None else f"{v:.1f}" for v in cells)
-                + " |"
-            )
+    table("TTFT | prepare | queue | prefill | rest", ttft)
     print("\nEngine steps per run (/metrics; offline: the bench's), the eager ones (no CUDA")
     print("graph replayed) and output tokens per step")
-    print("\n| c | variant | server steps | eager | tok/step | offline steps | eager | tok/step |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
-    for c in args.concurrency:
-        for s in servers:
-            row = s["rows"].get(c, {})
-            off = offline.get(c, {}).get("steps", {}).get(s["variant"])
-            server = steps_cells(row.get("output_tokens"), row.get("steps"), row.get("graph_steps"))
-            offline_cells = steps_cells(*off) if off else " |  | "
-            print(f"| {c} | {s['variant']} | {server} | {offline_cells} |")
+    table("server steps | eager | tok/step | offline steps | eager | tok/step", steps)
     for s in servers:
         top = max(args.concurrency)
         print(f"{s['variant']}: /health after {s.get('health_s', float('nan')):.1f} s, "
