@@ -360,9 +360,9 @@ class EngineConfig:
     at every arrival, and an eager one holds up every decode beside it, so the sequence
     bound defaults to the decode graphs' largest batch (None: ``cuda_graph_max_batch_size``
     capped by ``max_num_seqs``). The token bound is capped by ``max_num_batched_tokens``
-    and ``max_model_len`` (the largest bucket adds room for the padding sequences, so a
-    step that fills the token budget replays a graph too); 0 for either: such steps run
-    eagerly.
+    and ``max_model_len`` (one bucket past it holds the padding sequences of a step that
+    fills the token budget, so such a step replays a graph too); 0 for either: such steps
+    run eagerly.
 
     ``deterministic``: speculative output equals plain output token for token, in bf16
     too: every op on the target's path gives a token's logits the same bits whatever the

@@ -29,15 +29,20 @@ def prefill_graph_buckets(
     """Token buckets and sequence buckets for steps of up to ``limit = min(max_tokens,
     max_model_len)`` real tokens over up to ``max_seqs`` sequences. Sequence buckets:
     powers of two from 2 up to ``max_seqs + 1`` (a step always keeps a padding sequence).
-    Token buckets: powers of two from 64 below ``limit``, then ``limit + max_seqs``, which
-    holds ``limit`` tokens and the padding any step of them needs (``S - s < max_seqs + 1``
-    tokens for ``s`` sequences in bucket ``S``): the scheduler fills a step's token budget
-    exactly while prompts wait, and such a step would otherwise run eagerly. Empty when
-    ``max_tokens`` is 0 (the graphs off)."""
+    Token buckets: powers of two from 64 below ``limit``, ``limit``, and ``limit +
+    max_seqs``: a step of more than ``limit - max_seqs`` tokens needs more than ``limit``
+    with its padding (one token a padding sequence), and while prompts wait the scheduler
+    fills every step's token budget exactly, so without that bucket those steps would run
+    eagerly. Its padding stays under ``2 * max_seqs`` tokens, the longest a padding
+    sequence gets; the bucket is left out where that could exceed ``max_model_len`` (the
+    padding sequences' block tables hold no more). Empty when ``max_tokens`` is 0 (the
+    graphs off)."""
     limit = min(max_tokens, max_model_len)
     if limit < 2 or max_seqs < 1:
         return [], []
-    tokens = [t for t in (2**i for i in range(6, 20)) if t < limit] + [limit + max_seqs]
+    tokens = [t for t in (2**i for i in range(6, 20)) if t < limit] + [limit]
+    if 2 * max_seqs <= max_model_len:
+        tokens.append(limit + max_seqs)
     seqs = [s for s in (2**i for i in range(1, 20)) if s <= max_seqs] + [max_seqs + 1]
     return tokens, sorted(set(seqs))
 

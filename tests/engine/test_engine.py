@@ -732,10 +732,12 @@ def test_graph_plumbing_keeps_outputs(
 def test_prefill_graph_buckets_leave_room_for_a_padding_sequence() -> None:
     # The last token bucket holds the token limit plus the padding of any step.
     assert prefill_graph_buckets(2048, 32, 8192) == (
-        [64, 128, 256, 512, 1024, 2080],
+        [64, 128, 256, 512, 1024, 2048, 2080],
         [2, 4, 8, 16, 32, 33],
     )
-    assert prefill_graph_buckets(300, 4, 256) == ([64, 128, 260], [2, 4, 5])
+    assert prefill_graph_buckets(300, 4, 256) == ([64, 128, 256, 260], [2, 4, 5])
+    # Its padding could outgrow a padding sequence's block table: left out.
+    assert prefill_graph_buckets(256, 200, 256) == ([64, 128, 256], [2, 4, 8, 16, 32, 64, 128, 201])
     assert prefill_graph_buckets(0, 32, 8192) == ([], [])
     # A step that fills the token budget (the scheduler's steps while prompts wait), over
     # any number of sequences, replays a graph instead of running eagerly.
@@ -743,7 +745,9 @@ def test_prefill_graph_buckets_leave_room_for_a_padding_sequence() -> None:
     full = EagerPrefillGraphs(None, 4, 8192, torch.device("cpu"), tokens, seqs)
     full.outputs = dict.fromkeys(full.keys)
     for num_seqs in range(1, 65):
-        assert full.bucket(8192, num_seqs, num_seqs) is not None, num_seqs
+        key = full.bucket(8192, num_seqs, num_seqs)
+        assert key is not None and key[0] == 8192 + 64, (num_seqs, key)
+    assert full.bucket(5000, 1, 1) == (8192, 2)  # a smaller step keeps the limit's bucket
     graphs = EagerPrefillGraphs(None, 4, 256, torch.device("cpu"), [64, 128], [2, 4, 5])
     assert graphs.bucket(1, 1, 1) is None  # nothing captured yet
     graphs.outputs = dict.fromkeys([(64, 4), (128, 4)])  # as if captured
