@@ -135,7 +135,7 @@ def take_snapshot(engine) -> EngineSnapshot:
         prefix_cache_queries=pool.prefix_queries,
         prefix_cache_hits=pool.prefix_hits,
         num_steps=engine.num_steps,
-        num_graph_steps=engine.runner.num_graph_replays,
+        num_graph_steps=engine.num_graph_steps,
         num_preemptions=engine.scheduler.num_preemptions,
         spec_depth=engine.proposer.max_depth if engine.proposer is not None else 0,
         spec_steps=spec.steps,

@@ -184,7 +184,7 @@ def generate(llm: LLM, prompts: list[list[int]], run: RunParams) -> Run:
 
 def graph_replays(engine: LLMEngine) -> int:
     """Target forwards replayed from CUDA graphs so far (0 without graphs)."""
-    return engine.runner.num_graph_replays
+    return engine.num_graph_steps
 
 
 def draft_graph_replays(engine: LLMEngine) -> int:

@@ -336,6 +336,12 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_waiting + self.scheduler.num_running
 
+    @property
+    def num_graph_steps(self) -> int:
+        """Target forwards replayed from a CUDA graph so far (0 off the GPU path); the
+        rest of ``num_steps`` ran eagerly."""
+        return self.runner.num_graph_replays
+
     # ---- the step ----------------------------------------------------------------------
     @torch.inference_mode()  # also: sampling edits the forward's (inference) logits in place
     def step(self) -> StepOutputs:

@@ -42,6 +42,7 @@ class ScriptedEngine:
         self.fail_at_step = fail_at_step
         self.step_s = step_s
         self.num_steps = 0
+        self.num_graph_steps = 0  # no CUDA graphs here
         self.idle_checks = 0
         self.spec_stats = SpecStats()
         self.proposer = None
