@@ -350,10 +350,11 @@ def _save_block(head, directory: Path) -> None:
 @dataclass(frozen=True)
 class Drafter:
     """One kind of drafter train-draft trains: ``build`` its model (a module whose
-        ``forward(batch)`` returns a ``TTTOutput`` and whose ``head`` is the drafter saved at
-        the end), ``positions`` of its per-position figures (loss_i, acc_i) for a config and
-        its built model, ``save`` its head in the project format. ``build`` gets the aux layer ids
-    and a loader of fused aux states from the run's data (``_aux_sample``)."""
+    ``forward(batch)`` returns a ``TTTOutput`` and whose ``head`` is the drafter saved at
+    the end) from the config, the target, the device, the aux layer ids and a loader of
+    fused aux states from the run's data (``_aux_sample``); ``positions`` of its
+    per-position figures (loss_i, acc_i) for a config and its built model; ``save`` its
+    head in the project format."""
 
     build: Callable[
         [TrainConfig, TargetIO, torch.device, tuple[int, ...], Callable[[], torch.Tensor | None]],
@@ -491,7 +492,11 @@ def _load_init_head(head, init, aux_sample: Callable[[], torch.Tensor | None]) -
         _init_fresh_norms(head, init, fresh_norms, aux_sample)
 
 
-def _init_fresh_norms(head, init, fresh_norms: tuple[str, ...], aux_sample) -> None:
+def _init_fresh_norms(
+    head, init, fresh_norms: tuple[str, ...], aux_sample: Callable[[], torch.Tensor | None]
+) -> None:
+    """The norms a continued head gains, calibrated to the run's data (train/norm_init.py),
+    or left at weight 1 with a warning where the data carries no aux states."""
     names = ", ".join(p.rstrip(".") for p in fresh_norms)
     sample = aux_sample()
     if sample is None:
