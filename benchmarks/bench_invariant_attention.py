@@ -101,7 +101,9 @@ def main() -> None:
         default=[None],
         help="programs per query tile and KV head, or auto: sized to the launch (default)",
     )
-    p.add_argument("--num-warps", type=parse_int_list, default=[4])
+    p.add_argument(
+        "--num-warps", type=parse_int_list, default=[InvariantAttentionConfig().num_warps]
+    )
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the rows here")
