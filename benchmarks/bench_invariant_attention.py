@@ -6,13 +6,16 @@ verify trees (a case ending in ``t``: its query rows are one random tree per seq
 Each case is timed as a CUDA graph of ``--calls`` back-to-back calls (no host gaps, as
 inside the engine's graphs; ``skinny_gemm.time_graph``), median of ``--repeats`` replays,
 for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
-``--tree-tile`` x ``--split-programs`` x ``--num-warps`` config of the invariant one
+``--tree-tile`` x ``--split-programs`` x ``--num-warps`` x ``--num-stages`` config of the
+invariant one
 (``--tree-tile``: tree rows per query tile, ``ops.query_tiles.TREE_TILE_TOKENS``;
 ``--split-programs``: programs per query tile and KV head, ``auto`` for the launch's own
 choice; ``--num-warps``: the split kernel's warps, a constant of the result like
-``block_n``). The invariant rows also check their output against the default kernel's,
+``block_n``; ``--num-stages``: its loops' software-pipelining stages, ``auto`` for
+Triton's default). The invariant rows also check their output against the default kernel's,
 and the column ``bits`` whether every config of one ``block_n`` x ``num_splits`` x
-``num_warps`` gave the same bits (the tree tile and the programs must change none), and
+``num_warps`` gave the same bits (the tree tile, the programs and the stages must change
+none), and
 ``warps`` whether the configs differing only in ``num_warps`` did too (where they do, the
 warps could follow the launch like the programs).
 
@@ -79,7 +82,7 @@ def make_case(batch: int, context: int, q_len: int, tree: bool, gen: torch.Gener
 
 
 def parse_programs(text: str) -> list[int | None]:
-    """Parse "auto,1,4" into [None, 1, 4] (None: the launch's own choice)."""
+    """Parse "auto,1,4" into [None, 1, 4] (None: the launch's or Triton's own choice)."""
     return [None if v.strip() == "auto" else parse_int_list(v)[0] for v in text.split(",")]
 
 
@@ -104,6 +107,12 @@ def main() -> None:
     p.add_argument(
         "--num-warps", type=parse_int_list, default=[InvariantAttentionConfig().num_warps]
     )
+    p.add_argument(
+        "--num-stages",
+        type=parse_programs,
+        default=[None],
+        help="software-pipelining stages of the split kernel, or auto: Triton's (default)",
+    )
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the rows here")
@@ -112,9 +121,9 @@ def main() -> None:
     scale = HEAD_DIM**-0.5
     rows = []
     configs = [
-        (bn, splits, tt, sp, warps)
-        for bn, splits, tt, sp, warps in itertools.product(
-            a.block_n, a.num_splits, a.tree_tile, a.split_programs, a.num_warps
+        (bn, splits, tt, sp, warps, stages)
+        for bn, splits, tt, sp, warps, stages in itertools.product(
+            a.block_n, a.num_splits, a.tree_tile, a.split_programs, a.num_warps, a.num_stages
         )
         if sp is None or sp <= splits
     ]
@@ -123,7 +132,8 @@ def main() -> None:
         + (f"t{tt}" if len(a.tree_tile) > 1 else "")
         + (f"p{sp or 'auto'}" if len(a.split_programs) > 1 else "")
         + (f"w{warps}" if len(a.num_warps) > 1 else "")
-        for bn, splits, tt, sp, warps in configs
+        + (f"g{stages or 'auto'}" if len(a.num_stages) > 1 else "")
+        for bn, splits, tt, sp, warps, stages in configs
     ]
     for case in a.cases.split(","):
         tree = case.endswith("t")
@@ -139,11 +149,17 @@ def main() -> None:
         outputs: dict[tuple[int, int, int], torch.Tensor] = {}  # the first of each grouping
         by_split: dict[tuple[int, int], torch.Tensor] = {}  # ... whatever the warps
         row["bits"] = row["warps_bits"] = True
-        for key, (bn, splits, tree_tile, programs, warps) in zip(keys, configs, strict=True):
+        for key, (bn, splits, tree_tile, programs, warps, stages) in zip(
+            keys, configs, strict=True
+        ):
             query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read it
             tiled = with_query_tiles(meta)
             cfg = InvariantAttentionConfig(
-                block_n=bn, num_splits=splits, num_warps=warps, split_programs=programs
+                block_n=bn,
+                num_splits=splits,
+                num_warps=warps,
+                split_programs=programs,
+                num_stages=stages,
             )
             invariant = partial(
                 invariant_paged_attention, q, k_cache, v_cache, tiled, scale, config=cfg

@@ -115,6 +115,9 @@ class InvariantAttentionConfig:
     # launch's rows. Which program computes a split changes none of its arithmetic, so P is
     # free per launch: all splits at batch 1, fewer programs doing more each at batch 64.
     split_programs: int | None = None
+    # Software-pipelining stages of the split kernel's block loops (None: Triton's
+    # default). They order loads, not sums, so like ``split_programs`` they change no bit.
+    num_stages: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -124,6 +127,8 @@ class InvariantAttentionConfig:
                 f"num_splits {self.num_splits} must be a power of two >= 1 (the combine "
                 "kernel reduces the splits as one tile)"
             )
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"num_stages {self.num_stages} must be >= 1, or None for Triton's")
         p = self.split_programs
         if p is not None and (p < 1 or p & (p - 1) or p > self.num_splits):
             raise ValueError(
@@ -541,6 +546,7 @@ def invariant_paged_attention(
         NUM_SPLITS=splits,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=config.num_warps,
+        **({} if config.num_stages is None else {"num_stages": config.num_stages}),
     )
     _invariant_combine_kernel[(num_tokens, num_heads)](
         out,

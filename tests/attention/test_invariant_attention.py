@@ -476,6 +476,8 @@ def test_split_programs_follow_the_launch_and_the_config():
         InvariantAttentionConfig(split_programs=3)
     with pytest.raises(ValueError, match="split_programs 32 must be"):
         InvariantAttentionConfig(num_splits=16, split_programs=32)
+    with pytest.raises(ValueError, match="num_stages 0 must be >= 1"):
+        InvariantAttentionConfig(num_stages=0)
 
 
 def test_programs_per_split_change_no_bit():
