@@ -6,18 +6,18 @@ verify trees (a case ending in ``t``: its query rows are one random tree per seq
 Each case is timed as a CUDA graph of ``--calls`` back-to-back calls (no host gaps, as
 inside the engine's graphs; ``skinny_gemm.time_graph``), median of ``--repeats`` replays,
 for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
-``--tree-tile`` x ``--split-programs`` x ``--num-warps`` x ``--num-stages`` x
-``--prefetch`` config of the invariant one (``--tree-tile``: tree rows per query tile,
-``ops.query_tiles.TREE_TILE_TOKENS``; ``--split-programs``: programs per query tile and KV
-head, ``auto`` for the launch's own choice; ``--num-warps``: the split kernel's warps, a
-constant of the result like ``block_n``; ``--num-stages``: its loops' software-pipelining
-stages, ``auto`` for Triton's default; ``--prefetch``: each block's loads issued one
-iteration ahead). The invariant rows also check their output against the default
-kernel's, and the column ``bits`` whether every config of one ``block_n`` x
-``num_splits`` x ``num_warps`` gave the same bits (the tree tile, the programs, the
-stages and the prefetch must change none), and ``warps`` whether the configs differing
-only in ``num_warps`` did too (where they do, the warps could follow the launch like the
-programs).
+``--tree-tile`` x ``--split-programs`` x ``--num-warps`` x ``--num-stages`` config of the
+invariant one
+(``--tree-tile``: tree rows per query tile, ``ops.query_tiles.TREE_TILE_TOKENS``;
+``--split-programs``: programs per query tile and KV head, ``auto`` for the launch's own
+choice; ``--num-warps``: the split kernel's warps, a constant of the result like
+``block_n``; ``--num-stages``: its loops' software-pipelining stages, ``auto`` for
+Triton's default). The invariant rows also check their output against the default kernel's,
+and the column ``bits`` whether every config of one ``block_n`` x ``num_splits`` x
+``num_warps`` gave the same bits (the tree tile, the programs and the stages must change
+none), and
+``warps`` whether the configs differing only in ``num_warps`` did too (where they do, the
+warps could follow the launch like the programs).
 
     python benchmarks/bench_invariant_attention.py --json out/invariant_attention.json
     python benchmarks/bench_invariant_attention.py --cases 1x300x32t,1x1000x32t,64x300x1 \
@@ -113,12 +113,6 @@ def main() -> None:
         default=[None],
         help="software-pipelining stages of the split kernel, or auto: Triton's (default)",
     )
-    p.add_argument(
-        "--prefetch",
-        type=lambda text: [{"off": False, "on": True}[v] for v in text.split(",")],
-        default=[InvariantAttentionConfig().prefetch],
-        help="off,on: load each block one iteration ahead (default: the engine's)",
-    )
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", help="write the rows here")
@@ -127,15 +121,9 @@ def main() -> None:
     scale = HEAD_DIM**-0.5
     rows = []
     configs = [
-        (bn, splits, tt, sp, warps, stages, pre)
-        for bn, splits, tt, sp, warps, stages, pre in itertools.product(
-            a.block_n,
-            a.num_splits,
-            a.tree_tile,
-            a.split_programs,
-            a.num_warps,
-            a.num_stages,
-            a.prefetch,
+        (bn, splits, tt, sp, warps, stages)
+        for bn, splits, tt, sp, warps, stages in itertools.product(
+            a.block_n, a.num_splits, a.tree_tile, a.split_programs, a.num_warps, a.num_stages
         )
         if sp is None or sp <= splits
     ]
@@ -145,8 +133,7 @@ def main() -> None:
         + (f"p{sp or 'auto'}" if len(a.split_programs) > 1 else "")
         + (f"w{warps}" if len(a.num_warps) > 1 else "")
         + (f"g{stages or 'auto'}" if len(a.num_stages) > 1 else "")
-        + (f"f{int(pre)}" if len(a.prefetch) > 1 else "")
-        for bn, splits, tt, sp, warps, stages, pre in configs
+        for bn, splits, tt, sp, warps, stages in configs
     ]
     for case in a.cases.split(","):
         tree = case.endswith("t")
@@ -162,7 +149,7 @@ def main() -> None:
         outputs: dict[tuple[int, int, int], torch.Tensor] = {}  # the first of each grouping
         by_split: dict[tuple[int, int], torch.Tensor] = {}  # ... whatever the warps
         row["bits"] = row["warps_bits"] = True
-        for key, (bn, splits, tree_tile, programs, warps, stages, pre) in zip(
+        for key, (bn, splits, tree_tile, programs, warps, stages) in zip(
             keys, configs, strict=True
         ):
             query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read it
@@ -173,7 +160,6 @@ def main() -> None:
                 num_warps=warps,
                 split_programs=programs,
                 num_stages=stages,
-                prefetch=pre,
             )
             invariant = partial(
                 invariant_paged_attention, q, k_cache, v_cache, tiled, scale, config=cfg

@@ -118,10 +118,6 @@ class InvariantAttentionConfig:
     # Software-pipelining stages of the split kernel's block loops (None: Triton's
     # default). They order loads, not sums, so like ``split_programs`` they change no bit.
     num_stages: int | None = None
-    # Load each block of the loop over the blocks before a tree one iteration ahead of its
-    # arithmetic (the next block's page and K/V in flight while this one's dots run): the
-    # same values reach the same arithmetic, so it changes no bit either.
-    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -216,41 +212,16 @@ def _attend_block(
     scale_log2,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One block of the online softmax: its keys and values loaded, then
-    ``_attend_loaded``."""
-    k, v = _load_kv(k_cache_ptr, v_cache_ptr, row, loaded, offs_d, d_mask)
-    return _attend_loaded(q, k, v, valid, m_i, l_i, acc, scale_log2, DOT_PRECISION)
-
-
-@triton.jit
-def _load_kv(k_cache_ptr, v_cache_ptr, row, loaded, offs_d, d_mask):
-    """A block's keys and values ([BLOCK_N, BLOCK_D] each): zeros past every row's keys,
-    whatever the slots hold (NaN times a zero weight is NaN)."""
+    """One block of the online softmax; the same arithmetic wherever the keys come from
+    and whichever rows share the tile. A block with none of a row's keys leaves the row's
+    state exactly as it was: its scores are -inf, so its max, sum and accumulator gain
+    exact zeros (a row with no key yet keeps the empty state: ``m_safe`` keeps
+    ``-inf - -inf`` out of the exponent)."""
     kv_off = row[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
     kv_mask = loaded[:, None] & d_mask[None, :]
+    # Zeros past every row's keys, whatever the slots hold (NaN times a zero weight is NaN).
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_loaded(
-    q,  # [ROWS, BLOCK_D], the caches' dtype
-    k,  # [BLOCK_N, BLOCK_D]
-    v,  # [BLOCK_N, BLOCK_D]
-    valid,  # [ROWS, BLOCK_N]: the key is this row's
-    m_i,  # [ROWS] running max, log2 units; -inf while a row has seen no key
-    l_i,  # [ROWS] running sum
-    acc,  # [ROWS, BLOCK_D] running weighted sum of V
-    scale_log2,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One block of the online softmax on loaded keys and values; the same arithmetic
-    wherever the keys come from, whichever rows share the tile and whenever they were
-    loaded. A block with none of a row's keys leaves the row's state exactly as it was:
-    its scores are -inf, so its max, sum and accumulator gain exact zeros (a row with no
-    key yet keeps the empty state: ``m_safe`` keeps ``-inf - -inf`` out of the
-    exponent)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [ROWS, BLOCK_N]
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -302,7 +273,6 @@ def _invariant_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,  # load a block before the previous one's arithmetic
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -368,55 +338,26 @@ def _invariant_split_kernel(
         # row at once, a table lookup the compiler can prefetch; the rest go through each
         # tree row's path, row by row. Both run a row's arithmetic on the row's keys, so
         # where one loop hands over to the other changes no bit.
-        if PREFETCH:
-            # The next block's page and K/V are loaded before this block's arithmetic, so
-            # the loads' latency overlaps it; the same values reach the same arithmetic.
-            # Keys of the blocks before first_path_block only: none of a later block's.
-            limit = tl.minimum(max_keys, first_path_block * BLOCK_N)
-            lpos = split * BLOCK_N + offs_n  # [BLOCK_N] logical positions = cache indices
-            loaded = lpos < limit
+        for b in range(split, first_path_block, NUM_SPLITS):
+            lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions = cache indices
+            loaded = lpos < max_keys
             page = tl.load(table + lpos // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
             row = page * stride_cb + (lpos % BLOCK_SIZE) * stride_cs + kv_head
-            k, v = _load_kv(k_cache_ptr, v_cache_ptr, row, loaded, offs_d, d_mask)
-            for b in range(split, first_path_block, NUM_SPLITS):
-                cur_lpos, cur_k, cur_v = lpos, k, v
-                lpos = (b + NUM_SPLITS) * BLOCK_N + offs_n
-                loaded = lpos < limit
-                page = tl.load(table + lpos // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
-                row = page * stride_cb + (lpos % BLOCK_SIZE) * stride_cs + kv_head
-                k, v = _load_kv(k_cache_ptr, v_cache_ptr, row, loaded, offs_d, d_mask)
-                m_i, l_i, acc = _attend_loaded(
-                    q,
-                    cur_k,
-                    cur_v,
-                    cur_lpos[None, :] < n_keys[:, None],
-                    m_i,
-                    l_i,
-                    acc,
-                    scale_log2,
-                    DOT_PRECISION,
-                )
-        else:
-            for b in range(split, first_path_block, NUM_SPLITS):
-                lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions = cache indices
-                loaded = lpos < max_keys
-                page = tl.load(table + lpos // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
-                row = page * stride_cb + (lpos % BLOCK_SIZE) * stride_cs + kv_head
-                m_i, l_i, acc = _attend_block(
-                    q,
-                    k_cache_ptr,
-                    v_cache_ptr,
-                    row,
-                    loaded,
-                    lpos[None, :] < n_keys[:, None],
-                    offs_d,
-                    d_mask,
-                    m_i,
-                    l_i,
-                    acc,
-                    scale_log2,
-                    DOT_PRECISION,
-                )
+            m_i, l_i, acc = _attend_block(
+                q,
+                k_cache_ptr,
+                v_cache_ptr,
+                row,
+                loaded,
+                lpos[None, :] < n_keys[:, None],
+                offs_d,
+                d_mask,
+                m_i,
+                l_i,
+                acc,
+                scale_log2,
+                DOT_PRECISION,
+            )
         # This split's first block at or past first_path_block.
         behind = tl.maximum(first_path_block - split, 0)
         path_start = split + tl.cdiv(behind, NUM_SPLITS) * NUM_SPLITS
@@ -604,7 +545,6 @@ def invariant_paged_attention(
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits,
         DOT_PRECISION=dot_precision(k_cache.dtype),
-        PREFETCH=config.prefetch,
         num_warps=config.num_warps,
         **({} if config.num_stages is None else {"num_stages": config.num_stages}),
     )

@@ -497,21 +497,6 @@ def test_programs_per_split_change_no_bit():
         assert mismatches(one, want) == [] and mismatches(every, want) == [], part
 
 
-@pytest.mark.parametrize("programs", [1, CONFIG.num_splits])
-def test_prefetching_the_next_block_changes_no_bit(programs):
-    """Loading each block one iteration ahead of its arithmetic (``prefetch``): a mixed
-    batch (a decode over several blocks per split, a prefill chunk, a tree after plain
-    rows) gives each sequence's solo oracle bitwise."""
-    seqs = [make_sequence(n, seed=50 + n, dtype=torch.bfloat16) for n in (300, 50, 60)]
-    wants = [oracle(seq) for seq in seqs]
-    s1, s2, s3 = seqs
-    batch = [Part(s1, 299, 1), Part(s2, 20, 25), Part(s3, 40, 3 + len(TREE_B), TREE_B, PATH_B)]
-    config = replace(CONFIG, split_programs=programs, prefetch=True)
-    outs = launch(batch, partial(_invariant_paged_attention, config=config), seed=7)
-    for part, out in zip(batch, outs, strict=True):
-        assert mismatches(out, wants[seqs.index(part.seq)]) == [], part
-
-
 # --- negative controls: the same comparisons catch the non-invariant kernels -------------
 
 
