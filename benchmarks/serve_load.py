@@ -200,13 +200,22 @@ def bench_serve(url: str, args, c: int, out: Path) -> dict:
     for proc in procs:
         if proc.wait() != 0:
             raise RuntimeError(f"bench-serve exited with {proc.returncode}")
-    reports = [json.loads(f.read_text()) for f in files]
+    merged = merge_client_reports([json.loads(f.read_text()) for f in files])
+    out.write_text(json.dumps(merged, indent=1))
+    return merged
+
+
+def merge_client_reports(reports: list[dict]) -> dict:
+    """One report of several ``bench-serve`` clients run at once: counts, tokens and
+    throughputs summed, the longest duration, latency p50s as the clients' medians."""
     merged = dict(reports[0])
-    merged["output_throughput"] = sum(r["output_throughput"] for r in reports)
+    for key in ("output_throughput", "completed", "failed", "total_input_tokens",
+                "total_output_tokens"):  # fmt: skip
+        merged[key] = sum(r[key] for r in reports)
+    merged["duration_s"] = max(r["duration_s"] for r in reports)
     for key in ("tpot_ms", "ttft_ms"):
         merged[key] = {"p50": statistics.median(r[key]["p50"] for r in reports)}
-    merged["clients"] = k
-    out.write_text(json.dumps(merged, indent=1))
+    merged["clients"] = len(reports)
     return merged
 
 

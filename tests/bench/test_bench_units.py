@@ -431,3 +431,28 @@ def test_gpu_bench_engines_hold_the_same_kv_slots_with_and_without_speculation(m
     assert [kw["speculative"] for kw in built] == [None, spec_config]
     runner.build_llm("smollm2-135m-instruct", {"kv_cache_memory": 1 << 30}, None, 64)
     assert "num_blocks" not in built[-1] and built[-1]["kv_cache_memory"] == 1 << 30
+
+
+def test_serve_load_merges_its_clients_reports():
+    """benchmarks/serve_load.py: streams split over client processes report as one run:
+    tokens and throughputs add up (the engine's tokens per step divide by all of them)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from serve_load import merge_client_reports
+
+    def client(tokens: int, seconds: float, tpot: float) -> dict:
+        return {
+            "output_throughput": tokens / seconds,
+            "completed": tokens // 256,
+            "failed": 0,
+            "total_input_tokens": 1000 * (tokens // 256),
+            "total_output_tokens": tokens,
+            "duration_s": seconds,
+            "tpot_ms": {"p50": tpot},
+            "ttft_ms": {"p50": 10 * tpot},
+        }
+
+    merged = merge_client_reports([client(16384, 2.0, 2.5), client(16384, 2.5, 3.0)])
+    assert merged["total_output_tokens"] == 32768 and merged["completed"] == 128
+    assert merged["output_throughput"] == 16384 / 2.0 + 16384 / 2.5
+    assert merged["duration_s"] == 2.5 and merged["clients"] == 2
+    assert merged["tpot_ms"] == {"p50": 2.75} and merged["ttft_ms"] == {"p50": 27.5}
