@@ -302,9 +302,12 @@ def run_core_process(build_engine: Callable[..., Any], config: Any, commands, me
 
 
 def _read(commands, inbox: queue.SimpleQueue) -> None:
+    """The command reader (a thread): each message is a list of commands, in order
+    (``core_client._send_commands``)."""
     try:
         while True:
-            inbox.put(commands.recv())
+            for command in commands.recv():
+                inbox.put(command)
     except (EOFError, OSError):  # the API process is gone: stop serving
         inbox.put(("shutdown",))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import queue
 import threading
 import time
 from types import SimpleNamespace
@@ -19,7 +20,8 @@ import pytest
 from specdec.outputs import RequestMetrics, TokenDelta
 from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.serve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
-from specdec.serve.core_client import EngineStartError, ProcCoreClient
+from specdec.serve.core_client import EngineStartError, ProcCoreClient, _send_commands
+from specdec.serve.engine_core import _read
 from specdec.spec.metrics import SpecStats
 
 
@@ -289,3 +291,50 @@ def test_a_core_process_failure_is_reported_not_hung():
         return a.dead
 
     assert _run(core, body) is not None
+
+
+def test_commands_reach_the_core_in_order_one_message_per_burst():
+    """The API side's sender writes everything queued since its last send as one list, in
+    order, and stops at None; the core's reader unpacks the lists in order. A pipe that
+    does not take the message (the core is busy) holds only the sender thread: queuing a
+    command returns at once."""
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.sent: list[list[tuple]] = []
+            self.open = threading.Event()
+
+        def send(self, message: list[tuple]) -> None:
+            self.open.wait(10)  # a full pipe until the test opens it
+            self.sent.append(message)
+
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    pipe = Pipe()
+    sender = threading.Thread(target=_send_commands, args=(outbox, pipe), daemon=True)
+    sender.start()
+    outbox.put(("add", "r0"))
+    time.sleep(0.2)  # the sender holds r0 at the closed pipe
+    start = time.perf_counter()
+    burst = [("add", f"r{i}") for i in range(1, 65)] + [("abort", "r3")]
+    for command in burst:
+        outbox.put(command)
+    assert time.perf_counter() - start < 0.1  # queuing never waits on the pipe
+    outbox.put(None)
+    pipe.open.set()
+    sender.join(10)
+    assert not sender.is_alive()
+    assert pipe.sent == [[("add", "r0")], burst]  # the burst as one message, in order
+
+    class Received:
+        def __init__(self, messages: list[list[tuple]]) -> None:
+            self.messages = list(messages)
+
+        def recv(self) -> list[tuple]:
+            if not self.messages:
+                raise EOFError
+            return self.messages.pop(0)
+
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    _read(Received(pipe.sent), inbox)
+    got = [inbox.get_nowait() for _ in range(inbox.qsize())]
+    assert got == [("add", "r0"), *burst, ("shutdown",)]  # the API side gone: stop
