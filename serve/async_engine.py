@@ -317,13 +317,13 @@ class AsyncLLMEngine:
             if snapshot is not None:
                 self.snapshot = snapshot
         elif kind == "added":
-            _, request_id, error = message
-            future = self._adding.get(request_id)
-            if future is not None and not future.done():
-                if error is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(ValueError(error))
+            for request_id, error in message[1]:
+                future = self._adding.get(request_id)
+                if future is not None and not future.done():
+                    if error is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(ValueError(error))
         elif kind == "dead":
             self._on_dead(RuntimeError(message[1]))
 

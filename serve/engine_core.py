@@ -22,7 +22,8 @@ Messages (core → API side), tuples:
     ("resolved", ResolvedModel)                once, before the weights load (the API
                                                side loads its tokenizer meanwhile)
     ("ready", EngineInfo)                      once, after the engine is built
-    ("added", request_id, error | None)       the verdict on an add, before its first step
+    ("added", [(request_id, error | None)])   the verdicts on the adds applied together,
+                                               before their first step
     ("step", [TokenDelta], EngineSnapshot | None)
     ("dead", "Type: message")                 the loop failed; nothing more comes
 
@@ -166,6 +167,7 @@ class EngineCore:
         self.emit = emit
         self._last_snapshot = 0.0
         self._changed = True  # since the last snapshot sent
+        self._verdicts: list[tuple[str, str | None]] = []  # adds applied, not yet reported
 
     def run(self) -> None:
         import torch
@@ -205,6 +207,9 @@ class EngineCore:
                 break
             if not self._apply(command):
                 return False
+        if self._verdicts:  # one message for a burst's adds: the writer pickles it once
+            self.emit(("added", self._verdicts))
+            self._verdicts = []
         if not engine.has_unfinished_requests():
             return True
         outputs = engine.step()
@@ -230,7 +235,7 @@ class EngineCore:
                 self.engine.add_request(prompt, core_params(params), request_id, sent_at)
             except (ValueError, TypeError) as e:  # bad input: the engine state is unchanged
                 error = str(e)
-            self.emit(("added", request_id, error))
+            self._verdicts.append((request_id, error))
         elif kind == "abort":
             self.engine.abort_request(command[1])
         elif kind == "shutdown":

@@ -135,7 +135,7 @@ def test_the_idle_serving_core_captures_the_deferred_graphs(
     prompt = chats[PICKED[0]]
     inbox.put(("add", "a", prompt, core_params(greedy(LENGTHS[0])), time.monotonic()))
     assert core._iteration()  # the add, then a (plain) step: no capture
-    assert ("added", "a", None) in sent
+    assert ("added", [("a", None)]) in sent
     assert not engine.deferred_graphs.times
     while engine.has_unfinished_requests():
         assert core._iteration()
@@ -151,7 +151,7 @@ def test_the_idle_serving_core_captures_the_deferred_graphs(
         if not engine.has_unfinished_requests():
             break
     # /metrics' view: pending while idle after "a", not pending once idle after the last.
-    snapshots = [m[2] for m in sent[: sent.index(("added", "b", None))] if m[0] == "step"]
+    snapshots = [m[2] for m in sent[: sent.index(("added", [("b", None)]))] if m[0] == "step"]
     pending = [s.spec_graphs_pending for s in snapshots if s is not None]
     assert pending[0] and not pending[-1]
     pending = [s.graphs_pending for s in snapshots if s is not None]

@@ -338,3 +338,26 @@ def test_commands_reach_the_core_in_order_one_message_per_burst():
     _read(Received(pipe.sent), inbox)
     got = [inbox.get_nowait() for _ in range(inbox.qsize())]
     assert got == [("add", "r0"), *burst, ("shutdown",)]  # the API side gone: stop
+
+
+def test_the_adds_of_one_iteration_get_their_verdicts_in_one_message():
+    """Adds queued together are applied before the next step and answered in one
+    ("added", [...]) message, in order, a rejected one with its error, before the step
+    that gives their first tokens."""
+    from specdec.serve.engine_core import EngineCore
+
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    sent: list[tuple] = []
+    core = EngineCore(ScriptedEngine(step_s=0.0), inbox, sent.append)
+    params = SamplingParams(max_tokens=2, output_kind=RequestOutputKind.TOKENS)
+    for request_id, prompt in [("a", [1]), ("empty", []), ("b", [2])]:
+        inbox.put(("add", request_id, prompt, params, time.monotonic()))
+    assert core._iteration()
+    verdicts = [m for m in sent if m[0] == "added"]
+    assert len(verdicts) == 1
+    (_, answers) = verdicts[0]
+    assert [r for r, _ in answers] == ["a", "empty", "b"]
+    assert answers[0][1] is None and answers[2][1] is None
+    assert "the prompt is empty" in answers[1][1]
+    first_tokens = next(i for i, m in enumerate(sent) if m[0] == "step" and m[1])
+    assert sent.index(verdicts[0]) < first_tokens
