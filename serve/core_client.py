@@ -9,9 +9,9 @@ runs the same loop on a thread of this process (tests, embedding an engine objec
 Commands travel in batches: a sender thread takes everything queued since its last send
 and writes it as one list. The core reads the pipe on a thread that needs the core's
 interpreter lock for every message, while its loop holds that lock to prepare steps (the
-lock changes hands every few milliseconds): 64 prompts of 1,200 tokens sent as 64
-messages to a core busy in Python took ~70 ms to write on a 2-core CPU, as one message
-under a millisecond. The event loop only queues; it never waits on the pipe.
+lock changes hands every few milliseconds), so a burst of arrivals sent a message each
+waited one hand-off per message (``benchmarks/serve_core_intake.py`` measures it). The
+event loop only queues; it never waits on the pipe.
 
 Both: ``start(loop, on_message)`` begins delivering the core's messages to
 ``on_message`` on ``loop``; ``send(command)`` returns at once; ``shutdown()`` stops the

@@ -8,7 +8,8 @@ process's Python never holds the engine's interpreter lock) or on a thread of th
 process (``core_client.InprocCoreClient``: tests and embedding). Both speak the messages
 below; only the transport differs.
 
-Commands (API side → core), tuples:
+Commands (API side → core), tuples (``core_client.ProcCoreClient`` writes them to the
+pipe in lists: everything queued since its last send):
     ("add", request_id, prompt_token_ids, SamplingParams, sent_at)
                                                sent_at: the API side's time.monotonic()
                                                as it sent the request (system-wide, so
