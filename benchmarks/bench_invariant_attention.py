@@ -7,17 +7,16 @@ Each case is timed as a CUDA graph of ``--calls`` back-to-back calls (no host ga
 inside the engine's graphs; ``skinny_gemm.time_graph``), median of ``--repeats`` replays,
 for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
 ``--tree-tile`` x ``--split-programs`` x ``--num-warps`` x ``--num-stages`` config of the
-invariant one
-(``--tree-tile``: tree rows per query tile, ``ops.query_tiles.TREE_TILE_TOKENS``;
-``--split-programs``: programs per query tile and KV head, ``auto`` for the launch's own
-choice; ``--num-warps``: the split kernel's warps, a constant of the result like
-``block_n``; ``--num-stages``: its loops' software-pipelining stages, ``auto`` for
-Triton's default). The invariant rows also check their output against the default kernel's,
-and the column ``bits`` whether every config of one ``block_n`` x ``num_splits`` x
-``num_warps`` gave the same bits (the tree tile, the programs and the stages must change
-none), and
-``warps`` whether the configs differing only in ``num_warps`` did too (where they do, the
-warps could follow the launch like the programs).
+invariant one (``--tree-tile``: tree rows per query tile,
+``ops.query_tiles.TREE_TILE_TOKENS``; ``--split-programs``: programs per query tile and KV
+head, ``auto`` for the launch's own choice; ``--num-warps``: the split kernel's warps, a
+constant of the result like ``block_n``; ``--num-stages``: its loops' software-pipelining
+stages, ``auto`` for Triton's default). The invariant rows also check their output
+against the default kernel's, and the column ``bits`` whether every config of one
+``block_n`` x ``num_splits`` x ``num_warps`` gave the same bits (the tree tile, the
+programs and the stages must change none), and ``warps`` whether the configs differing
+only in ``num_warps`` did too (where they do, the warps could follow the launch like the
+programs).
 
     python benchmarks/bench_invariant_attention.py --json out/invariant_attention.json
     python benchmarks/bench_invariant_attention.py --cases 1x300x32t,1x1000x32t,64x300x1 \

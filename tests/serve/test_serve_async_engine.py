@@ -21,7 +21,7 @@ from specdec.outputs import RequestMetrics, TokenDelta
 from specdec.sampling_params import RequestOutputKind, SamplingParams
 from specdec.serve.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from specdec.serve.core_client import EngineStartError, ProcCoreClient, _send_commands
-from specdec.serve.engine_core import _read
+from specdec.serve.engine_core import EngineCore, _read
 from specdec.spec.metrics import SpecStats
 
 
@@ -344,8 +344,6 @@ def test_the_adds_of_one_iteration_get_their_verdicts_in_one_message():
     """Adds queued together are applied before the next step and answered in one
     ("added", [...]) message, in order, a rejected one with its error, before the step
     that gives their first tokens."""
-    from specdec.serve.engine_core import EngineCore
-
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     sent: list[tuple] = []
     core = EngineCore(ScriptedEngine(step_s=0.0), inbox, sent.append)
