@@ -6,9 +6,10 @@ verify trees (a case ending in ``t``: its query rows are one random tree per seq
 Each case is timed as a CUDA graph of ``--calls`` back-to-back calls (no host gaps, as
 inside the engine's graphs; ``skinny_gemm.time_graph``), median of ``--repeats`` replays,
 for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
-``--tree-tile`` x ``--split-programs`` x ``--num-warps`` x ``--num-stages`` config of the
-invariant one (``--tree-tile``: tree rows per query tile,
-``ops.query_tiles.TREE_TILE_TOKENS``; ``--split-programs``: programs per query tile and KV
+``--tree-tile`` x ``--long-tree-keys`` x ``--split-programs`` x ``--num-warps`` x
+``--num-stages`` config of the invariant one (``--tree-tile``: tree rows per query tile of a
+tree starting at ``--long-tree-keys`` or later, ``ops.query_tiles.TREE_TILE_TOKENS`` and
+``LONG_TREE_KEYS``; ``--split-programs``: programs per query tile and KV
 head, ``auto`` for the launch's own choice; ``--num-warps``: the split kernel's warps, a
 constant of the result like ``block_n``; ``--num-stages``: its loops' software-pipelining
 stages, ``auto`` for Triton's default). The invariant rows also check their output
@@ -20,7 +21,7 @@ programs).
 
     python benchmarks/bench_invariant_attention.py --json out/invariant_attention.json
     python benchmarks/bench_invariant_attention.py --cases 1x300x32t,1x1000x32t,64x300x1 \
-        --block-n 32 --num-splits 16 --tree-tile 1,4 --split-programs auto,1,4,16
+        --block-n 32 --num-splits 16 --tree-tile 4 --long-tree-keys 0,1024,100000
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ def main() -> None:
         help="tree rows per query tile (default: the engine's)",
     )
     p.add_argument(
+        "--long-tree-keys",
+        type=parse_int_list,
+        default=[query_tiles.LONG_TREE_KEYS],
+        help="cache index from which a tree's rows share tiles (default: the engine's)",
+    )
+    p.add_argument(
         "--split-programs",
         type=parse_programs,
         default=[None],
@@ -120,19 +127,26 @@ def main() -> None:
     scale = HEAD_DIM**-0.5
     rows = []
     configs = [
-        (bn, splits, tt, sp, warps, stages)
-        for bn, splits, tt, sp, warps, stages in itertools.product(
-            a.block_n, a.num_splits, a.tree_tile, a.split_programs, a.num_warps, a.num_stages
+        (bn, splits, tt, lk, sp, warps, stages)
+        for bn, splits, tt, lk, sp, warps, stages in itertools.product(
+            a.block_n,
+            a.num_splits,
+            a.tree_tile,
+            a.long_tree_keys,
+            a.split_programs,
+            a.num_warps,
+            a.num_stages,
         )
         if sp is None or sp <= splits
     ]
     keys = [
         f"n{bn}s{splits}"
         + (f"t{tt}" if len(a.tree_tile) > 1 else "")
+        + (f"k{lk}" if len(a.long_tree_keys) > 1 else "")
         + (f"p{sp or 'auto'}" if len(a.split_programs) > 1 else "")
         + (f"w{warps}" if len(a.num_warps) > 1 else "")
         + (f"g{stages or 'auto'}" if len(a.num_stages) > 1 else "")
-        for bn, splits, tt, sp, warps, stages in configs
+        for bn, splits, tt, lk, sp, warps, stages in configs
     ]
     for case in a.cases.split(","):
         tree = case.endswith("t")
@@ -148,10 +162,11 @@ def main() -> None:
         outputs: dict[tuple[int, int, int], torch.Tensor] = {}  # the first of each grouping
         by_split: dict[tuple[int, int], torch.Tensor] = {}  # ... whatever the warps
         row["bits"] = row["warps_bits"] = True
-        for key, (bn, splits, tree_tile, programs, warps, stages) in zip(
+        for key, (bn, splits, tree_tile, long_keys, programs, warps, stages) in zip(
             keys, configs, strict=True
         ):
-            query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read it
+            query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read them
+            query_tiles.LONG_TREE_KEYS = long_keys
             tiled = with_query_tiles(meta)
             cfg = InvariantAttentionConfig(
                 block_n=bn,

@@ -20,16 +20,20 @@ How the kernels keep it:
   its blocks in increasing order, from the empty state; the combine kernel merges a
   token's ``num_splits`` partial states, always all of them and always in one vectorised
   reduction of fixed shape. Which program computes a split is free, since it changes
-  none of the split's arithmetic: the split kernel runs ``split_programs`` programs per
-  (query tile, KV head), program ``p`` computing splits ``p, p + P, ...`` one after
-  another, with ``P`` sized to the launch (every split its own program at batch 1, where
-  a long context then spreads over ``num_splits`` programs; fewer, longer programs when
-  the query tiles alone fill the GPU). The grouping of keys is the same for every token
-  at every batch.
+  none of the split's arithmetic: the split kernel runs ``P`` programs per (query tile,
+  KV head), program ``p`` computing splits ``p, p + P, ...`` one after another, with
+  ``P`` sized to the launch (every split its own program at batch 1, where a long
+  context then spreads over ``num_splits`` programs; fewer, longer programs when the
+  query tiles alone fill the GPU). The grid holds a slot per tile the launch may have
+  (``tile_bound``) and ``split_programs`` programs per slot; the kernel deals the slots
+  to the real tiles in turn and sizes ``P`` by the same rule on their real count, so
+  tiles of several tree rows take the slots they leave free as more programs. The
+  grouping of keys is the same for every token at every batch.
 * A program's tile holds the GQA groups of up to ``TILE_TOKENS`` consecutive query rows
-  before a tree (``ops.query_tiles``; they share every K/V tile), or of up to
-  ``TREE_TILE_TOKENS`` consecutive tree rows, in ``max(16, next_power_of_2(TILE_TOKENS *
-  group))`` rows. Tree rows of one tile share the K/V tiles of the blocks before the
+  before a tree (``ops.query_tiles``; they share every K/V tile), or of consecutive tree
+  rows (one, or up to ``TREE_TILE_TOKENS`` where the tree starts at ``LONG_TREE_KEYS`` or
+  later), in ``max(16, next_power_of_2(TILE_TOKENS * group))`` rows. Tree rows of one
+  tile share the K/V tiles of the blocks before the
   tree's first block; each block from there on is read once per tree row, through that
   row's path, with the other rows' scores masked to -inf (which leaves their states
   exactly as they were, as below), so every row sees its own keys in its own blocks. Every
@@ -48,7 +52,8 @@ How the kernels keep it:
 * The batch reaches the kernels only through runtime integers that change no arithmetic,
   kept unspecialised, and trees through a runtime flag: one compiled variant serves every
   batch of a model and dtype (``block_n``, ``num_splits``, ``TILE_TOKENS``,
-  ``TREE_TILE_TOKENS``, head dim and group are its only constants).
+  ``TREE_TILE_TOKENS``, head dim and group are its only constants; which tree rows share
+  a tile and how many programs a tile gets are runtime values).
 
 Graph safety: the grids are (query rows, KV heads, split programs), a bound on the tiles,
 and (query rows, heads), from tensor shapes, the config and the device; the query tiles
@@ -75,6 +80,7 @@ from specdec.kernels.launch import (
     require_last_dim_contiguous,
     require_launchable,
 )
+from specdec.ops import query_tiles
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.paged_attention import gather_context
 from specdec.ops.query_tiles import TILE_TOKENS, tree_tile_tokens, with_query_tiles
@@ -182,8 +188,10 @@ def split_programs(
 # divisibility by 16 would let two batches run different code).
 _RUNTIME_INTS = (
     "num_seqs",
-    "split_programs",
     "has_tree",
+    "long_tree_keys",
+    "program_room",
+    "max_programs",
     "stride_qt",
     "stride_qh",
     "stride_cb",
@@ -252,7 +260,9 @@ def _invariant_split_kernel(
     scale_log2,
     num_seqs,
     has_tree,
-    split_programs,  # programs per (tile, KV head): this one computes splits pid, pid + it, ...
+    long_tree_keys,  # ops.query_tiles.LONG_TREE_KEYS
+    program_room,  # programs the GPU holds per KV head (PROGRAMS_PER_SM x SMs / KV heads)
+    max_programs,  # the most programs per (tile, KV head): the config's, else NUM_SPLITS
     stride_qt,
     stride_qh,
     stride_cb,
@@ -265,18 +275,33 @@ def _invariant_split_kernel(
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     TILE_TOKENS: tl.constexpr,
-    TREE_TILE: tl.constexpr,  # tree rows per tile (ops.query_tiles.TREE_TILE_TOKENS)
+    TREE_TILE: tl.constexpr,  # tree rows per tile of a long tree (query_tiles.TREE_TILE_TOKENS)
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_PROGRAMS: tl.constexpr,  # min(MIN_SPLIT_PROGRAMS, NUM_SPLITS)
+    DOUBLINGS: tl.constexpr,  # log2(NUM_SPLITS)
     DOT_PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # The grid is a host bound: a slot per query row, P programs per slot. The launch's
+    # real tiles take the slots in turn, so a tile gets P programs per slot it holds, as
+    # many as ``split_programs`` grants the real tile count (a long tree's tiles of
+    # several rows leave slots to spare); the programs past that return at once.
+    n_tiles = tl.maximum(tl.load(tile_starts_ptr + num_seqs), 1)
+    tile = tl.program_id(0) % n_tiles
+    lap = tl.program_id(0) // n_tiles
     kvh = tl.program_id(1)
-    first_split = tl.program_id(2)
+    limit = tl.minimum(tl.minimum(program_room // n_tiles, NUM_SPLITS), max_programs)
+    programs = tl.full([], MIN_PROGRAMS, tl.int32)
+    for _ in tl.static_range(DOUBLINGS):  # split_programs' rule on the real tile count
+        programs = tl.where(programs * 2 <= limit, programs * 2, programs)
+    programs = tl.minimum(programs, tl.num_programs(2) * (tl.num_programs(0) // n_tiles))
+    first_split = tl.program_id(2) + lap * tl.num_programs(2)
+    if first_split >= programs:
+        return
     seq = tl.load(tile_seqs_ptr + tile).to(tl.int64)
     if seq >= num_seqs:  # past the last tile
         return
@@ -288,11 +313,12 @@ def _invariant_split_kernel(
     tree_lo = seq_len - tree_len  # tree nodes sit at cache indices tree_lo ..
     n_plain = tl.maximum(q_len - tree_len, 0)  # query rows before the tree
     plain_tiles = tl.cdiv(n_plain, TILE_TOKENS)
+    tree_tile = tl.where(tree_lo >= long_tree_keys, TREE_TILE, 1)  # ops.query_tiles' rule
     local = tile - tl.load(tile_starts_ptr + seq)
     is_tree = local >= plain_tiles  # a tile of tree rows
-    first = tl.where(is_tree, n_plain + (local - plain_tiles) * TREE_TILE, local * TILE_TOKENS)
+    first = tl.where(is_tree, n_plain + (local - plain_tiles) * tree_tile, local * TILE_TOKENS)
     count = tl.minimum(
-        tl.where(is_tree, q_len, n_plain) - first, tl.where(is_tree, TREE_TILE, TILE_TOKENS)
+        tl.where(is_tree, q_len, n_plain) - first, tl.where(is_tree, tree_tile, TILE_TOKENS)
     )
 
     # Rows: token-major, each token's GQA group of query heads; padded rows have no keys.
@@ -328,7 +354,7 @@ def _invariant_split_kernel(
     first_path_block = tl.where(is_tree, tree_lo // BLOCK_N, n_blocks)
     # The splits this program computes, one after another: each from its own empty state
     # over its own blocks, exactly as a program of its own would.
-    for split in range(first_split, NUM_SPLITS, split_programs):
+    for split in range(first_split, NUM_SPLITS, programs):
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -364,29 +390,30 @@ def _invariant_split_kernel(
         for b in range(path_start, n_blocks, NUM_SPLITS):
             lpos = b * BLOCK_N + offs_n  # [BLOCK_N] logical positions
             for r in tl.static_range(TREE_TILE):  # tree row r of the tile, then the next
-                mine = in_tile == r  # [ROWS] its GQA group's rows
-                r_keys = tl.max(tl.where(mine, n_keys, 0), 0)  # 0 past the tile's rows
-                loaded = lpos < r_keys
-                in_tree = loaded & (lpos >= tree_lo)
-                anc = tl.load(paths + r * stride_pn + (lpos - tree_lo), mask=in_tree, other=0)
-                cidx = tl.where(in_tree, tree_lo + anc, lpos)  # [BLOCK_N] cache indices
-                page = tl.load(table + cidx // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
-                row = page * stride_cb + (cidx % BLOCK_SIZE) * stride_cs + kv_head
-                m_i, l_i, acc = _attend_block(
-                    q,
-                    k_cache_ptr,
-                    v_cache_ptr,
-                    row,
-                    loaded,
-                    mine[:, None] & (lpos[None, :] < n_keys[:, None]),
-                    offs_d,
-                    d_mask,
-                    m_i,
-                    l_i,
-                    acc,
-                    scale_log2,
-                    DOT_PRECISION,
-                )
+                if r < count:  # a row past the tile's would leave every state as it is
+                    mine = in_tile == r  # [ROWS] its GQA group's rows
+                    r_keys = tl.max(tl.where(mine, n_keys, 0), 0)
+                    loaded = lpos < r_keys
+                    in_tree = loaded & (lpos >= tree_lo)
+                    anc = tl.load(paths + r * stride_pn + (lpos - tree_lo), mask=in_tree, other=0)
+                    cidx = tl.where(in_tree, tree_lo + anc, lpos)  # [BLOCK_N] cache indices
+                    page = tl.load(table + cidx // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
+                    row = page * stride_cb + (cidx % BLOCK_SIZE) * stride_cs + kv_head
+                    m_i, l_i, acc = _attend_block(
+                        q,
+                        k_cache_ptr,
+                        v_cache_ptr,
+                        row,
+                        loaded,
+                        mine[:, None] & (lpos[None, :] < n_keys[:, None]),
+                        offs_d,
+                        d_mask,
+                        m_i,
+                        l_i,
+                        acc,
+                        scale_log2,
+                        DOT_PRECISION,
+                    )
 
         # The partial states, empty (-inf, 0, 0) where a row has no key in this split.
         part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [ROWS]
@@ -504,8 +531,12 @@ def invariant_paged_attention(
     part_acc = torch.empty(
         num_tokens, num_heads, splits, block_d, dtype=torch.float32, device=q.device
     )
+    # The grid: a slot per tile the launch may have, ``programs`` per slot; the kernel
+    # deals the slots to its real tiles and sizes their programs the same way.
     tiles = tile_bound(num_tokens, meta.num_seqs, meta.has_tree)
-    programs = split_programs(tiles, num_kv_heads, config, num_sms(q.device))
+    sms = num_sms(q.device)
+    programs = split_programs(tiles, num_kv_heads, config, sms)
+    room = PROGRAMS_PER_SM * sms // num_kv_heads if config.split_programs is None else 1 << 30
     _invariant_split_kernel[(num_tokens, num_kv_heads, programs)](
         q,
         k_cache,
@@ -524,7 +555,9 @@ def invariant_paged_attention(
         scale * _LOG2E,
         meta.num_seqs,
         int(meta.has_tree),
-        programs,
+        query_tiles.LONG_TREE_KEYS,
+        room,
+        config.split_programs or splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -544,6 +577,8 @@ def invariant_paged_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits,
+        MIN_PROGRAMS=min(MIN_SPLIT_PROGRAMS, splits),
+        DOUBLINGS=splits.bit_length() - 1,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=config.num_warps,
         **({} if config.num_stages is None else {"num_stages": config.num_stages}),

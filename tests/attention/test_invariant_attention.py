@@ -93,10 +93,13 @@ def _backend_config(monkeypatch):
     monkeypatch.setattr(InvariantTritonBackend, "config", CONFIG)
 
 
-@pytest.fixture(params=[1, 4], ids=["tree_tile1", "tree_tile4"])
+@pytest.fixture(params=[0, 45], ids=["tree_tile4", "tree_tile_by_context"])
 def tree_tile(request, monkeypatch) -> int:
-    """Tree rows per query tile: the default (one) and tiles shared by four tree rows."""
-    monkeypatch.setattr("specdec.ops.query_tiles.TREE_TILE_TOKENS", request.param)
+    """Where trees start sharing query tiles (``LONG_TREE_KEYS``): every tree four rows a
+    tile, or the trees starting at cache index 45 or later (the test sequences hold trees
+    on both sides, short ones a row a tile)."""
+    monkeypatch.setattr("specdec.ops.query_tiles.TREE_TILE_TOKENS", 4)
+    monkeypatch.setattr("specdec.ops.query_tiles.LONG_TREE_KEYS", request.param)
     return request.param
 
 
@@ -293,10 +296,13 @@ def test_tree_paths_equal_a_walk_up_the_parents():
     assert torch.equal(attached.tree_paths, paths) and with_tree_paths(attached) is attached
 
 
-def test_query_tiles_cover_every_row_once(tree_tile):
-    """Rows before a tree go in tiles of up to TILE_TOKENS, tree rows in tiles of their own
-    of up to TREE_TILE_TOKENS; draft-step trees longer than the query and padded rows
-    included."""
+@pytest.mark.parametrize("long_keys", [0, 20, 1 << 30])
+def test_query_tiles_cover_every_row_once(long_keys, monkeypatch):
+    """Rows before a tree go in tiles of up to TILE_TOKENS, tree rows in tiles of their own:
+    four a tile for trees starting at LONG_TREE_KEYS or later, one otherwise; draft-step
+    trees longer than the query and padded rows included."""
+    monkeypatch.setattr("specdec.ops.query_tiles.TREE_TILE_TOKENS", 4)
+    monkeypatch.setattr("specdec.ops.query_tiles.LONG_TREE_KEYS", long_keys)
     # (q_len, seq_len, tree_len) per sequence: a prefill of 10, a decode, 3 plain rows and
     # a 5-node tree, a draft step's 4 queries of a 9-node tree, a chain as plain rows.
     shapes = [(10, 30, 0), (1, 8, 0), (8, 40, 5), (4, 20, 9), (6, 50, 0)]
@@ -315,9 +321,9 @@ def test_query_tiles_cover_every_row_once(tree_tile):
         )
     )
     starts, seqs = query_tiles(meta)
-    # tiles, tree rows one a tile: cdiv(10, 4) = 3; 1; cdiv(3, 4) + 5 = 6; 0 + 4; cdiv(6, 4) = 2
-    # four a tile: 3; 1; 1 + cdiv(5, 4) = 3; 0 + cdiv(4, 4) = 1; 2
-    counts = [3, 1, 6, 4, 2] if tree_tile == 1 else [3, 1, 3, 1, 2]
+    # tiles: cdiv(10, 4) = 3; 1; cdiv(3, 4) + the 5-node tree from cache index 35 (5 tiles
+    # of one row or cdiv(5, 4) = 2 of four); the 9-node tree from index 11 (4 or 1); cdiv(6, 4)
+    counts = [3, 1, 1 + (2 if long_keys <= 35 else 5), 1 if long_keys <= 11 else 4, 2]
     assert starts.tolist() == [0, *accumulate(counts)]
     total = sum(counts)
     assert seqs.tolist() == [s for s, n in enumerate(counts) for _ in range(n)] + [5] * (
@@ -480,21 +486,32 @@ def test_split_programs_follow_the_launch_and_the_config():
         InvariantAttentionConfig(num_stages=0)
 
 
-def test_programs_per_split_change_no_bit():
-    """One mixed batch (a decode, a prefill chunk, a tree after plain rows) launched with
-    every split its own program and with one program computing all splits: bitwise equal,
-    and equal to each sequence's solo oracle."""
-    seqs = [make_sequence(n, seed=40 + n, dtype=torch.bfloat16) for n in (70, 50, 60)]
-    wants = [oracle(seq) for seq in seqs]
-    s1, s2, s3 = seqs
-    batch = [Part(s1, 69, 1), Part(s2, 20, 25), Part(s3, 40, 3 + len(TREE_B), TREE_B, PATH_B)]
-    outs = []
-    for programs in (1, CONFIG.num_splits):
-        config = replace(CONFIG, split_programs=programs)
-        outs.append(launch(batch, partial(_invariant_paged_attention, config=config), seed=7))
-    for part, one, every in zip(batch, *outs, strict=True):
-        want = wants[seqs.index(part.seq)]
-        assert mismatches(one, want) == [] and mismatches(every, want) == [], part
+@pytest.mark.parametrize(("sms", "num_splits"), [(1, CONFIG.num_splits), (64, 8)])
+def test_programs_per_split_change_no_bit(sms, num_splits, monkeypatch):
+    """One mixed batch (a decode, a prefill chunk, a tree after plain rows, a long tree
+    whose rows share tiles) launched with every split its own program, with one program
+    computing all splits, and sized to the launch on a GPU of ``sms`` SMs (64 SMs and 8
+    splits: the host's bound gives 4 programs a row slot, and the kernel deals the spare
+    slots of the 17 real tiles to 8 programs each): each equal to each sequence's solo
+    oracle, bit for bit."""
+    monkeypatch.setattr("specdec.kernels.invariant_attention.num_sms", lambda device: sms)
+    monkeypatch.setattr("specdec.ops.query_tiles.TREE_TILE_TOKENS", 4)
+    monkeypatch.setattr("specdec.ops.query_tiles.LONG_TREE_KEYS", 45)
+    base = replace(CONFIG, num_splits=num_splits)
+    seqs = [make_sequence(n, seed=40 + n, dtype=torch.bfloat16) for n in (70, 50, 60, 80)]
+    wants = [oracle(seq, partial(_invariant_paged_attention, config=base)) for seq in seqs]
+    s1, s2, s3, s4 = seqs
+    batch = [
+        Part(s1, 69, 1),
+        Part(s2, 20, 25),
+        Part(s3, 40, 3 + len(TREE_B), TREE_B, PATH_B),
+        Part(s4, 60, len(TREE_A), TREE_A, PATH_A),
+    ]
+    for programs in (1, num_splits, None):
+        config = replace(base, split_programs=programs)
+        outs = launch(batch, partial(_invariant_paged_attention, config=config), seed=7)
+        for part, got in zip(batch, outs, strict=True):
+            assert mismatches(got, wants[seqs.index(part.seq)]) == [], (programs, part)
 
 
 # --- negative controls: the same comparisons catch the non-invariant kernels -------------
