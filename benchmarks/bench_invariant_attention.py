@@ -6,10 +6,11 @@ verify trees (a case ending in ``t``: its query rows are one random tree per seq
 Each case is timed as a CUDA graph of ``--calls`` back-to-back calls (no host gaps, as
 inside the engine's graphs; ``skinny_gemm.time_graph``), median of ``--repeats`` replays,
 for the default backend's kernel and every ``--block-n`` x ``--num-splits`` x
-``--tree-tile`` x ``--long-tree-keys`` x ``--split-programs`` x ``--num-warps`` x
-``--num-stages`` config of the invariant one (``--tree-tile``: tree rows per query tile of a
-tree starting at ``--long-tree-keys`` or later, ``ops.query_tiles.TREE_TILE_TOKENS`` and
-``LONG_TREE_KEYS``; ``--split-programs``: programs per query tile and KV
+``--tree-tile`` x ``--shared-tree-from`` x ``--split-programs`` x ``--num-warps`` x
+``--num-stages`` config of the invariant one (``--tree-tile``: tree rows per shared query
+tile, ``ops.query_tiles.TREE_TILE_TOKENS``; ``--shared-tree-from``: the cache index from
+which every launch's trees share tiles, or auto for the engine's rule,
+``query_tiles.shared_tree_from``; ``--split-programs``: programs per query tile and KV
 head, ``auto`` for the launch's own choice; ``--num-warps``: the split kernel's warps, a
 constant of the result like ``block_n``; ``--num-stages``: its loops' software-pipelining
 stages, ``auto`` for Triton's default). The invariant rows also check their output
@@ -21,7 +22,7 @@ programs).
 
     python benchmarks/bench_invariant_attention.py --json out/invariant_attention.json
     python benchmarks/bench_invariant_attention.py --cases 1x300x32t,1x1000x32t,64x300x1 \
-        --block-n 32 --num-splits 16 --tree-tile 4 --long-tree-keys 0,1024,100000
+        --block-n 32 --num-splits 16 --shared-tree-from auto,0,1024,100000
 """
 
 from __future__ import annotations
@@ -86,6 +87,17 @@ def parse_programs(text: str) -> list[int | None]:
     return [None if v.strip() == "auto" else parse_int_list(v)[0] for v in text.split(",")]
 
 
+def parse_index_or_auto(text: str) -> list[int | None]:
+    """Parse "auto,0,1024" into [None, 0, 1024]: cache indices >= 0, or auto."""
+    out: list[int | None] = []
+    for v in text.split(","):
+        v = v.strip()
+        if v != "auto" and not v.isdigit():
+            raise ValueError(f"expected cache indices >= 0 or auto, got {v!r} in {text!r}")
+        out.append(None if v == "auto" else int(v))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="1x300x1,16x300x1,64x300x1,1x1500x1,64x1500x1,1x1024x1024",
@@ -99,10 +111,11 @@ def main() -> None:
         help="tree rows per query tile (default: the engine's)",
     )
     p.add_argument(
-        "--long-tree-keys",
-        type=parse_int_list,
-        default=[query_tiles.LONG_TREE_KEYS],
-        help="cache index from which a tree's rows share tiles (default: the engine's)",
+        "--shared-tree-from",
+        type=parse_index_or_auto,
+        default=[None],
+        help="cache index from which every launch's trees share tiles, or auto: the "
+        "engine's rule (default)",
     )
     p.add_argument(
         "--split-programs",
@@ -125,6 +138,7 @@ def main() -> None:
     a = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = HEAD_DIM**-0.5
+    rule = (query_tiles.FEW_ROWS, query_tiles.MANY_ROWS, query_tiles.LONG_TREE_KEYS)
     rows = []
     configs = [
         (bn, splits, tt, lk, sp, warps, stages)
@@ -132,7 +146,7 @@ def main() -> None:
             a.block_n,
             a.num_splits,
             a.tree_tile,
-            a.long_tree_keys,
+            a.shared_tree_from,
             a.split_programs,
             a.num_warps,
             a.num_stages,
@@ -142,7 +156,7 @@ def main() -> None:
     keys = [
         f"n{bn}s{splits}"
         + (f"t{tt}" if len(a.tree_tile) > 1 else "")
-        + (f"k{lk}" if len(a.long_tree_keys) > 1 else "")
+        + (f"k{lk if lk is not None else 'auto'}" if len(a.shared_tree_from) > 1 else "")
         + (f"p{sp or 'auto'}" if len(a.split_programs) > 1 else "")
         + (f"w{warps}" if len(a.num_warps) > 1 else "")
         + (f"g{stages or 'auto'}" if len(a.num_stages) > 1 else "")
@@ -166,7 +180,9 @@ def main() -> None:
             keys, configs, strict=True
         ):
             query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read them
-            query_tiles.LONG_TREE_KEYS = long_keys
+            query_tiles.FEW_ROWS, query_tiles.MANY_ROWS, query_tiles.LONG_TREE_KEYS = (
+                rule if long_keys is None else (0, 1 << 30, long_keys)
+            )
             tiled = with_query_tiles(meta)
             cfg = InvariantAttentionConfig(
                 block_n=bn,

@@ -31,8 +31,9 @@ How the kernels keep it:
   grouping of keys is the same for every token at every batch.
 * A program's tile holds the GQA groups of up to ``TILE_TOKENS`` consecutive query rows
   before a tree (``ops.query_tiles``; they share every K/V tile), or of consecutive tree
-  rows (one, or up to ``TREE_TILE_TOKENS`` where the tree starts at ``LONG_TREE_KEYS`` or
-  later), in ``max(16, next_power_of_2(TILE_TOKENS * group))`` rows. Tree rows of one
+  rows (one, or up to ``TREE_TILE_TOKENS`` where the launch shares tree tiles:
+  ``query_tiles.shared_tree_from``), in ``max(16, next_power_of_2(TILE_TOKENS * group))``
+  rows. Tree rows of one
   tile share the K/V tiles of the blocks before the
   tree's first block; each block from there on is read once per tree row, through that
   row's path, with the other rows' scores masked to -inf (which leaves their states
@@ -189,7 +190,7 @@ def split_programs(
 _RUNTIME_INTS = (
     "num_seqs",
     "has_tree",
-    "long_tree_keys",
+    "shared_from",
     "program_room",
     "max_programs",
     "stride_qt",
@@ -260,7 +261,7 @@ def _invariant_split_kernel(
     scale_log2,
     num_seqs,
     has_tree,
-    long_tree_keys,  # ops.query_tiles.LONG_TREE_KEYS
+    shared_from,  # trees from this cache index share tiles (ops.query_tiles.shared_tree_from)
     program_room,  # programs the GPU holds per KV head (PROGRAMS_PER_SM x SMs / KV heads)
     max_programs,  # the most programs per (tile, KV head): the config's, else NUM_SPLITS
     stride_qt,
@@ -313,7 +314,7 @@ def _invariant_split_kernel(
     tree_lo = seq_len - tree_len  # tree nodes sit at cache indices tree_lo ..
     n_plain = tl.maximum(q_len - tree_len, 0)  # query rows before the tree
     plain_tiles = tl.cdiv(n_plain, TILE_TOKENS)
-    tree_tile = tl.where(tree_lo >= long_tree_keys, TREE_TILE, 1)  # ops.query_tiles' rule
+    tree_tile = tl.where(tree_lo >= shared_from, TREE_TILE, 1)  # ops.query_tiles' rule
     local = tile - tl.load(tile_starts_ptr + seq)
     is_tree = local >= plain_tiles  # a tile of tree rows
     first = tl.where(is_tree, n_plain + (local - plain_tiles) * tree_tile, local * TILE_TOKENS)
@@ -555,7 +556,7 @@ def invariant_paged_attention(
         scale * _LOG2E,
         meta.num_seqs,
         int(meta.has_tree),
-        query_tiles.LONG_TREE_KEYS,
+        query_tiles.shared_tree_from(num_tokens),
         room,
         config.split_programs or splits,
         q.stride(0),

@@ -42,7 +42,15 @@ from specdec.kernels.invariant_attention import (
 )
 from specdec.ops.attention_metadata import AttentionMetadata
 from specdec.ops.paged_attention import paged_attention_ref
-from specdec.ops.query_tiles import query_tiles, with_query_tiles
+from specdec.ops.query_tiles import (
+    FEW_ROWS,
+    LONG_TREE_KEYS,
+    MANY_ROWS,
+    NEVER,
+    query_tiles,
+    shared_tree_from,
+    with_query_tiles,
+)
 from specdec.ops.tree_paths import tree_paths, with_tree_paths
 
 
@@ -95,12 +103,20 @@ def _backend_config(monkeypatch):
 
 @pytest.fixture(params=[0, 45], ids=["tree_tile4", "tree_tile_by_context"])
 def tree_tile(request, monkeypatch) -> int:
-    """Where trees start sharing query tiles (``LONG_TREE_KEYS``): every tree four rows a
-    tile, or the trees starting at cache index 45 or later (the test sequences hold trees
+    """Where trees start sharing query tiles, in launches of any size: every tree four rows
+    a tile, or the trees starting at cache index 45 or later (the test sequences hold trees
     on both sides, short ones a row a tile)."""
-    monkeypatch.setattr("specdec.ops.query_tiles.TREE_TILE_TOKENS", 4)
-    monkeypatch.setattr("specdec.ops.query_tiles.LONG_TREE_KEYS", request.param)
+    share_trees_from(monkeypatch, request.param)
     return request.param
+
+
+def share_trees_from(monkeypatch, long_keys: int) -> None:
+    """Every launch, whatever its rows, shares the tiles of trees from cache index
+    ``long_keys`` (four rows a tile)."""
+    monkeypatch.setattr("specdec.ops.query_tiles.TREE_TILE_TOKENS", 4)
+    monkeypatch.setattr("specdec.ops.query_tiles.FEW_ROWS", 0)
+    monkeypatch.setattr("specdec.ops.query_tiles.MANY_ROWS", 1 << 30)
+    monkeypatch.setattr("specdec.ops.query_tiles.LONG_TREE_KEYS", long_keys)
 
 
 @dataclass(frozen=True, eq=False)  # compared by identity
@@ -299,10 +315,9 @@ def test_tree_paths_equal_a_walk_up_the_parents():
 @pytest.mark.parametrize("long_keys", [0, 20, 1 << 30])
 def test_query_tiles_cover_every_row_once(long_keys, monkeypatch):
     """Rows before a tree go in tiles of up to TILE_TOKENS, tree rows in tiles of their own:
-    four a tile for trees starting at LONG_TREE_KEYS or later, one otherwise; draft-step
+    four a tile for trees starting at the launch's threshold or later, one otherwise; draft-step
     trees longer than the query and padded rows included."""
-    monkeypatch.setattr("specdec.ops.query_tiles.TREE_TILE_TOKENS", 4)
-    monkeypatch.setattr("specdec.ops.query_tiles.LONG_TREE_KEYS", long_keys)
+    share_trees_from(monkeypatch, long_keys)
     # (q_len, seq_len, tree_len) per sequence: a prefill of 10, a decode, 3 plain rows and
     # a 5-node tree, a draft step's 4 queries of a 9-node tree, a chain as plain rows.
     shapes = [(10, 30, 0), (1, 8, 0), (8, 40, 5), (4, 20, 9), (6, 50, 0)]
@@ -336,6 +351,29 @@ def test_query_tiles_cover_every_row_once(long_keys, monkeypatch):
     assert tile_bound(loc[-1] + padded, len(shapes), meta.has_tree) >= total
     plain_tiles = sum(-(-q // 4) for q in (10, 1, 3, 6))
     assert tile_bound(10 + 1 + 3 + 6, 4, False) >= plain_tiles
+
+
+def test_trees_share_tiles_by_the_launch_rows_and_their_start():
+    """Few rows: every tree row its own tile; many: every tree shares; between: trees from
+    LONG_TREE_KEYS on. The tiles follow the launch's padded row count, as the kernel does."""
+    assert [shared_tree_from(n) for n in (1, FEW_ROWS)] == [NEVER, NEVER]
+    assert [shared_tree_from(n) for n in (FEW_ROWS + 1, MANY_ROWS - 1)] == [LONG_TREE_KEYS] * 2
+    assert [shared_tree_from(n) for n in (MANY_ROWS, 8192)] == [0, 0]
+    # One 6-node tree from cache index 2,000: a row a tile alone, shared once padding
+    # brings the launch to the middle band, and at the many-row end.
+    parents = build_tree_mask([torch.tensor([0, 0, 1, 1, 2, 3])])
+    for padded, tiles in ((0, 6), (FEW_ROWS + 1 - 6, 2), (MANY_ROWS - 6, 2)):
+        meta = parents.attach(
+            AttentionMetadata(
+                slot_mapping=torch.zeros(6 + padded, dtype=torch.int64),
+                query_start_loc=torch.tensor([0, 6], dtype=torch.int32),
+                seq_lens=torch.tensor([2006], dtype=torch.int32),
+                block_tables=torch.zeros(1, 126, dtype=torch.int32),
+                max_query_len=6,
+                max_seq_len=2006,
+            )
+        )
+        assert query_tiles(meta)[0].tolist() == [0, tiles], padded
 
 
 def test_metadata_rejects_tree_paths_without_trees():
@@ -495,8 +533,7 @@ def test_programs_per_split_change_no_bit(sms, num_splits, monkeypatch):
     slots of the 17 real tiles to 8 programs each): each equal to each sequence's solo
     oracle, bit for bit."""
     monkeypatch.setattr("specdec.kernels.invariant_attention.num_sms", lambda device: sms)
-    monkeypatch.setattr("specdec.ops.query_tiles.TREE_TILE_TOKENS", 4)
-    monkeypatch.setattr("specdec.ops.query_tiles.LONG_TREE_KEYS", 45)
+    share_trees_from(monkeypatch, 45)
     base = replace(CONFIG, num_splits=num_splits)
     seqs = [make_sequence(n, seed=40 + n, dtype=torch.bfloat16) for n in (70, 50, 60, 80)]
     wants = [oracle(seq, partial(_invariant_paged_attention, config=base)) for seq in seqs]
