@@ -33,9 +33,8 @@ How the kernels keep it:
   before a tree (``ops.query_tiles``; they share every K/V tile), or of consecutive tree
   rows (one, or up to ``TREE_TILE_TOKENS`` where the launch shares tree tiles:
   ``query_tiles.shared_tree_from``), in ``max(16, next_power_of_2(TILE_TOKENS * group))``
-  rows. Tree rows of one
-  tile share the K/V tiles of the blocks before the
-  tree's first block; each block from there on is read once per tree row, through that
+  rows. Tree rows of one tile share the K/V tiles of the blocks before the tree's first
+  block; each block from there on is read once per tree row, through that
   row's path, with the other rows' scores masked to -inf (which leaves their states
   exactly as they were, as below), so every row sees its own keys in its own blocks. Every
   ``tl.dot`` has that one shape, and a tensor-core product computes each output element
@@ -276,7 +275,7 @@ def _invariant_split_kernel(
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     TILE_TOKENS: tl.constexpr,
-    TREE_TILE: tl.constexpr,  # tree rows per tile of a long tree (query_tiles.TREE_TILE_TOKENS)
+    TREE_TILE: tl.constexpr,  # tree rows per shared tile (query_tiles.TREE_TILE_TOKENS)
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
