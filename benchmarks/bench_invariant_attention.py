@@ -141,8 +141,8 @@ def main() -> None:
     rule = (query_tiles.FEW_ROWS, query_tiles.MANY_ROWS, query_tiles.LONG_TREE_KEYS)
     rows = []
     configs = [
-        (bn, splits, tt, lk, sp, warps, stages)
-        for bn, splits, tt, lk, sp, warps, stages in itertools.product(
+        (bn, splits, tt, sf, sp, warps, stages)
+        for bn, splits, tt, sf, sp, warps, stages in itertools.product(
             a.block_n,
             a.num_splits,
             a.tree_tile,
@@ -156,11 +156,11 @@ def main() -> None:
     keys = [
         f"n{bn}s{splits}"
         + (f"t{tt}" if len(a.tree_tile) > 1 else "")
-        + (f"k{lk if lk is not None else 'auto'}" if len(a.shared_tree_from) > 1 else "")
+        + (f"k{sf if sf is not None else 'auto'}" if len(a.shared_tree_from) > 1 else "")
         + (f"p{sp or 'auto'}" if len(a.split_programs) > 1 else "")
         + (f"w{warps}" if len(a.num_warps) > 1 else "")
         + (f"g{stages or 'auto'}" if len(a.num_stages) > 1 else "")
-        for bn, splits, tt, lk, sp, warps, stages in configs
+        for bn, splits, tt, sf, sp, warps, stages in configs
     ]
     for case in a.cases.split(","):
         tree = case.endswith("t")
@@ -176,12 +176,12 @@ def main() -> None:
         outputs: dict[tuple[int, int, int], torch.Tensor] = {}  # the first of each grouping
         by_split: dict[tuple[int, int], torch.Tensor] = {}  # ... whatever the warps
         row["bits"] = row["warps_bits"] = True
-        for key, (bn, splits, tree_tile, long_keys, programs, warps, stages) in zip(
+        for key, (bn, splits, tree_tile, shared_from, programs, warps, stages) in zip(
             keys, configs, strict=True
         ):
             query_tiles.TREE_TILE_TOKENS = tree_tile  # the tiles and the launch read them
             query_tiles.FEW_ROWS, query_tiles.MANY_ROWS, query_tiles.LONG_TREE_KEYS = (
-                rule if long_keys is None else (0, 1 << 30, long_keys)
+                rule if shared_from is None else (0, 1 << 30, shared_from)
             )
             tiled = with_query_tiles(meta)
             cfg = InvariantAttentionConfig(

@@ -294,7 +294,7 @@ def _invariant_split_kernel(
     tile = tl.program_id(0) % n_tiles
     lap = tl.program_id(0) // n_tiles
     kvh = tl.program_id(1)
-    limit = tl.minimum(tl.minimum(program_room // n_tiles, NUM_SPLITS), max_programs)
+    limit = tl.minimum(program_room // n_tiles, max_programs)  # max_programs <= NUM_SPLITS
     programs = tl.full([], MIN_PROGRAMS, tl.int32)
     for _ in tl.static_range(DOUBLINGS):  # split_programs' rule on the real tile count
         programs = tl.where(programs * 2 <= limit, programs * 2, programs)

@@ -6,9 +6,9 @@ A tile is the rows one program of ``kernels/invariant_attention.py`` attends for
 logical positions are cache indices, so one K/V tile serves them all), or consecutive tree
 rows (they share the K/V tiles before the tree; past its start each reads its own
 ancestors): one a tile, or up to ``TREE_TILE_TOKENS`` where the launch shares tree tiles
-(``shared_tree_from``: by its row count and the tree's start). A prefill chunk of ``n`` rows is
-``cdiv(n, TILE_TOKENS)`` tiles, a decode one tile, a ``t``-node tree ``t`` or ``cdiv(t,
-TREE_TILE_TOKENS)``. How rows share a tile never changes a row's bits (the kernel's
+(``shared_tree_from``: by its row count and the tree's start). A prefill chunk of ``n``
+rows is ``cdiv(n, TILE_TOKENS)`` tiles, a decode one tile, a ``t``-node tree ``t`` or
+``cdiv(t, TREE_TILE_TOKENS)``. How rows share a tile never changes a row's bits (the kernel's
 docstring says why), only how often its keys are read.
 
 Built from ``query_start_loc``, ``seq_lens`` and ``tree_lens`` with device ops (a clamp,
