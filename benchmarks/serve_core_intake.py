@@ -30,11 +30,11 @@ from specdec.spec.metrics import SpecStats
 
 
 class BusyEngine:
-    """An engine whose steps emit one token id per running request and spend ``busy_s``
+    """An engine whose steps emit one token (``token_id``) per running request and spend ``busy_s``
     in Python, holding the interpreter lock as step preparation does."""
 
-    def __init__(self, busy_s: float) -> None:
-        self.busy_s = busy_s
+    def __init__(self, busy_s: float, token_id: int = 0) -> None:
+        self.busy_s, self.token_id = busy_s, token_id
         self.limits: dict[str, int] = {}
         self.counts: dict[str, int] = {}
         self.num_steps = self.num_graph_steps = 0
@@ -69,7 +69,9 @@ class BusyEngine:
             done = self.counts[request_id] >= self.limits[request_id]
             metrics = RequestMetrics(arrival_time=0.0) if done else None
             outputs.append(
-                TokenDelta(request_id, [0], None, "length" if done else None, None, metrics)
+                TokenDelta(
+                    request_id, [self.token_id], None, "length" if done else None, None, metrics
+                )
             )
             if done:
                 del self.limits[request_id]
@@ -80,7 +82,7 @@ class BusyEngine:
 
 
 def build(config: dict) -> BusyEngine:
-    return BusyEngine(config["busy_s"])
+    return BusyEngine(config["busy_s"], config.get("token_id", 0))
 
 
 class Ids:

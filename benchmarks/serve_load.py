@@ -16,6 +16,10 @@ sends the first of them), so a cache would skip prefills offline pays for.
     python benchmarks/serve_load.py --prompts wb.jsonl --concurrency 1,4,16,64,128 \
         --max-tokens 256 --json out.json [--server-args "--dtype bfloat16"]
 
+A variant ``BASE@LABEL`` runs BASE's server with ``--variant-args LABEL=FLAGS`` added and
+is compared with BASE's offline engine, e.g. two encoder shapes in one run:
+``--variants none,none@w4 --variant-args "w4=--tokenizer-workers 4"``.
+
 The tables printed last: output tok/s and TPOT p50 per (concurrency, variant) for the
 server and the offline engine and the server's share of offline; the server's TTFT split
 into its phases; each run's engine steps, the eager ones (no CUDA graph replayed) and
@@ -43,6 +47,29 @@ from pathlib import Path
 import httpx
 
 VARIANT_ARGS = {"none": ["--draft", "none"], "default": []}
+
+
+def variant_base(variant: str) -> str:
+    """``none@LABEL`` -> ``none``: the offline engine a server variant is compared with."""
+    base = variant.partition("@")[0]
+    if base not in VARIANT_ARGS:
+        raise SystemExit(
+            f"--variants: {variant!r} must be BASE or BASE@LABEL, BASE in {list(VARIANT_ARGS)}"
+        )
+    return base
+
+
+def parse_variant_args(items: list[str]) -> dict[str, list[str]]:
+    """``LABEL=FLAGS`` entries -> {LABEL: [flags]}."""
+    out = {}
+    for item in items:
+        label, sep, flags = item.partition("=")
+        if not sep or not label:
+            raise SystemExit(f"--variant-args: {item!r} is not LABEL=FLAGS")
+        out[label] = shlex.split(flags)
+    return out
+
+
 SPEC_PENDING_METRIC = "specdec_spec_decode_graphs_pending"
 GRAPHS_PENDING_METRIC = "specdec_deferred_graphs_pending"
 
@@ -223,9 +250,15 @@ def run_server(variant: str, args, work: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = work / f"serve_{variant}.log"
-    cmd = [sys.executable, "-m", "specdec.serve", "--port", str(port), *VARIANT_ARGS[variant],
+    label = variant.partition("@")[2]
+    if label and label not in args.variant_args:
+        raise SystemExit(
+            f"--variants: {variant!r} names {label!r}; add --variant-args {label}=FLAGS"
+        )
+    cmd = [sys.executable, "-m", "specdec.serve", "--port", str(port),
+           *VARIANT_ARGS[variant_base(variant)],
            *([] if args.prefix_caching else ["--no-enable-prefix-caching"]),
-           *shlex.split(args.server_args)]  # fmt: skip
+           *shlex.split(args.server_args), *args.variant_args.get(label, [])]  # fmt: skip
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # Each log line stamped with seconds since launch: the start-up's timeline.
@@ -330,7 +363,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", required=True, help=".jsonl of {prompt} or {messages}")
     p.add_argument("--concurrency", default="1,4,16,64,128")
-    p.add_argument("--variants", default="none,default")
+    p.add_argument(
+        "--variants", default="none,default",
+        help="servers to run: none (plain), default (the shipped head), or BASE@LABEL for "
+        "BASE with --variant-args LABEL's flags added (compared with BASE offline)",
+    )  # fmt: skip
+    p.add_argument(
+        "--variant-args", action="append", default=[], metavar="LABEL=FLAGS",
+        help="extra `specdec serve` flags of the BASE@LABEL variants (repeatable)",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--waves", type=int, default=4, help="requests per run: max(16, W x c)")
     p.add_argument("--repeats", type=int, default=1, help="offline timed runs (median)")
@@ -357,6 +398,9 @@ def main() -> int:
     p.add_argument("--py-spy-s", type=float, default=20, help="seconds py-spy samples")
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.variant_args = parse_variant_args(args.variant_args)
+    for variant in args.variants.split(","):
+        variant_base(variant)
     work = Path(tempfile.mkdtemp(prefix="serve_load_"))
     servers = [run_server(v, args, work) for v in args.variants.split(",")]
     offline = {} if args.no_offline else run_offline(args, work)
@@ -383,7 +427,7 @@ def main() -> int:
 
     def throughput(c: int, s: dict) -> list[str]:
         row = s["rows"].get(c, {})
-        off = offline.get(c, {}).get(s["variant"])
+        off = offline.get(c, {}).get(variant_base(s["variant"]))
         tau = row.get("tau")
         return [
             f"{row.get('tok_s', 0):,.0f}",
@@ -400,7 +444,7 @@ def main() -> int:
 
     def steps(c: int, s: dict) -> list[str]:
         row = s["rows"].get(c, {})
-        off = offline.get(c, {}).get("steps", {}).get(s["variant"])
+        off = offline.get(c, {}).get("steps", {}).get(variant_base(s["variant"]))
         server = steps_cells(row.get("output_tokens"), row.get("steps"), row.get("graph_steps"))
         return [*server, *(steps_cells(*off) if off else ["", "", ""])]
 

@@ -34,6 +34,8 @@ _SERVER_FLAGS = {
     "max_tokens_limit": "max_tokens_limit",
     "spec_exit_by_default": "spec_exit_by_default",
     "engine_process": "engine_process",
+    "tokenizer_workers": "tokenizer_workers",
+    "tokenizer_max_batch": "tokenizer_max_batch",
 }
 
 
@@ -110,6 +112,18 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="run the engine core in its own process, apart from HTTP work (default: on; "
         "--no-engine-process runs it on a thread of the server's process)",
+    )
+    g.add_argument(
+        "--tokenizer-workers",
+        type=int,
+        help="threads that encode chat prompts off the event loop "
+        f"(default: {defaults['tokenizer_workers']})",
+    )
+    g.add_argument(
+        "--tokenizer-max-batch",
+        type=int,
+        help="prompts one of those threads encodes per call "
+        f"(default: {defaults['tokenizer_max_batch']})",
     )
     # Every flag defaults to None, meaning "not given": the config (ServeConfig's defaults,
     # or --config) supplies the value, so a given flag always wins, even one that repeats

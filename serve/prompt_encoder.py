@@ -1,19 +1,21 @@
-"""Prompt texts → token ids off the API process's event loop, in batches.
+"""Prompt texts → token ids off the API process's event loop, on a few workers, in batches.
 
 A chat prompt of ~1,100 tokens takes ~3 ms to encode on one CPU core. Encoded on the
-event loop, a burst of arrivals (16 chats at once when a benchmark wave starts or a group
+event loop, a burst of arrivals (64 chats at once when a benchmark wave starts or a group
 of requests finishes together) holds the loop for tens of milliseconds: every stream's
 chunks and every later arrival wait behind them, and each request's time to first token
 grows with its place in the burst. ``PromptEncoder`` takes the encoding off the loop:
 
-- ``encode(text)`` queues the text and awaits its ids. One worker task encodes everything
-  queued so far in one batch call on a thread (``asyncio.to_thread``); texts that arrive
-  while a batch is encoding form the next batch. A fast (Rust) tokenizer encodes a batch
-  on several cores and releases the interpreter lock meanwhile, so the loop keeps
-  streaming; a slow tokenizer encodes the batch in turn, still off the loop.
+- ``encode(text)`` queues the text and awaits its ids. Up to ``workers`` worker tasks
+  each take the oldest queued texts (at most ``max_batch``) and encode them in one batch
+  call on a thread (``asyncio.to_thread``); texts that arrive while every worker is busy
+  wait for the next free one. The first texts of a burst therefore start encoding at once
+  and reach the engine first (first come, first encoded), instead of waiting for one batch
+  of the whole burst. A fast (Rust) tokenizer releases the interpreter lock while it
+  encodes, so the loop keeps streaming; a slow tokenizer still runs off the loop.
 - The ids are those of ``tokenizer.encode(text, add_special_tokens=False)``: the same
   pipeline, text by text (the tests compare them).
-- The encoder owns a copy of the tokenizer, used by one thread at a time (HF tokenizers
+- Each worker owns a copy of the tokenizer, used by one thread at a time (HF tokenizers
   must not be used from two threads at once; the event loop keeps the original for
   decoding).
 - A text the tokenizer cannot encode fails only its own request: when a batch raises,
@@ -24,60 +26,84 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections import deque
 from typing import Any
+
+# A fast tokenizer's batch call spreads its texts over every core, so one worker keeps the
+# cores busy; batches of a few texts a core hand a burst's first requests their ids after
+# one short call instead of one call over the whole burst (docs/serving.md, "Prompt
+# encoding"; ``benchmarks/serve_prompt_encoding.py`` measures it per workers x max_batch).
+DEFAULT_WORKERS = 1
+DEFAULT_MAX_BATCH = 16
 
 
 class PromptEncoder:
-    """Batched, off-loop ``encode`` for one event loop (module docstring)."""
+    """Off-loop ``encode`` for one event loop, ``workers`` batches at a time (module
+    docstring)."""
 
-    def __init__(self, tokenizer: Any, max_batch: int = 256) -> None:
+    def __init__(
+        self, tokenizer: Any, workers: int = DEFAULT_WORKERS, max_batch: int = DEFAULT_MAX_BATCH
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers={workers} must be >= 1")
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
-        self._tokenizer = copy.deepcopy(tokenizer)
-        self.max_batch = max_batch
-        self._queue: list[tuple[str, asyncio.Future[list[int]]]] = []
-        self._worker: asyncio.Task | None = None
+        self.workers, self.max_batch = workers, max_batch
+        # Idle tokenizer copies; a running worker holds one.
+        self._idle = [copy.deepcopy(tokenizer) for _ in range(workers)]
+        self._queue: deque[tuple[str, asyncio.Future[list[int]]]] = deque()
+        self._running: set[asyncio.Task] = set()
         self.num_batches = 0  # batch calls made so far
 
     async def encode(self, text: str) -> list[int]:
         """``text``'s token ids, no special tokens added (a chat template writes its own)."""
         future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self._queue.append((text, future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._drain())
+        if self._idle:
+            task = asyncio.create_task(self._work(self._idle.pop()))
+            self._running.add(task)  # a strong reference until it ends
+            task.add_done_callback(self._running.discard)
         return await future
 
-    async def _drain(self) -> None:
-        while self._queue:
-            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
-            live = [(t, f) for t, f in batch if not f.done()]  # cancelled: its client left
-            if not live:
-                continue
-            results = await asyncio.to_thread(self._encode_all, [t for t, _ in live])
-            self.num_batches += 1
-            for (_, future), result in zip(live, results, strict=True):
-                if future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-
-    def _encode_all(self, texts: list[str]) -> list[list[int] | BaseException]:
-        """On the worker thread: one batch call, or text by text if the batch raised."""
-        tokenizer = self._tokenizer
-        # A fast tokenizer's Rust backend directly: the batch wrapper's Python conversions
-        # would hold the interpreter lock for milliseconds per batch.
-        backend = getattr(tokenizer, "backend_tokenizer", None)
+    async def _work(self, tokenizer: Any) -> None:
+        """One worker: batches off the queue's head until it is empty."""
         try:
-            if backend is not None:
-                return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-            return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        except Exception:
-            results: list[list[int] | BaseException] = []
-            for text in texts:
-                try:
-                    results.append(list(tokenizer.encode(text, add_special_tokens=False)))
-                except Exception as e:
-                    results.append(e)
-            return results
+            while self._queue:
+                batch = []
+                while self._queue and len(batch) < self.max_batch:
+                    text, future = self._queue.popleft()
+                    if not future.done():  # done: cancelled, its client left
+                        batch.append((text, future))
+                if not batch:
+                    continue
+                texts = [t for t, _ in batch]
+                results = await asyncio.to_thread(_encode_all, tokenizer, texts)
+                self.num_batches += 1
+                for (_, future), result in zip(batch, results, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._idle.append(tokenizer)
+
+
+def _encode_all(tokenizer: Any, texts: list[str]) -> list[list[int] | BaseException]:
+    """On a worker thread: one batch call, or text by text if the batch raised."""
+    # A fast tokenizer's Rust backend directly: the batch wrapper's Python conversions
+    # would hold the interpreter lock for milliseconds per batch.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        if backend is not None:
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    except Exception:
+        results: list[list[int] | BaseException] = []
+        for text in texts:
+            try:
+                results.append(list(tokenizer.encode(text, add_special_tokens=False)))
+            except Exception as e:
+                results.append(e)
+        return results

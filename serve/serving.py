@@ -78,8 +78,10 @@ class OpenAIServing:
         # The event loop's tokenizer (the streams detokenize with the same one, on the same
         # thread: HF tokenizers must not be used from two threads at once).
         self.tokenizer = tokenizer
-        # Chat prompts are encoded off the loop, in batches, on a copy of the tokenizer.
-        self.encoder = PromptEncoder(tokenizer)
+        # Chat prompts are encoded off the loop, in batches, on copies of the tokenizer.
+        self.encoder = PromptEncoder(
+            tokenizer, config.tokenizer_workers, config.tokenizer_max_batch
+        )
         self.metrics = metrics
         self.max_model_len = engine.info.max_model_len
         # SpecExit settings under each request's, lowest precedence first: the draft head's

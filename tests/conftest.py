@@ -37,6 +37,24 @@ for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
 
 SMOLLM2 = "smollm2-135m-instruct"
 
+# Test modules that start vLLM: they hold one machine-wide lock while they run
+# (vllm_server.exclusive_vllm), so they share one pytest-xdist group and run in turn on
+# one worker instead of leaving another worker waiting on the lock.
+VLLM_MODULES = ("test_vllm",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """One pytest-xdist group per test file (scripts/test.sh runs ``--dist loadgroup``:
+    a module's fixtures are built once, as with ``loadfile``), and one for the vLLM
+    modules together."""
+    for item in items:
+        name = item.path.stem
+        group = (
+            "vllm" if name.startswith(VLLM_MODULES) else str(item.path.relative_to(config.rootpath))
+        )
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:

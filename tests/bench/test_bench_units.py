@@ -456,3 +456,18 @@ def test_serve_load_merges_its_clients_reports():
     assert merged["output_throughput"] == 16384 / 2.0 + 16384 / 2.5
     assert merged["duration_s"] == 2.5 and merged["clients"] == 2
     assert merged["tpot_ms"] == {"p50": 2.75} and merged["ttft_ms"] == {"p50": 27.5}
+
+
+def test_serve_load_variants_name_a_base_and_their_extra_flags():
+    """``BASE@LABEL`` runs BASE's server with LABEL's flags and compares with BASE offline;
+    a variant or flags entry it cannot read is a clear error."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from serve_load import parse_variant_args, variant_base
+
+    assert variant_base("none") == "none" and variant_base("default@w4") == "default"
+    flags = parse_variant_args(["w4=--tokenizer-workers 4 --tokenizer-max-batch 8"])
+    assert flags == {"w4": ["--tokenizer-workers", "4", "--tokenizer-max-batch", "8"]}
+    with pytest.raises(SystemExit, match="'eagle@w4' must be BASE or BASE@LABEL"):
+        variant_base("eagle@w4")
+    with pytest.raises(SystemExit, match="'w4' is not LABEL=FLAGS"):
+        parse_variant_args(["w4"])

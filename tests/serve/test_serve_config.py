@@ -69,6 +69,7 @@ def test_flags_map_onto_the_config(monkeypatch):
         "--port", "9001", "--api-key", "k", "--served-model-name", "a", "b",
         "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "1000000",
         "--no-enable-prefix-caching", "--num-speculative-tokens", "5", "--log-level", "debug",
+        "--tokenizer-workers", "3", "--tokenizer-max-batch", "8",
     )  # fmt: skip
     assert (config.port, config.api_key, config.model_names) == (9001, "k", ["a", "b"])
     assert config.engine.scheduler.max_model_len == 1024
@@ -77,6 +78,7 @@ def test_flags_map_onto_the_config(monkeypatch):
     assert config.engine.cache.enable_prefix_caching is False
     assert config.engine.speculative.num_speculative_tokens == 5
     assert config.log_level == "debug"
+    assert (config.tokenizer_workers, config.tokenizer_max_batch) == (3, 8)
     assert _config("--draft", "none").engine.speculative is None
     monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
     assert _config().api_key == "from-env"
@@ -157,6 +159,8 @@ def test_the_server_defers_graphs_unless_told_otherwise(monkeypatch):
         ({"port": 70000}, "port=70000 is invalid"),
         ({"log_level": "loud"}, "log_level='loud' is invalid"),
         ({"max_tokens_limit": 0}, "max_tokens_limit=0 must be >= 1"),
+        ({"tokenizer_workers": 0}, "tokenizer_workers=0 must be >= 1"),
+        ({"tokenizer_max_batch": 0}, "tokenizer_max_batch=0 must be >= 1"),
         ({"api_key": ""}, "api_key is empty"),
         ({"served_model_name": []}, "served_model_name=[] is invalid"),
     ],

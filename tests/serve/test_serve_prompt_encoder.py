@@ -1,11 +1,13 @@
-"""``PromptEncoder``: prompt texts encoded off the event loop, in batches, to exactly the
-ids the server's /tokenize and the offline ``LLM.chat`` give."""
+"""``PromptEncoder``: prompt texts encoded off the event loop, on a few workers, in
+batches taken first come first served, to exactly the ids the server's /tokenize and the
+offline ``LLM.chat`` give."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import threading
+import time
 
 import pytest
 
@@ -68,23 +70,65 @@ def test_encoded_chats_equal_the_templates_tokenization(
     assert asyncio.run(encode_all()) == want
 
 
+@pytest.mark.parametrize(
+    ("workers", "max_batch", "fewest", "most"), [(1, 256, 1, 2), (4, 8, 8, 11)]
+)
 def test_a_burst_is_encoded_in_few_batches_and_each_request_gets_its_own_ids(
-    smollm2_tokenizer,
+    smollm2_tokenizer, workers: int, max_batch: int, fewest: int, most: int
 ):
-    """64 concurrent prompts of real WritingBench-length text: every future gets its own
-    text's ids, and texts queued while a batch encodes go in the next batch, not one call
-    each."""
+    """64 concurrent prompts of WritingBench-length text: every future gets its own
+    text's ids, and texts queued while the workers are busy go in their next batches, not
+    one call each."""
     texts = [f"request {i}: " + "a paged attention kernel " * (20 + i) for i in range(64)]
     want = [smollm2_tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     async def burst():
-        encoder = PromptEncoder(smollm2_tokenizer)
+        encoder = PromptEncoder(smollm2_tokenizer, workers=workers, max_batch=max_batch)
         got = await asyncio.gather(*(encoder.encode(t) for t in texts))
         return got, encoder.num_batches
 
     got, batches = asyncio.run(burst())
     assert got == want
-    assert 1 <= batches <= 2, batches
+    assert fewest <= batches <= most, batches
+
+
+def test_workers_take_the_oldest_texts_in_batches_of_at_most_max_batch():
+    """First come, first encoded: each batch call holds the oldest texts queued when it
+    started, in arrival order; no more than ``workers`` calls run at once; texts arriving
+    while every worker is busy wait for the next free one, and a worker started by a lone
+    arrival encodes it at once."""
+    calls: list[list[str]] = []
+    lock = threading.Lock()
+    active = peak = 0
+
+    class Tokenizer:
+        def __call__(self, texts, add_special_tokens):
+            nonlocal active, peak
+            with lock:
+                calls.append(list(texts))
+                active += 1
+                peak = max(peak, active)
+            time.sleep(0.02)  # long enough for every arrival to queue meanwhile
+            with lock:
+                active -= 1
+            return {"input_ids": [[int(t)] for t in texts]}
+
+    async def run():
+        encoder = PromptEncoder(Tokenizer(), workers=3, max_batch=4)
+        tasks = []
+        for i in range(3):  # lone arrivals, apart: each starts a worker at once
+            tasks.append(asyncio.create_task(encoder.encode(str(i))))
+            await asyncio.sleep(0.005)
+        tasks += [asyncio.create_task(encoder.encode(str(i))) for i in range(3, 20)]
+        return await asyncio.gather(*tasks)
+
+    ids = asyncio.run(run())
+    assert ids == [[i] for i in range(20)]
+    assert all(len(c) <= 4 for c in calls) and peak <= 3
+    assert calls[:3] == [["0"], ["1"], ["2"]]
+    # The texts queued meanwhile: consecutive runs from the queue's head, in order.
+    later = sorted(calls[3:], key=lambda c: int(c[0]))
+    assert [int(t) for c in later for t in c] == list(range(3, 20))
 
 
 def test_a_text_that_cannot_be_encoded_fails_only_its_own_request():
@@ -134,7 +178,7 @@ def test_encoding_runs_off_the_event_loops_thread():
 
     async def run():
         encoder = PromptEncoder(original)
-        assert encoder._tokenizer is not original
+        assert all(t is not original for t in encoder._idle)
         ids = await asyncio.gather(*(encoder.encode("x" * i) for i in range(5)))
         return ids, threading.get_ident()
 
@@ -143,6 +187,8 @@ def test_encoding_runs_off_the_event_loops_thread():
     assert threads and loop_thread not in threads
 
 
-def test_max_batch_is_validated():
+def test_workers_and_max_batch_are_validated():
     with pytest.raises(ValueError, match="max_batch=0 must be >= 1"):
         PromptEncoder(None, max_batch=0)
+    with pytest.raises(ValueError, match="workers=0 must be >= 1"):
+        PromptEncoder(None, workers=0)
