@@ -72,12 +72,12 @@ def parse_variant(text: str) -> tuple[str, str, str | None]:
 
 
 def measure(args, variant: str, prompts: list[str]) -> dict:
-    from specdec.serve.prompt_encoder import DEFAULT_MAX_BATCH, DEFAULT_WORKERS
+    from specdec.serve.prompt_encoder import default_shape
 
     loop, http, encoder = parse_variant(variant)
     port = free_port()
     cmd = [sys.executable, __file__, "--serve", str(port), "--loop", loop, "--http", http,
-           "--encoder", encoder or f"{DEFAULT_WORKERS}x{DEFAULT_MAX_BATCH}",
+           "--encoder", encoder or "x".join(map(str, default_shape())),
            "--step-ms", str(args.step_ms), "--model", args.model]  # fmt: skip
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"

@@ -116,14 +116,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tokenizer-workers",
         type=int,
-        help="threads that encode chat prompts off the event loop "
-        f"(default: {defaults['tokenizer_workers']})",
+        help="threads that encode chat prompts off the event loop (default: half the CPU "
+        "cores, at most 8)",
     )
     g.add_argument(
         "--tokenizer-max-batch",
         type=int,
-        help="prompts one of those threads encodes per call "
-        f"(default: {defaults['tokenizer_max_batch']})",
+        help="prompts one of those threads encodes per call (default: max(4, 16 // workers))",
     )
     # Every flag defaults to None, meaning "not given": the config (ServeConfig's defaults,
     # or --config) supplies the value, so a given flag always wins, even one that repeats

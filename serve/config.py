@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.serve.prompt_encoder import DEFAULT_MAX_BATCH, DEFAULT_WORKERS
 from specdec.spec_exit_params import spec_exit_fields
 
 if TYPE_CHECKING:  # specdec.config imports torch; the CLI parser must stay light
@@ -85,9 +84,10 @@ class ServeConfig:
     # interpreter lock; False runs it on a thread of the server's process (debugging).
     engine_process: bool = True
     # Chat prompts are encoded off the event loop by this many threads, each encoding up
-    # to ``tokenizer_max_batch`` queued prompts per call (serve/prompt_encoder.py).
-    tokenizer_workers: int = DEFAULT_WORKERS
-    tokenizer_max_batch: int = DEFAULT_MAX_BATCH
+    # to ``tokenizer_max_batch`` queued prompts per call; None: sized to the machine's
+    # cores (serve/prompt_encoder.py, ``default_shape``).
+    tokenizer_workers: int | None = None
+    tokenizer_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         from specdec.config import EngineConfig
@@ -112,8 +112,10 @@ class ServeConfig:
         if self.retry_after_s < 1:
             raise ValueError(f"retry_after_s={self.retry_after_s} must be >= 1")
         for name in ("tokenizer_workers", "tokenizer_max_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} must be >= 1, or None to size it to the cores"
+                )
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(
                 f"max_tokens_limit={self.max_tokens_limit} must be >= 1, or None for no limit"

@@ -192,3 +192,16 @@ def test_workers_and_max_batch_are_validated():
         PromptEncoder(None, max_batch=0)
     with pytest.raises(ValueError, match="workers=0 must be >= 1"):
         PromptEncoder(None, workers=0)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "shape"), [(1, (1, 16)), (2, (1, 16)), (4, (2, 8)), (16, (8, 4)), (128, (8, 4))]
+)
+def test_the_default_shape_follows_the_cores(cpus: int, shape: tuple[int, int]):
+    """Half the cores as workers, at most 8; batches of max(4, 16 // workers); an encoder
+    or server left unset takes this machine's."""
+    from specdec.serve.prompt_encoder import default_shape
+
+    assert default_shape(cpus) == shape
+    encoder = PromptEncoder(None)
+    assert (encoder.workers, encoder.max_batch) == default_shape()
