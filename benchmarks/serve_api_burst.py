@@ -30,10 +30,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_core_intake import build as build_busy_engine
 from serve_load import free_port, wait_health
+from serve_prompt_encoding import parse_shapes
 
 from specdec.serve.bench import BenchConfig, run_benchmark
 
 TOKEN_ID = 1000  # a plain word piece: every step's token shows as text
+LOOPS, HTTP_PARSERS = ("asyncio", "uvloop"), ("h11", "httptools")
 
 
 def serve(args) -> None:
@@ -46,7 +48,8 @@ def serve(args) -> None:
     from specdec.serve.config import ServeConfig
     from specdec.serve.core_client import ProcCoreClient
 
-    workers, batch = (int(v) for v in args.encoder.split("x"))
+    # No --encoder: the server's own default shape.
+    workers, batch = parse_shapes(args.encoder)[0] if args.encoder else (None, None)
     config = ServeConfig(tokenizer_workers=workers, tokenizer_max_batch=batch, log_level="warning")
     busy = {"busy_s": args.step_ms / 1e3, "token_id": TOKEN_ID}
     core = ProcCoreClient(busy, build_engine=build_busy_engine, start_timeout=120)
@@ -57,27 +60,24 @@ def serve(args) -> None:
 
 
 def parse_variant(text: str) -> tuple[str, str, str | None]:
+    """``LOOP/HTTP[/WORKERSxMAX_BATCH]`` -> (loop, http, encoder or None)."""
     parts = text.split("/")
-    if (
-        len(parts) not in (2, 3)
-        or parts[0] not in ("asyncio", "uvloop")
-        or parts[1]
-        not in (
-            "h11",
-            "httptools",
+    if len(parts) not in (2, 3) or parts[0] not in LOOPS or parts[1] not in HTTP_PARSERS:
+        raise SystemExit(
+            f"--variants: {text!r} is not LOOP/HTTP[/WORKERSxMAX_BATCH] "
+            f"(LOOP in {LOOPS}, HTTP in {HTTP_PARSERS})"
         )
-    ):
-        raise SystemExit(f"--variants: {text!r} is not LOOP/HTTP[/WORKERSxMAX_BATCH]")
-    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+    encoder = parts[2] if len(parts) == 3 else None
+    if encoder:
+        parse_shapes(encoder)  # a bad shape fails here, not in the server
+    return parts[0], parts[1], encoder
 
 
 def measure(args, variant: str, prompts: list[str]) -> dict:
-    from specdec.serve.prompt_encoder import default_shape
-
     loop, http, encoder = parse_variant(variant)
     port = free_port()
     cmd = [sys.executable, __file__, "--serve", str(port), "--loop", loop, "--http", http,
-           "--encoder", encoder or "x".join(map(str, default_shape())),
+           *(["--encoder", encoder] if encoder else []),
            "--step-ms", str(args.step_ms), "--model", args.model]  # fmt: skip
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
@@ -131,6 +131,8 @@ def main() -> None:
         raise SystemExit(
             "--prompts is required (a JSONL of chats, e.g. specdec bench --export-prompts)"
         )
+    for variant in args.variants.split(","):
+        parse_variant(variant)  # every variant checked before the first server starts
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     prompts = [r["messages"][-1]["content"] for r in rows][: args.burst]
     results = {v: measure(args, v, prompts) for v in args.variants.split(",")}

@@ -27,10 +27,12 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+from common import measure
 from transformers import AutoTokenizer
 
 from specdec.models.loader import load_tokenizer
-from specdec.serve.prompt_encoder import PromptEncoder, _encode_all
+from specdec.serve.prompt_encoder import PromptEncoder, encode_texts
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -101,23 +103,17 @@ def main() -> None:
     chats = [r["messages"] for r in rows[: args.burst]]
     texts = [render(tokenizer, m) for m in chats]
     worker = tokenizer_of(args.model)
-    _encode_all(worker, texts)  # warm-up
-    tokens = sum(len(ids) for ids in _encode_all(worker, texts))
+    tokens = sum(len(ids) for ids in encode_texts(worker, texts))
 
     def timed(fn) -> float:
-        times = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1e3
+        return 1e3 * measure(fn, torch.device("cpu"), warmup=1, repeats=args.repeats)
 
     results = {
         "burst": args.burst,
         "prompt_tokens": tokens,
         "cpus": os.cpu_count(),
-        "one_thread_each_ms": timed(lambda: [_encode_all(worker, [t]) for t in texts]),
-        "one_batch_call_ms": timed(lambda: _encode_all(worker, texts)),
+        "one_thread_each_ms": timed(lambda: [encode_texts(worker, [t]) for t in texts]),
+        "one_batch_call_ms": timed(lambda: encode_texts(worker, texts)),
         "render_all_ms": timed(lambda: [render(tokenizer, m) for m in chats]),
         "shapes": {},
     }

@@ -92,7 +92,7 @@ class PromptEncoder:
                 if not batch:
                     continue
                 texts = [t for t, _ in batch]
-                results = await asyncio.to_thread(_encode_all, tokenizer, texts)
+                results = await asyncio.to_thread(encode_texts, tokenizer, texts)
                 self.num_batches += 1
                 for (_, future), result in zip(batch, results, strict=True):
                     if future.done():
@@ -105,8 +105,9 @@ class PromptEncoder:
             self._idle.append(tokenizer)
 
 
-def _encode_all(tokenizer: Any, texts: list[str]) -> list[list[int] | BaseException]:
-    """On a worker thread: one batch call, or text by text if the batch raised."""
+def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int] | BaseException]:
+    """``texts``' ids in one batch call, or text by text if the batch raised (each text's
+    ids or its error); what a worker runs on its thread."""
     # A fast tokenizer's Rust backend directly: the batch wrapper's Python conversions
     # would hold the interpreter lock for milliseconds per batch.
     backend = getattr(tokenizer, "backend_tokenizer", None)
