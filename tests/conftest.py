@@ -17,6 +17,11 @@ import torch
 # set before anything imports triton: on a machine without CUDA the kernels run on CPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # tl.dot row by row, as a GPU's matrix units give it (tests/interpreter_dot.py).
+    from interpreter_dot import install as _install_interpreter_dot
+
+    _install_interpreter_dot()
 
 # Under pytest-xdist (scripts/test.sh runs one worker per core, up to 4) each worker gets
 # its share of the cores, and so do the CLI subprocesses it starts (torch reads

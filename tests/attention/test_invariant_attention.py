@@ -53,34 +53,6 @@ from specdec.ops.query_tiles import (
 )
 from specdec.ops.tree_paths import tree_paths, with_tree_paths
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _bf16_dots_in_the_interpreter():
-    """Triton's interpreter multiplies bf16 ``tl.dot`` operands as the raw uint16 words it
-    stores them in (a 16x16 product comes out ~1e10). Widen them to float32 first: bf16
-    products are exact in float32 and the sum is float32, as on the GPU."""
-    if DEVICE.type == "cuda":
-        yield
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    create_dot = InterpreterBuilder.create_dot
-
-    def widen(x: TensorHandle) -> TensorHandle:
-        if x.dtype.scalar != tl.bfloat16:
-            return x
-        return TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(InterpreterBuilder, "create_dot", dot)
-        yield
-
-
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16  # SmolLM2's heads: 9 / 3
 # The default config on CUDA. The interpreter runs every program slowly, so there two
 # splits keep the structure under test (splits of several blocks, empty splits, the
