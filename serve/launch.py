@@ -4,7 +4,9 @@
 and starts a thread that imports the tokenizer stack (transformers, which imports torch)
 and then loads the model's tokenizer once the core has resolved the model. So the core's
 imports, weight load and graph capture overlap the API side's imports and tokenizer load
-instead of following them. This module imports neither FastAPI nor torch.
+instead of following them. This module imports neither FastAPI nor torch; with the
+engine on a thread of this process (``--no-engine-process``) ``launch`` imports the
+engine's modules itself, before the tokenizer thread starts.
 """
 
 from __future__ import annotations
@@ -120,5 +122,11 @@ def launch(config: ServeConfig) -> Launch:
         time.monotonic() - started,
     )
     core = ProcCoreClient(config.core_engine, wait=False) if config.engine_process else None
+    if core is None:
+        # The engine will be built here, so its modules are imported before the tokenizer
+        # thread starts: two threads importing one package's __init__ and its submodules
+        # (specdec.attention, specdec.models) in different orders can each wait on the
+        # other's module lock, and Python raises _DeadlockError in one of them.
+        import specdec.engine.llm_engine  # noqa: F401
     # After the spawn: the tokenizer thread's imports would hold the interpreter lock.
     return Launch(core, TokenizerLoader(), started)

@@ -68,6 +68,28 @@ def test_the_api_process_spawns_the_core_before_any_heavy_import():
     assert _run(code).strip() == "[]"
 
 
+def test_an_engine_thread_imports_the_engine_before_the_tokenizer_thread_starts():
+    """With the engine on a thread of the API process, ``launch`` imports the engine's
+    modules before the tokenizer thread imports the tokenizer stack (specdec.models.loader
+    imports specdec.attention too): imported from both threads at once, a package's
+    __init__ and its submodules could deadlock on their module locks."""
+    code = (
+        "import sys\n"
+        "import specdec.serve.launch as launch\n"
+        "from specdec.cli import build_parser\n"
+        "from specdec.serve.cli import serve_config_from_args\n"
+        "seen = {}\n"
+        "class Loader:\n"
+        "    def __init__(self):\n"
+        "        seen['engine'] = 'specdec.engine.llm_engine' in sys.modules\n"
+        "launch.TokenizerLoader = Loader\n"
+        "args = build_parser().parse_args(['serve', '--device', 'cpu', '--no-engine-process'])\n"
+        "launch.launch(serve_config_from_args(args))\n"
+        "print(seen)\n"
+    )
+    assert _run(code).strip() == "{'engine': True}"
+
+
 def test_building_the_served_engine_on_cpu_imports_no_compiler():
     """The engine ``specdec serve --device cpu`` builds (target and shipped head from
     meta-device modules) compiles nothing, so it imports neither torch._dynamo nor sympy
