@@ -31,12 +31,15 @@ from specdec.spec.metrics import SpecStats
 
 class BusyEngine:
     """An engine whose steps emit one token (``token_id``) per running request and spend ``busy_s``
-    in Python, holding the interpreter lock as step preparation does."""
+    in Python, holding the interpreter lock as step preparation does, then ``wait_s`` with
+    the lock released, as waiting for the GPU's step does. Each request's metrics carry
+    its core timeline (arrival, first step, first token, finish)."""
 
-    def __init__(self, busy_s: float, token_id: int = 0) -> None:
-        self.busy_s, self.token_id = busy_s, token_id
+    def __init__(self, busy_s: float, token_id: int = 0, wait_s: float = 0.0) -> None:
+        self.busy_s, self.token_id, self.wait_s = busy_s, token_id, wait_s
         self.limits: dict[str, int] = {}
         self.counts: dict[str, int] = {}
+        self.metrics: dict[str, RequestMetrics] = {}
         self.num_steps = self.num_graph_steps = 0
         self.spec_stats, self.proposer = SpecStats(), None
         self.has_pending_graphs = self.speculation_graphs_pending = False
@@ -53,36 +56,50 @@ class BusyEngine:
 
     def add_request(self, prompt, params, request_id: str, arrival_time: float) -> str:
         self.limits[request_id], self.counts[request_id] = params.max_tokens, 0
+        self.metrics[request_id] = RequestMetrics(arrival_time=arrival_time)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         self.limits.pop(request_id, None)
+        self.metrics.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.limits)
 
     def step(self) -> list[TokenDelta]:
         self.num_steps += 1
-        outputs = []
-        for request_id in list(self.limits):
-            self.counts[request_id] += 1
-            done = self.counts[request_id] >= self.limits[request_id]
-            metrics = RequestMetrics(arrival_time=0.0) if done else None
-            outputs.append(
-                TokenDelta(
-                    request_id, [self.token_id], None, "length" if done else None, None, metrics
-                )
-            )
-            if done:
-                del self.limits[request_id]
+        start = time.monotonic()
         end = time.perf_counter() + self.busy_s
         while time.perf_counter() < end:  # Python work: the lock stays with this thread
             sum(range(100))
+        if self.wait_s:
+            time.sleep(self.wait_s)  # the GPU's share: the lock released
+        now = time.monotonic()
+        outputs = []
+        for request_id in list(self.limits):
+            self.counts[request_id] += 1
+            metrics = self.metrics[request_id]
+            if metrics.first_token_time is None:
+                metrics.first_scheduled_time, metrics.first_token_time = start, now
+            done = self.counts[request_id] >= self.limits[request_id]
+            if done:
+                metrics.finished_time = now
+                del self.limits[request_id], self.metrics[request_id]
+            outputs.append(
+                TokenDelta(
+                    request_id,
+                    [self.token_id],
+                    None,
+                    "length" if done else None,
+                    None,
+                    metrics if done else None,
+                )
+            )
         return outputs
 
 
 def build(config: dict) -> BusyEngine:
-    return BusyEngine(config["busy_s"], config.get("token_id", 0))
+    return BusyEngine(config["busy_s"], config.get("token_id", 0), config.get("wait_s", 0.0))
 
 
 class Ids:

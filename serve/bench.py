@@ -92,23 +92,26 @@ class RequestResult:
 
 async def run_benchmark(config: BenchConfig) -> dict:
     """Send the requests; return the report (see ``summarize``)."""
-    import httpx
+    import aiohttp
 
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    timeout = httpx.Timeout(config.timeout_s, connect=30.0)
-    limits = httpx.Limits(max_connections=config.concurrency or config.num_prompts)
-    async with httpx.AsyncClient(
-        base_url=config.base_url, headers=headers, timeout=timeout, limits=limits
+    timeout = aiohttp.ClientTimeout(total=config.timeout_s, connect=30.0)
+    connector = aiohttp.TCPConnector(limit=config.concurrency or config.num_prompts)
+    # aiohttp's C parser: a client parsing thousands of SSE events a second must not be
+    # the limit it measures (httpx's pure-Python stack was, at 32 streams a process).
+    async with aiohttp.ClientSession(
+        headers=headers, timeout=timeout, connector=connector, read_bufsize=_READ_BUFSIZE
     ) as client:
-        model = config.model or await _first_model(client)
-        counters_before = await _spec_counters(client, config.metrics_source)
+        base = config.base_url.rstrip("/")
+        model = config.model or await _first_model(client, base)
+        counters_before = await _spec_counters(client, base, config.metrics_source)
         rng = random.Random(config.seed)
         gate = asyncio.Semaphore(config.concurrency or config.num_prompts)
         prompts = [config.prompts[i % len(config.prompts)] for i in range(config.num_prompts)]
 
         async def one(prompt: str) -> RequestResult:
             async with gate:
-                return await _send(client, config, model, prompt)
+                return await _send(client, base, config, model, prompt)
 
         tasks = []
         start = time.perf_counter()
@@ -118,7 +121,7 @@ async def run_benchmark(config: BenchConfig) -> dict:
                 await asyncio.sleep(rng.expovariate(config.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        counters_after = await _spec_counters(client, config.metrics_source)
+        counters_after = await _spec_counters(client, base, config.metrics_source)
     report = summarize(config, model, results, duration)
     if counters_before and counters_after and counters_before[0] == counters_after[0]:
         source, after = counters_after
@@ -126,28 +129,34 @@ async def run_benchmark(config: BenchConfig) -> dict:
     return report
 
 
-async def _spec_counters(client, source: str) -> tuple[str, SpecCounters] | None:
+# The longest SSE line the client reads (aiohttp's line reader refuses longer ones): a chunk
+# with top logprobs runs to kilobytes.
+_READ_BUFSIZE = 1 << 20
+
+
+async def _spec_counters(client, base: str, source: str) -> tuple[str, SpecCounters] | None:
     """The server's speculation counters from /metrics and whose names matched (None if
     it has none), so the report shows τ over exactly this run."""
     try:
-        response = await client.get("/metrics")
+        async with client.get(f"{base}/metrics") as response:
+            if response.status != 200:
+                return None
+            text = await response.text()
     except Exception:  # a server without /metrics still gets benchmarked
         return None
-    if response.status_code != 200:
-        return None
     try:
-        return read_counters(response.text, source)
+        return read_counters(text, source)
     except ValueError:  # not a Prometheus exposition
         return None
 
 
-async def _first_model(client) -> str:
-    response = await client.get("/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+async def _first_model(client, base: str) -> str:
+    async with client.get(f"{base}/v1/models") as response:
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]
 
 
-async def _send(client, config: BenchConfig, model: str, prompt: str) -> RequestResult:
+async def _send(client, base: str, config: BenchConfig, model: str, prompt: str) -> RequestResult:
     body: dict = {
         "model": model,
         "max_tokens": config.max_tokens,
@@ -166,15 +175,15 @@ async def _send(client, config: BenchConfig, model: str, prompt: str) -> Request
     sent = time.perf_counter()
     last = sent
     try:
-        async with client.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:200]}"
+        async with client.post(base + path, json=body) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:200]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in response.content:  # one SSE line at a time, b"\n" kept
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
-                chunk = json.loads(line[len("data: ") :])
+                chunk = json.loads(line[len(b"data: ") :])
                 if "error" in chunk:
                     result.error = chunk["error"].get("message", "error")
                     return result
