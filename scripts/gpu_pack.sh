@@ -5,8 +5,8 @@
 #   .whl/model/*.whl       packages the machine lacks (Python 3.12, manylinux x86_64) to
 #                          load the model: gguf (120 kB; the call that carries the GGUF's
 #                          last folder and a head has room for this folder only)
-#   .whl/serve/*.whl       the server's stack, aiohttp for bench-serve, httpx for the
-#                          benchmarks' scripts (~6 MB)
+#   .whl/serve/*.whl       the server's stack (uvloop and httptools included), aiohttp
+#                          for bench-serve, httpx for the benchmarks' scripts (~12 MB)
 #   .whl/extra/*.whl       `wheels PKG==VER ...`
 #   .gpu/gguf/N/gguf.xz.partNN
 #                          SmolLM2-135M-Instruct's GGUF, xz-compressed, split into parts of
@@ -53,7 +53,8 @@ MODEL_WHEELS=(gguf)
 SERVE_WHEELS=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection
     typing-extensions anyio sniffio idna uvicorn click h11 httpx httpcore certifi
     prometheus-client opentelemetry-api importlib-metadata zipp
-    aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl)
+    aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl
+    uvloop httptools)
 
 download() {  # DIR PKG[==VER]...: wheels for the machine's Python and platform into DIR
     local dir=$1

@@ -173,8 +173,10 @@ def run_server(config: ServeConfig, started: Launch | None = None) -> None:
     except BaseException:
         core.shutdown()
         raise
+    loop, http = http_stack()
     logger.info(
-        "serving %s as %s on %s %s (%s), max_model_len %d, %d KV blocks; ready %.1f s after launch",
+        "serving %s as %s on %s %s (%s), max_model_len %d, %d KV blocks; ready %.1f s after "
+        "launch; event loop %s, HTTP parser %s",
         config.engine.model,
         config.model_names,
         info.device,
@@ -183,6 +185,8 @@ def run_server(config: ServeConfig, started: Launch | None = None) -> None:
         info.max_model_len,
         info.num_kv_blocks,
         started.seconds(),
+        loop,
+        http,
     )
     uvicorn.run(
         app,
@@ -190,4 +194,17 @@ def run_server(config: ServeConfig, started: Launch | None = None) -> None:
         port=config.port,
         log_level=config.log_level,
         timeout_graceful_shutdown=5,
+        loop=loop,
+        http=http,
     )
+
+
+def http_stack() -> tuple[str, str]:
+    """uvicorn's (event loop, HTTP parser): uvloop and httptools (the serve extra's, C
+    implementations) where installed, else asyncio's loop and h11 (pure Python), which
+    cost the API process more CPU per streamed chunk (docs/serving.md)."""
+    from importlib.util import find_spec
+
+    loop = "uvloop" if find_spec("uvloop") is not None else "asyncio"
+    http = "httptools" if find_spec("httptools") is not None else "h11"
+    return loop, http

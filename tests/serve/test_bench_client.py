@@ -8,11 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
-
-pytest.importorskip("aiohttp")
-
-from specdec.serve.bench import BenchConfig, run_benchmark  # noqa: E402
+from specdec.serve.bench import BenchConfig, run_benchmark
 
 MODEL = "scripted"
 

@@ -182,7 +182,7 @@ def test_the_server_log_times_each_start_up_phase(args: list[str]):
         r"starting the engine core for smollm2-135m-instruct \(.*\) [\d.]+ s after launch",
         r"loaded the target's weights \(\d+ MiB, float32 on cpu\) in [\d.]+ s",
         r"loaded the tokenizer in [\d.]+ s",
-        r"ready [\d.]+ s after launch",
+        r"ready [\d.]+ s after launch; event loop (uvloop|asyncio), HTTP parser (httptools|h11)",
     ]
     if not args:
         phases += [
