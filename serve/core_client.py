@@ -3,7 +3,9 @@
 ``ProcCoreClient`` runs the core in its own process (``specdec serve``'s default): the
 HTTP process and the engine never share an interpreter lock, so serializing and sending
 responses cannot slow a step. Commands go down one pipe; the core's per-step messages come
-up another and are read on the event loop when the pipe is readable. ``InprocCoreClient``
+up another in frames (``frames.py``) and are read on the event loop when the pipe is
+readable, a frame that has only partly arrived kept for the next read (the loop never waits
+on the pipe, whether the loop leaves it blocking or not). ``InprocCoreClient``
 runs the same loop on a thread of this process (tests, embedding an engine object).
 
 Commands travel in batches: a sender thread takes everything queued since its last send
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -37,6 +40,7 @@ from specdec.serve.engine_core import (
     engine_info,
     run_core_process,
 )
+from specdec.serve.frames import FrameReader
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +104,9 @@ class ProcCoreClient:
         commands_out, commands_in = ctx.Pipe(duplex=False)  # (reader, writer)
         messages_out, messages_in = ctx.Pipe(duplex=False)
         self._commands = commands_in
-        self._messages = messages_out
+        self._messages = messages_out  # read through self._frames, never .recv()
+        self._frames = FrameReader(messages_out.fileno())
+        self._early: list[tuple] = []  # messages read while waiting for "ready"
         self._started = time.monotonic()  # system-wide on Linux: the child reads it too
         self.process = ctx.Process(
             target=run_core_process,
@@ -145,17 +151,21 @@ class ProcCoreClient:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if self._messages.poll(1.0 if left is None else min(1.0, left)):
                 try:
-                    message = self._messages.recv()
+                    messages = self._frames.read()
                 except EOFError:
-                    message = ("dead", f"the engine process exited ({self.process.exitcode})")
-                if message[0] == "ready":
-                    return message[1]
-                if message[0] == "resolved":
-                    if self._on_resolved is not None:
-                        self._on_resolved(message[1])
-                    continue
-                self.process.join(10)
-                raise EngineStartError(f"the engine could not start: {message[1]}")
+                    messages = [("dead", f"the engine process exited ({self.process.exitcode})")]
+                while messages:
+                    message = messages.pop(0)
+                    if message[0] == "ready":
+                        self._early = messages
+                        return message[1]
+                    if message[0] == "resolved":
+                        if self._on_resolved is not None:
+                            self._on_resolved(message[1])
+                        continue
+                    self.process.join(10)
+                    raise EngineStartError(f"the engine could not start: {message[1]}")
+                continue
             if not self.process.is_alive():
                 raise EngineStartError(
                     f"the engine process exited with code {self.process.exitcode} while "
@@ -167,18 +177,24 @@ class ProcCoreClient:
 
     def start(self, loop: asyncio.AbstractEventLoop, on_message: OnMessage) -> None:
         self._loop = loop
-        messages = self._messages
+        frames, fd = self._frames, self._frames.fd
+        os.set_blocking(fd, False)  # read what is there, whatever the loop does to the pipe
 
         def readable() -> None:
             try:
-                while messages.poll():
-                    on_message(messages.recv())
+                messages = frames.read()
             except (EOFError, OSError):
-                loop.remove_reader(messages.fileno())
+                loop.remove_reader(fd)
                 code = self.process.exitcode
                 on_message(("dead", f"the engine process exited (code {code})"))
+                return
+            for message in messages:
+                on_message(message)
 
-        loop.add_reader(messages.fileno(), readable)
+        for message in self._early:
+            loop.call_soon(on_message, message)
+        self._early = []
+        loop.add_reader(fd, readable)
 
     def send(self, command: tuple) -> None:
         self._outbox.put(command)  # the sender thread batches it (module docstring)

@@ -46,6 +46,7 @@ from typing import Any
 
 from specdec.outputs import TokenDelta
 from specdec.sampling_params import RequestOutputKind, SamplingParams
+from specdec.serve.frames import write_frame
 from specdec.spec.spec_exit_runtime import SpecExitRuntime
 
 logger = logging.getLogger(__name__)
@@ -260,7 +261,8 @@ def run_core_process(build_engine: Callable[..., Any], config: Any, commands, me
                      log_level: int, launched: float | None = None) -> None:  # fmt: skip
     """Entry point of the engine core process (``multiprocessing`` spawn target).
 
-    ``commands`` / ``messages`` are one-way ``multiprocessing`` connections. A reader thread
+    ``commands`` / ``messages`` are one-way ``multiprocessing`` connections (messages go up
+    as frames, ``frames.py``; commands as the connection's own messages). A reader thread
     turns commands into the loop's inbox and a writer thread sends its messages, so the
     loop neither blocks on a slow reader nor waits for input. The process ends on a
     shutdown command, or when the API process goes away (its end of ``commands`` closes).
@@ -319,8 +321,11 @@ def _read(commands, inbox: queue.SimpleQueue) -> None:
 
 
 def _write(outbox: queue.SimpleQueue, messages) -> None:
+    """The message writer (a thread): each message one frame (``frames.py``: the API side
+    reads them from its event loop without waiting for a frame's rest)."""
+    fd = messages.fileno()
     while (message := outbox.get()) is not None:
         try:
-            messages.send(message)
+            write_frame(fd, message)
         except (BrokenPipeError, OSError):  # the API process is gone
             return

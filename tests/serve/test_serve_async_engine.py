@@ -36,7 +36,10 @@ class ScriptedEngine:
     """Each request emits token ids 0, 1, 2, ... one per step until it has
     ``max_tokens``; records the calls it gets and the threads they come from."""
 
-    def __init__(self, fail_at_step: int | None = None, step_s: float = 0.01) -> None:
+    def __init__(
+        self, fail_at_step: int | None = None, step_s: float = 0.01, tokens_per_step: int = 1
+    ) -> None:
+        self.tokens_per_step = tokens_per_step  # more than one: a step message grows
         self.requests: dict[str, list[int]] = {}
         self.limits: dict[str, int] = {}
         self.calls: list[tuple[str, str]] = []
@@ -94,11 +97,13 @@ class ScriptedEngine:
             raise RuntimeError("device lost")
         outputs = []
         for request_id, tokens in list(self.requests.items()):
-            tokens.append(len(tokens))
+            n = len(tokens)
+            new = list(range(n, min(n + self.tokens_per_step, self.limits[request_id])))
+            tokens += new
             done = len(tokens) >= self.limits[request_id]
             metrics = RequestMetrics(arrival_time=0.0) if done else None
             reason = "length" if done else None
-            outputs.append(TokenDelta(request_id, [tokens[-1]], None, reason, None, metrics))
+            outputs.append(TokenDelta(request_id, new, None, reason, None, metrics))
             if done:
                 del self.requests[request_id]
         time.sleep(self.step_s)  # a step takes a while: the loop side runs meanwhile
@@ -112,7 +117,7 @@ def scripted_engine(config: dict) -> ScriptedEngine:
     return ScriptedEngine(**config)
 
 
-def _run(core, body, max_in_flight: int = 8):
+def _run(core, body, max_in_flight: int = 8, loop_factory=None):
     async def main():
         a = AsyncLLMEngine(core, max_in_flight, tokenizer=LetterTokenizer())
         a.start()
@@ -121,7 +126,8 @@ def _run(core, body, max_in_flight: int = 8):
         finally:
             a.shutdown()
 
-    return asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(main())
 
 
 def _text(n: int) -> str:
@@ -276,6 +282,38 @@ def test_the_core_process_streams_stops_aborts_and_reports_its_engine():
     assert done[3].finish_reason == "stop" and done[5].finish_reason == "length"
     assert in_flight == 0 and snapshot.num_steps > 0
     assert not core.process.is_alive()  # shutdown stopped it
+
+
+def _loop_factories():
+    factories = [pytest.param(None, id="asyncio")]
+    try:
+        import uvloop
+    except ImportError:
+        return factories
+    return [*factories, pytest.param(uvloop.new_event_loop, id="uvloop")]
+
+
+@pytest.mark.parametrize("loop_factory", _loop_factories())
+def test_step_messages_larger_than_the_pipe_arrive_whole_on_either_loop(loop_factory):
+    """A step message of ~200 KB (more than a pipe holds) reaches the API side whole while
+    its streams read: the loop reads what the pipe has and keeps a partial message for the
+    next read (uvloop's watcher makes the pipe non-blocking, so a reader that waits for a
+    message's rest would fail mid-message there)."""
+    per_step = 30_000
+    config = {"tokens_per_step": per_step, "step_s": 0.0}
+    core = ProcCoreClient(config, build_engine=scripted_engine, start_timeout=120)
+
+    async def body(a: AsyncLLMEngine):
+        async def one(i: int):
+            params = SamplingParams(max_tokens=4 * per_step)
+            stream = await a.add_request(f"r{i}", [1], params)
+            return [out async for out in stream][-1].outputs[0]
+
+        return await asyncio.gather(*(one(i) for i in range(2)))
+
+    done = _run(core, body, loop_factory=loop_factory)
+    assert [c.text for c in done] == [_text(4 * per_step)] * 2
+    assert [c.finish_reason for c in done] == ["length", "length"]
 
 
 def test_a_core_process_failure_is_reported_not_hung():
