@@ -28,7 +28,20 @@ logger = logging.getLogger(__name__)
 
 
 def completion_prompt_ids(tokenizer, prompt: str | list) -> list[int]:
-    """One prompt (text or token ids); a batch of several is refused."""
+    """One prompt's ids (``completion_prompt``'s text encoded here, on the caller's
+    thread); a batch of several is refused."""
+    prompt = completion_prompt(prompt)
+    if isinstance(prompt, list):
+        return prompt
+    try:
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    except (ValueError, TypeError) as e:  # e.g. lone surrogates the tokenizer cannot take
+        raise APIError(400, f"prompt cannot be tokenized: {e}", param="prompt") from None
+
+
+def completion_prompt(prompt: str | list) -> str | list[int]:
+    """One prompt as its text or its token ids (range is the engine's check: it names the
+    vocabulary); a batch of several is refused."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise APIError(
@@ -39,11 +52,8 @@ def completion_prompt_ids(tokenizer, prompt: str | list) -> list[int]:
             )
         prompt = prompt[0]
     if isinstance(prompt, list):
-        return [int(t) for t in prompt]  # range is the engine's check (names the vocab)
-    try:
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    except (ValueError, TypeError) as e:  # e.g. lone surrogates the tokenizer cannot take
-        raise APIError(400, f"prompt cannot be tokenized: {e}", param="prompt") from None
+        return [int(t) for t in prompt]
+    return prompt
 
 
 def chat_prompt_text(tokenizer, body: ChatCompletionRequest) -> str:

@@ -14,7 +14,8 @@ grows with its place in the burst. ``PromptEncoder`` takes the encoding off the 
   of the whole burst. A fast (Rust) tokenizer releases the interpreter lock while it
   encodes, so the loop keeps streaming; a slow tokenizer still runs off the loop.
 - The ids are those of ``tokenizer.encode(text, add_special_tokens=False)``: the same
-  pipeline, text by text (the tests compare them).
+  pipeline, text by text (the tests compare them). Chat prompts (rendered by their
+  template) and completion prompts given as text both come through here.
 - Each worker owns a copy of the tokenizer, used by one thread at a time (HF tokenizers
   must not be used from two threads at once; the event loop keeps the original for
   decoding).
@@ -109,11 +110,14 @@ def encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int] | BaseExcep
     """``texts``' ids in one batch call, or text by text if the batch raised (each text's
     ids or its error); what a worker runs on its thread."""
     # A fast tokenizer's Rust backend directly: the batch wrapper's Python conversions
-    # would hold the interpreter lock for milliseconds per batch.
+    # would hold the interpreter lock for milliseconds per batch. ``encode_batch_fast``
+    # (tokenizers >= 0.20) skips the character offsets the ids do not need: the same ids
+    # in ~35% less time a text (SmolLM2's tokenizer, WritingBench chats, 2-core CPU).
     backend = getattr(tokenizer, "backend_tokenizer", None)
     try:
         if backend is not None:
-            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
         return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     except Exception:
         results: list[list[int] | BaseException] = []

@@ -32,7 +32,7 @@ from specdec.serve.config import ServeConfig
 from specdec.serve.errors import APIError, error_body
 from specdec.serve.inputs import (
     chat_prompt_text,
-    completion_prompt_ids,
+    completion_prompt,
     refuse_unsupported,
     resolve_max_tokens,
     resolve_spec_exit,
@@ -78,7 +78,8 @@ class OpenAIServing:
         # The event loop's tokenizer (the streams detokenize with the same one, on the same
         # thread: HF tokenizers must not be used from two threads at once).
         self.tokenizer = tokenizer
-        # Chat prompts are encoded off the loop, in batches, on copies of the tokenizer.
+        # Prompt texts (rendered chats, completion texts) are encoded off the loop, in
+        # batches, on copies of the tokenizer.
         self.encoder = PromptEncoder(
             tokenizer, config.tokenizer_workers, config.tokenizer_max_batch
         )
@@ -187,7 +188,13 @@ class OpenAIServing:
         arrival = time.monotonic()
         model = self.check_model(body.model)
         refuse_unsupported(body)
-        prompt_ids = completion_prompt_ids(self.tokenizer, body.prompt)
+        prompt = completion_prompt(body.prompt)
+        if isinstance(prompt, str):  # encoded off the event loop, as chats are
+            try:
+                prompt = await self.encoder.encode(prompt)
+            except (ValueError, TypeError) as e:  # e.g. lone surrogates
+                raise APIError(400, f"prompt cannot be tokenized: {e}", param="prompt") from None
+        prompt_ids = prompt
         request_id = f"cmpl-{uuid.uuid4().hex}"
         # OpenAI's default of 16 applies when max_tokens is left out; null means no limit.
         asked = body.max_tokens if "max_tokens" in body.model_fields_set else None

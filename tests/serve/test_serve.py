@@ -293,6 +293,10 @@ def test_bad_input_gets_openai_errors_with_the_right_status(server, client):
     msg = _error(post("/v1/completions", content=b'{"prompt": "hi",', headers=raw), 400)
     assert "not valid JSON" in msg
     msg = _error(post("/v1/chat/completions", content=b"[1, 2]", headers=raw), 400)
+    # A text the tokenizer cannot take (a lone surrogate, valid JSON): this request's 400.
+    response = post("/v1/completions", content=b'{"prompt": "a\\ud800b"}', headers=raw)
+    assert "prompt cannot be tokenized" in _error(response, 400)
+    assert response.json()["error"]["param"] == "prompt"
     for body, param in [
         ({"prompt": 5}, "prompt"),
         ({}, "prompt"),
