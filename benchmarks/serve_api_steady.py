@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_core_intake import build as build_busy_engine
 from serve_load import (
     bench_serve,
+    client_ms,
     engine_steps,
     free_port,
     latency_sums,
@@ -79,27 +80,17 @@ def generation_tokens(url: str) -> float:
     return samples.get("specdec_generation_tokens_total", [({}, 0.0)])[0][1]
 
 
-def e2e_sum(url: str) -> tuple[float, float]:
-    from specdec.serve.spec_metrics import parse_exposition
-
-    samples = parse_exposition(httpx.get(f"{url}/metrics", timeout=10).text)
-    name = "specdec_e2e_request_latency_seconds"
-    return tuple(samples.get(f"{name}_{k}", [({}, 0.0)])[0][1] for k in ("sum", "count"))
-
-
 def one_run(args, url: str, pid: int, c: int, work: Path) -> dict:
-    before = (latency_sums(url), engine_steps(url)[0], generation_tokens(url), e2e_sum(url))
+    before = (latency_sums(url), engine_steps(url)[0], generation_tokens(url))
     cpu_before = thread_cpu(pid)
     report = bench_serve(url, args, c, work / f"c{c}.json")
     cpu_after = thread_cpu(pid)
-    lat, steps, tokens, e2e = before
+    lat, steps, tokens = before
     if report["failed"]:
         raise RuntimeError(f"{report['failed']} requests failed: {report.get('errors')}")
     split = ttft_split_ms(lat, latency_sums(url))
     n_steps = engine_steps(url)[0] - steps
     n_tokens = generation_tokens(url) - tokens
-    e2e_total, e2e_count = (a - b for a, b in zip(e2e_sum(url), e2e, strict=True))
-    cycle = c * report["duration_s"] / report["completed"]
     api = sum(v for k, v in cpu_after.items() if k.startswith("api:")) - sum(
         v for k, v in cpu_before.items() if k.startswith("api:")
     )
@@ -110,7 +101,7 @@ def one_run(args, url: str, pid: int, c: int, work: Path) -> dict:
         "prepare": split["prepare"],
         "queue": split["queue"],
         "rest": split["rest"],
-        "client": 1e3 * (cycle - e2e_total / e2e_count) if e2e_count else None,
+        "client": client_ms(c, report, split),
         "tpot_p50": report["tpot_ms"]["p50"],
         "api_cores": api / report["duration_s"],
     }

@@ -22,7 +22,8 @@ is compared with BASE's offline engine, e.g. two encoder shapes in one run:
 
 The tables printed last: output tok/s and TPOT p50 per (concurrency, variant) for the
 server and the offline engine and the server's share of offline; the server's TTFT split
-into its phases; each run's engine steps, the eager ones (no CUDA graph replayed) and
+into its phases, beside the part of each closed-loop slot's cycle spent outside the server
+(``client_ms``); each run's engine steps, the eager ones (no CUDA graph replayed) and
 tokens per step beside the offline engine's; and each server's start-up.
 """
 
@@ -180,11 +181,14 @@ def engine_steps(url: str) -> tuple[float, float]:
 
 
 def latency_sums(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the server's TTFT histogram and of its TTFT phases, from /metrics."""
+    """(sum, count) of the server's TTFT and end-to-end histograms and of its TTFT phases,
+    from /metrics."""
     from specdec.serve.spec_metrics import parse_exposition
 
     samples = parse_exposition(httpx.get(f"{url}/metrics", timeout=10).text)
-    names = {"ttft": "time_to_first_token"} | {p: f"request_{p}_time" for p in TTFT_PHASES}
+    names = {"ttft": "time_to_first_token", "e2e": "e2e_request_latency"} | {
+        p: f"request_{p}_time" for p in TTFT_PHASES
+    }
     out = {}
     for key, name in names.items():
         total = samples.get(f"specdec_{name}_seconds_sum", [({}, 0.0)])[0][1]
@@ -194,7 +198,7 @@ def latency_sums(url: str) -> dict[str, tuple[float, float]]:
 
 
 def ttft_split_ms(before: dict, after: dict) -> dict[str, float | None]:
-    """Mean ms of TTFT and of each phase over the requests finished between two
+    """Mean ms of TTFT, end-to-end and each phase over the requests finished between two
     ``latency_sums``; ``rest`` is TTFT less the phases: the first token's way back."""
     means: dict[str, float | None] = {}
     for key, (total, count) in after.items():
@@ -204,6 +208,17 @@ def ttft_split_ms(before: dict, after: dict) -> dict[str, float | None]:
     ttft = means["ttft"]
     means["rest"] = None if ttft is None or None in parts else ttft - sum(parts)
     return means
+
+
+def client_ms(c: int, report: dict, split: dict) -> float | None:
+    """The part of a closed-loop slot's cycle spent outside the server, ms: the cycle (c ×
+    duration ÷ completed) less the server's mean arrival-to-finish (``split["e2e"]``). The
+    client's parsing of the last chunks, its next request's send and the server's HTTP
+    intake before the handler; idle slots the offline engine does not have."""
+    e2e = split.get("e2e")
+    if e2e is None or not report["completed"]:
+        return None
+    return 1e3 * c * report["duration_s"] / report["completed"] - e2e
 
 
 def bench_serve(url: str, args, c: int, out: Path) -> dict:
@@ -306,6 +321,7 @@ def run_server(variant: str, args, work: Path) -> dict:
                 "tpot_p50_ms": report["tpot_ms"]["p50"],
                 "ttft_p50_ms": report["ttft_ms"]["p50"],
                 "ttft_split_ms": split,
+                "client_ms": client_ms(c, report, split),
                 "output_tokens": report["total_output_tokens"],
                 "steps": steps1[0] - steps0[0],
                 "graph_steps": steps1[1] - steps0[1],
@@ -438,8 +454,9 @@ def main() -> int:
         ]
 
     def ttft(c: int, s: dict) -> list[str]:
-        split = s["rows"].get(c, {}).get("ttft_split_ms") or {}
-        cells = [split.get(k) for k in ("ttft", *TTFT_PHASES, "rest")]
+        row = s["rows"].get(c, {})
+        split = row.get("ttft_split_ms") or {}
+        cells = [split.get(k) for k in ("ttft", *TTFT_PHASES, "rest")] + [row.get("client_ms")]
         return ["" if v is None else f"{v:.1f}" for v in cells]
 
     def steps(c: int, s: dict) -> list[str]:
@@ -451,8 +468,9 @@ def main() -> int:
     table("server tok/s | offline tok/s | server/offline | TPOT p50 ms | τ", throughput)
     print("\nServer TTFT, mean ms over each run's requests (/metrics): arrival -> sent to the")
     print("engine core (prepare: template, encoding) -> first step (queue) -> first token")
-    print("(prefill) -> the request's stream (rest)")
-    table("TTFT | prepare | queue | prefill | rest", ttft)
+    print("(prefill) -> the request's stream (rest); client: a slot's cycle outside the server")
+    print("(c x duration / completed, less the server's arrival-to-finish)")
+    table("TTFT | prepare | queue | prefill | rest | client", ttft)
     print("\nEngine steps per run (/metrics; offline: the bench's), the eager ones (no CUDA")
     print("graph replayed) and output tokens per step")
     table("server steps | eager | tok/step | offline steps | eager | tok/step", steps)

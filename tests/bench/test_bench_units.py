@@ -458,6 +458,24 @@ def test_serve_load_merges_its_clients_reports():
     assert merged["tpot_ms"] == {"p50": 2.75} and merged["ttft_ms"] == {"p50": 27.5}
 
 
+def test_serve_load_splits_a_slots_cycle_into_server_and_client():
+    """The client's share of a closed-loop slot: 64 slots, 640 requests in 10 s make a
+    1,000 ms cycle; the server held each request 800 ms on average, so 200 ms went
+    elsewhere. The e2e mean comes from the /metrics sums taken around the run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from serve_load import client_ms, ttft_split_ms
+
+    before = {k: (0.0, 0.0) for k in ("ttft", "e2e", "prepare", "queue", "prefill")}
+    after = {"ttft": (64.0, 640), "e2e": (512.0, 640), "prepare": (32.0, 640)}
+    after |= {"queue": (12.8, 640), "prefill": (6.4, 640)}
+    split = ttft_split_ms(before, after)
+    assert split["e2e"] == pytest.approx(800.0) and split["rest"] == pytest.approx(20.0)
+    report = {"duration_s": 10.0, "completed": 640}
+    assert client_ms(64, report, split) == pytest.approx(200.0)
+    assert client_ms(64, report, {"e2e": None}) is None
+    assert client_ms(64, {"duration_s": 1.0, "completed": 0}, split) is None
+
+
 def test_serve_load_variants_name_a_base_and_their_extra_flags():
     """``BASE@LABEL`` runs BASE's server with LABEL's flags and compares with BASE offline;
     a variant or flags entry it cannot read is a clear error."""
