@@ -57,14 +57,15 @@ def serve(args) -> None:
     import uvicorn
 
     from specdec.models.loader import load_tokenizer
-    from specdec.serve.app import build_app
+    from specdec.serve.app import build_app, http_stack
     from specdec.serve.async_engine import AsyncLLMEngine
     from specdec.serve.config import ServeConfig
     from specdec.serve.core_client import ProcCoreClient
 
     fields = json.loads(args.config)
-    # uvicorn's event loop and HTTP parser ("auto": uvloop and httptools where installed).
-    loop, http = fields.pop("loop", "auto"), fields.pop("http", "auto")
+    # uvicorn's event loop and HTTP parser; by default those `specdec serve` runs on.
+    default_loop, default_http = http_stack()
+    loop, http = fields.pop("loop", default_loop), fields.pop("http", default_http)
     config = ServeConfig(log_level="warning", **fields)
     busy = {"busy_s": args.busy_ms / 1e3, "wait_s": args.wait_ms / 1e3, "token_id": TOKEN_ID}
     core = ProcCoreClient(busy, build_engine=build_busy_engine, start_timeout=120)

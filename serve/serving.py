@@ -166,6 +166,14 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
 
+    async def _encode(self, text: str, param: str) -> list[int]:
+        """``text``'s ids from the prompt encoder (off the event loop); a text the tokenizer
+        cannot take (e.g. a lone surrogate) is a 400 naming ``param``."""
+        try:
+            return await self.encoder.encode(text)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"{param} cannot be tokenized: {e}", param=param) from None
+
     def _usage(self, out: RequestOutput) -> Usage:
         n_in, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
         m = out.metrics
@@ -189,12 +197,7 @@ class OpenAIServing:
         model = self.check_model(body.model)
         refuse_unsupported(body)
         prompt = completion_prompt(body.prompt)
-        if isinstance(prompt, str):  # encoded off the event loop, as chats are
-            try:
-                prompt = await self.encoder.encode(prompt)
-            except (ValueError, TypeError) as e:  # e.g. lone surrogates
-                raise APIError(400, f"prompt cannot be tokenized: {e}", param="prompt") from None
-        prompt_ids = prompt
+        prompt_ids = prompt if isinstance(prompt, list) else await self._encode(prompt, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         # OpenAI's default of 16 applies when max_tokens is left out; null means no limit.
         asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
@@ -275,11 +278,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         model = self.check_model(body.model)
         refuse_unsupported(body)
-        text = chat_prompt_text(self.tokenizer, body)
-        try:
-            prompt_ids = await self.encoder.encode(text)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, f"messages cannot be tokenized: {e}", param="messages") from None
+        prompt_ids = await self._encode(chat_prompt_text(self.tokenizer, body), "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
